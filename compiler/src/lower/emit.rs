@@ -1,0 +1,664 @@
+//! The emitter: typed helpers that append StableHLO ops to the function body being built.
+//!
+//! Ops are built generically (`OperationBuilder::new("stablehlo.add")`) with explicit result
+//! types: StableHLO is not registered in our MLIR context, so nothing would infer them.
+
+use super::LowerError;
+use melior::ir::attribute::Attribute;
+use melior::ir::block::BlockLike;
+use melior::ir::operation::OperationBuilder;
+use melior::ir::r#type::{IntegerType, RankedTensorType};
+use melior::ir::{Block, Identifier, Location, Region, RegionLike, Type, Value};
+use melior::Context;
+use tpuc_frontend_fx::DType;
+
+/// A tensor value being built, with its static type.
+#[derive(Clone, Debug)]
+pub struct T<'c, 'b> {
+    pub v: Value<'c, 'b>,
+    pub shape: Vec<i64>,
+    pub dtype: DType,
+}
+
+impl T<'_, '_> {
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn numel(&self) -> i64 {
+        self.shape.iter().product()
+    }
+}
+
+/// A Python scalar argument (`alpha=2`, `mul.Scalar(x, 0.5)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    Float(f64),
+    Int(i64),
+    Bool(bool),
+}
+
+impl Scalar {
+    pub fn as_f64(self) -> f64 {
+        match self {
+            Scalar::Float(x) => x,
+            Scalar::Int(i) => i as f64,
+            Scalar::Bool(b) => b as i64 as f64,
+        }
+    }
+}
+
+/// Matmul / convolution precision (`precision_config`), from `torch.get_float32_matmul_precision()`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Precision {
+    #[default]
+    Highest,
+    High,
+    Default,
+}
+
+impl Precision {
+    pub fn parse(s: &str) -> Option<Precision> {
+        Some(match s {
+            "highest" => Precision::Highest,
+            "high" => Precision::High,
+            "default" | "medium" => Precision::Default,
+            _ => return None,
+        })
+    }
+    pub fn mlir(self) -> &'static str {
+        match self {
+            Precision::Highest => "HIGHEST",
+            Precision::High => "HIGH",
+            Precision::Default => "DEFAULT",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceKind {
+    Sum,
+    Max,
+    Min,
+    Prod,
+    And,
+    Or,
+}
+
+pub struct Emitter<'c, 'b> {
+    pub ctx: &'c Context,
+    block: &'b Block<'c>,
+    loc: Location<'c>,
+    pub precision: Precision,
+}
+
+pub type R<T> = Result<T, LowerError>;
+
+pub fn elem_type<'c>(ctx: &'c Context, dtype: DType) -> Type<'c> {
+    match dtype {
+        DType::Float64 => Type::float64(ctx),
+        DType::Float32 => Type::float32(ctx),
+        DType::Float16 => Type::float16(ctx),
+        DType::Bfloat16 => Type::bfloat16(ctx),
+        DType::Int64 => IntegerType::new(ctx, 64).into(),
+        DType::Int32 => IntegerType::new(ctx, 32).into(),
+        DType::Int16 => IntegerType::new(ctx, 16).into(),
+        DType::Int8 => IntegerType::new(ctx, 8).into(),
+        DType::Uint8 => IntegerType::unsigned(ctx, 8).into(),
+        DType::Bool => IntegerType::new(ctx, 1).into(),
+    }
+}
+
+pub fn tensor_type<'c>(ctx: &'c Context, shape: &[i64], dtype: DType) -> Type<'c> {
+    let dims: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    RankedTensorType::new(&dims, elem_type(ctx, dtype), None).into()
+}
+
+/// The element type as StableHLO spells it in textual types (`f32`, `i1`, `ui8`).
+pub fn elem_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::Float64 => "f64",
+        DType::Float32 => "f32",
+        DType::Float16 => "f16",
+        DType::Bfloat16 => "bf16",
+        DType::Int64 => "i64",
+        DType::Int32 => "i32",
+        DType::Int16 => "i16",
+        DType::Int8 => "i8",
+        DType::Uint8 => "ui8",
+        DType::Bool => "i1",
+    }
+}
+
+pub fn tensor_type_text(shape: &[i64], dtype: DType) -> String {
+    let mut s = String::from("tensor<");
+    for d in shape {
+        s.push_str(&format!("{d}x"));
+    }
+    s.push_str(elem_name(dtype));
+    s.push('>');
+    s
+}
+
+/// A scalar as an MLIR dense-elements literal of the given element type. Non-finite floats are
+/// written as bit patterns, which is the only way MLIR accepts them.
+fn literal(value: Scalar, dtype: DType) -> String {
+    if dtype == DType::Bool {
+        return (value.as_f64() != 0.0).to_string();
+    }
+    if !dtype.is_float() {
+        return match value {
+            Scalar::Float(x) => (x.trunc() as i64).to_string(),
+            Scalar::Int(i) => i.to_string(),
+            Scalar::Bool(b) => (b as i64).to_string(),
+        };
+    }
+    let x = value.as_f64();
+    if x.is_finite() {
+        return format!("{x:.17e}");
+    }
+    let (inf, nan) = match dtype {
+        DType::Float64 => ("0x7FF0000000000000", "0x7FF8000000000000"),
+        DType::Float32 => ("0x7F800000", "0x7FC00000"),
+        DType::Float16 => ("0x7C00", "0x7E00"),
+        _ => ("0x7F80", "0x7FC0"),
+    };
+    match (x.is_nan(), x > 0.0, dtype) {
+        (true, _, _) => nan.to_string(),
+        (false, true, _) => inf.to_string(),
+        (false, false, DType::Float64) => "0xFFF0000000000000".into(),
+        (false, false, DType::Float32) => "0xFF800000".into(),
+        (false, false, DType::Float16) => "0xFC00".into(),
+        (false, false, _) => "0xFF80".into(),
+    }
+}
+
+pub fn array_i64(values: &[i64]) -> String {
+    if values.is_empty() {
+        return "array<i64>".into();
+    }
+    let v: Vec<String> = values.iter().map(|x| x.to_string()).collect();
+    format!("array<i64: {}>", v.join(", "))
+}
+
+/// The usual PyTorch type promotion between two operand dtypes (category first, then width).
+pub fn promote(a: DType, b: DType) -> DType {
+    use DType::*;
+    if a == b {
+        return a;
+    }
+    let cat = |d: DType| {
+        if d.is_float() {
+            2
+        } else if d == Bool {
+            0
+        } else {
+            1
+        }
+    };
+    match cat(a).cmp(&cat(b)) {
+        std::cmp::Ordering::Greater => a,
+        std::cmp::Ordering::Less => b,
+        std::cmp::Ordering::Equal => {
+            if matches!((a, b), (Float16, Bfloat16) | (Bfloat16, Float16)) {
+                Float32
+            } else if a.byte_size() >= b.byte_size() {
+                a
+            } else {
+                b
+            }
+        }
+    }
+}
+
+/// Broadcast shape of two shapes, numpy rules.
+pub fn broadcast_shapes(a: &[i64], b: &[i64]) -> Option<Vec<i64>> {
+    let n = a.len().max(b.len());
+    let mut out = vec![0; n];
+    for i in 0..n {
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(out)
+}
+
+impl<'c, 'b> Emitter<'c, 'b> {
+    pub fn new(
+        ctx: &'c Context,
+        block: &'b Block<'c>,
+        loc: Location<'c>,
+        precision: Precision,
+    ) -> Self {
+        Emitter {
+            ctx,
+            block,
+            loc,
+            precision,
+        }
+    }
+
+    pub fn attr(&self, text: &str) -> R<Attribute<'c>> {
+        Attribute::parse(self.ctx, text)
+            .ok_or_else(|| LowerError::internal(format!("MLIR rejected attribute `{text}`")))
+    }
+
+    /// Appends one op with the given operands, attributes (name, MLIR text) and result types.
+    pub fn op_n(
+        &self,
+        name: &str,
+        operands: &[&T<'c, 'b>],
+        attrs: &[(&str, String)],
+        results: &[(Vec<i64>, DType)],
+        regions: Vec<Region<'c>>,
+    ) -> R<Vec<T<'c, 'b>>> {
+        let attrs = attrs
+            .iter()
+            .map(|(k, v)| Ok((Identifier::new(self.ctx, k), self.attr(v)?)))
+            .collect::<R<Vec<_>>>()?;
+        let vals: Vec<Value<'c, 'b>> = operands.iter().map(|t| t.v).collect();
+        let types: Vec<Type<'c>> = results
+            .iter()
+            .map(|(s, d)| tensor_type(self.ctx, s, *d))
+            .collect();
+        let op = OperationBuilder::new(name, self.loc)
+            .add_operands(&vals)
+            .add_attributes(&attrs)
+            .add_results(&types)
+            .add_regions_vec(regions)
+            .build()
+            .map_err(|e| LowerError::internal(format!("building {name}: {e}")))?;
+        let op = self.block.append_operation(op);
+        results
+            .iter()
+            .enumerate()
+            .map(|(i, (shape, dtype))| {
+                let r = op
+                    .result(i)
+                    .map_err(|e| LowerError::internal(format!("{name} result {i}: {e}")))?;
+                Ok(T {
+                    v: r.into(),
+                    shape: shape.clone(),
+                    dtype: *dtype,
+                })
+            })
+            .collect()
+    }
+
+    pub fn op(
+        &self,
+        name: &str,
+        operands: &[&T<'c, 'b>],
+        attrs: &[(&str, String)],
+        shape: &[i64],
+        dtype: DType,
+    ) -> R<T<'c, 'b>> {
+        Ok(self
+            .op_n(name, operands, attrs, &[(shape.to_vec(), dtype)], vec![])?
+            .remove(0))
+    }
+
+    /// A tensor filled with one value.
+    pub fn splat(&self, value: Scalar, shape: &[i64], dtype: DType) -> R<T<'c, 'b>> {
+        let value_attr = format!(
+            "dense<{}> : {}",
+            literal(value, dtype),
+            tensor_type_text(shape, dtype)
+        );
+        self.op(
+            "stablehlo.constant",
+            &[],
+            &[("value", value_attr)],
+            shape,
+            dtype,
+        )
+    }
+
+    /// A constant from explicit values (row-major).
+    pub fn constant_i64(&self, values: &[i64], shape: &[i64], dtype: DType) -> R<T<'c, 'b>> {
+        let v: Vec<String> = values.iter().map(|x| x.to_string()).collect();
+        let value_attr = format!(
+            "dense<[{}]> : {}",
+            v.join(", "),
+            tensor_type_text(shape, dtype)
+        );
+        self.op(
+            "stablehlo.constant",
+            &[],
+            &[("value", value_attr)],
+            shape,
+            dtype,
+        )
+    }
+
+    pub fn convert(&self, t: &T<'c, 'b>, dtype: DType) -> R<T<'c, 'b>> {
+        if t.dtype == dtype {
+            return Ok(t.clone());
+        }
+        if dtype == DType::Bool {
+            // convert to i1 would truncate; PyTorch means "!= 0".
+            let zero = self.splat(Scalar::Int(0), &t.shape, t.dtype)?;
+            return self.compare(t, &zero, "NE");
+        }
+        self.op("stablehlo.convert", &[t], &[], &t.shape, dtype)
+    }
+
+    pub fn reshape(&self, t: &T<'c, 'b>, shape: &[i64]) -> R<T<'c, 'b>> {
+        if t.shape == shape {
+            return Ok(t.clone());
+        }
+        let n: i64 = shape.iter().product();
+        if n != t.numel() {
+            return Err(LowerError::internal(format!(
+                "reshape of {:?} to {shape:?} changes the element count",
+                t.shape
+            )));
+        }
+        self.op("stablehlo.reshape", &[t], &[], shape, t.dtype)
+    }
+
+    pub fn broadcast_in_dim(&self, t: &T<'c, 'b>, shape: &[i64], dims: &[i64]) -> R<T<'c, 'b>> {
+        if t.shape == shape && dims.iter().enumerate().all(|(i, &d)| d == i as i64) {
+            return Ok(t.clone());
+        }
+        self.op(
+            "stablehlo.broadcast_in_dim",
+            &[t],
+            &[("broadcast_dimensions", array_i64(dims))],
+            shape,
+            t.dtype,
+        )
+    }
+
+    /// Numpy-style broadcast (trailing dims aligned) to `shape`.
+    pub fn broadcast_to(&self, t: &T<'c, 'b>, shape: &[i64]) -> R<T<'c, 'b>> {
+        if t.shape == shape {
+            return Ok(t.clone());
+        }
+        if t.rank() > shape.len() {
+            return Err(LowerError::internal(format!(
+                "cannot broadcast {:?} to {shape:?}",
+                t.shape
+            )));
+        }
+        let off = (shape.len() - t.rank()) as i64;
+        let dims: Vec<i64> = (0..t.rank() as i64).map(|i| i + off).collect();
+        self.broadcast_in_dim(t, shape, &dims)
+    }
+
+    pub fn transpose(&self, t: &T<'c, 'b>, perm: &[i64]) -> R<T<'c, 'b>> {
+        if perm.iter().enumerate().all(|(i, &p)| p == i as i64) {
+            return Ok(t.clone());
+        }
+        let shape: Vec<i64> = perm.iter().map(|&p| t.shape[p as usize]).collect();
+        self.op(
+            "stablehlo.transpose",
+            &[t],
+            &[("permutation", array_i64(perm))],
+            &shape,
+            t.dtype,
+        )
+    }
+
+    /// Broadcasts two operands to their common shape and converts them to `dtype`.
+    pub fn coerce(&self, a: &T<'c, 'b>, b: &T<'c, 'b>, dtype: DType) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+        let shape = broadcast_shapes(&a.shape, &b.shape).ok_or_else(|| {
+            LowerError::internal(format!(
+                "shapes {:?} and {:?} do not broadcast",
+                a.shape, b.shape
+            ))
+        })?;
+        let a = self.broadcast_to(&self.convert(a, dtype)?, &shape)?;
+        let b = self.broadcast_to(&self.convert(b, dtype)?, &shape)?;
+        Ok((a, b))
+    }
+
+    /// An elementwise binary op computed in `dtype`, with broadcasting.
+    pub fn binary(&self, name: &str, a: &T<'c, 'b>, b: &T<'c, 'b>, dtype: DType) -> R<T<'c, 'b>> {
+        let (a, b) = self.coerce(a, b, dtype)?;
+        self.op(name, &[&a, &b], &[], &a.shape.clone(), dtype)
+    }
+
+    pub fn unary(&self, name: &str, a: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        self.op(name, &[a], &[], &a.shape, a.dtype)
+    }
+
+    /// `a <dir> b` (EQ, NE, LT, LE, GT, GE) computed in the promoted type; result is bool.
+    pub fn compare(&self, a: &T<'c, 'b>, b: &T<'c, 'b>, dir: &str) -> R<T<'c, 'b>> {
+        let dtype = promote(a.dtype, b.dtype);
+        let (a, b) = self.coerce(a, b, dtype)?;
+        let cmp_type = if dtype.is_float() {
+            "FLOAT"
+        } else if dtype == DType::Uint8 || dtype == DType::Bool {
+            "UNSIGNED"
+        } else {
+            "SIGNED"
+        };
+        self.op(
+            "stablehlo.compare",
+            &[&a, &b],
+            &[
+                (
+                    "comparison_direction",
+                    format!("#stablehlo<comparison_direction {dir}>"),
+                ),
+                (
+                    "compare_type",
+                    format!("#stablehlo<comparison_type {cmp_type}>"),
+                ),
+            ],
+            &a.shape.clone(),
+            DType::Bool,
+        )
+    }
+
+    /// `pred ? a : b`, broadcasting all three; a and b converted to `dtype`.
+    pub fn select(
+        &self,
+        pred: &T<'c, 'b>,
+        a: &T<'c, 'b>,
+        b: &T<'c, 'b>,
+        dtype: DType,
+    ) -> R<T<'c, 'b>> {
+        let shape = broadcast_shapes(&pred.shape, &a.shape)
+            .and_then(|s| broadcast_shapes(&s, &b.shape))
+            .ok_or_else(|| LowerError::internal("select operands do not broadcast"))?;
+        let p = self.broadcast_to(&self.convert(pred, DType::Bool)?, &shape)?;
+        let a = self.broadcast_to(&self.convert(a, dtype)?, &shape)?;
+        let b = self.broadcast_to(&self.convert(b, dtype)?, &shape)?;
+        self.op("stablehlo.select", &[&p, &a, &b], &[], &shape, dtype)
+    }
+
+    /// A region `(x, y) -> x <op> y` over scalars of `dtype`, as reduce / reduce_window need.
+    pub fn scalar_region(&self, kind: ReduceKind, dtype: DType) -> R<Region<'c>> {
+        let scalar = tensor_type(self.ctx, &[], dtype);
+        let block = Block::new(&[(scalar, self.loc), (scalar, self.loc)]);
+        let name = match kind {
+            ReduceKind::Sum => "stablehlo.add",
+            ReduceKind::Max => "stablehlo.maximum",
+            ReduceKind::Min => "stablehlo.minimum",
+            ReduceKind::Prod => "stablehlo.multiply",
+            ReduceKind::And => "stablehlo.and",
+            ReduceKind::Or => "stablehlo.or",
+        };
+        {
+            let x: Value = block
+                .argument(0)
+                .map_err(|e| LowerError::internal(e.to_string()))?
+                .into();
+            let y: Value = block
+                .argument(1)
+                .map_err(|e| LowerError::internal(e.to_string()))?
+                .into();
+            let op = OperationBuilder::new(name, self.loc)
+                .add_operands(&[x, y])
+                .add_results(&[scalar])
+                .build()
+                .map_err(|e| LowerError::internal(e.to_string()))?;
+            let r = block.append_operation(op);
+            let rv: Value = r
+                .result(0)
+                .map_err(|e| LowerError::internal(e.to_string()))?
+                .into();
+            let ret = OperationBuilder::new("stablehlo.return", self.loc)
+                .add_operands(&[rv])
+                .build()
+                .map_err(|e| LowerError::internal(e.to_string()))?;
+            block.append_operation(ret);
+        }
+        let region = Region::new();
+        region.append_block(block);
+        Ok(region)
+    }
+
+    /// The identity element of a reduction, for `dtype`.
+    pub fn reduce_init(kind: ReduceKind, dtype: DType) -> Scalar {
+        match kind {
+            ReduceKind::Sum | ReduceKind::Or => Scalar::Int(0),
+            ReduceKind::Prod | ReduceKind::And => Scalar::Int(1),
+            ReduceKind::Max if dtype.is_float() => Scalar::Float(f64::NEG_INFINITY),
+            ReduceKind::Min if dtype.is_float() => Scalar::Float(f64::INFINITY),
+            ReduceKind::Max => Scalar::Int(match dtype {
+                DType::Bool | DType::Uint8 => 0,
+                DType::Int8 => i8::MIN as i64,
+                DType::Int16 => i16::MIN as i64,
+                DType::Int32 => i32::MIN as i64,
+                _ => i64::MIN,
+            }),
+            ReduceKind::Min => Scalar::Int(match dtype {
+                DType::Bool => 1,
+                DType::Uint8 => u8::MAX as i64,
+                DType::Int8 => i8::MAX as i64,
+                DType::Int16 => i16::MAX as i64,
+                DType::Int32 => i32::MAX as i64,
+                _ => i64::MAX,
+            }),
+        }
+    }
+
+    /// Reduces `dims` of `t`; with `keepdim` the reduced dims stay as size 1.
+    pub fn reduce(
+        &self,
+        t: &T<'c, 'b>,
+        dims: &[i64],
+        kind: ReduceKind,
+        keepdim: bool,
+    ) -> R<T<'c, 'b>> {
+        let mut dims: Vec<i64> = dims.to_vec();
+        dims.sort();
+        dims.dedup();
+        let init = self.splat(Self::reduce_init(kind, t.dtype), &[], t.dtype)?;
+        let kept: Vec<i64> = (0..t.rank() as i64)
+            .filter(|d| !dims.contains(d))
+            .map(|d| t.shape[d as usize])
+            .collect();
+        let region = self.scalar_region(kind, t.dtype)?;
+        let r = self
+            .op_n(
+                "stablehlo.reduce",
+                &[t, &init],
+                &[("dimensions", array_i64(&dims))],
+                &[(kept, t.dtype)],
+                vec![region],
+            )?
+            .remove(0);
+        if keepdim {
+            let shape: Vec<i64> = (0..t.rank() as i64)
+                .map(|d| {
+                    if dims.contains(&d) {
+                        1
+                    } else {
+                        t.shape[d as usize]
+                    }
+                })
+                .collect();
+            self.reshape(&r, &shape)
+        } else {
+            Ok(r)
+        }
+    }
+
+    /// `stablehlo.dot_general` with the session's precision.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dot_general(
+        &self,
+        a: &T<'c, 'b>,
+        b: &T<'c, 'b>,
+        batch: (&[i64], &[i64]),
+        contract: (&[i64], &[i64]),
+        out_shape: &[i64],
+        out_dtype: DType,
+    ) -> R<T<'c, 'b>> {
+        let list = |v: &[i64]| {
+            v.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let dims = format!(
+            "#stablehlo.dot<lhs_batching_dimensions = [{}], rhs_batching_dimensions = [{}], lhs_contracting_dimensions = [{}], rhs_contracting_dimensions = [{}]>",
+            list(batch.0), list(batch.1), list(contract.0), list(contract.1)
+        );
+        self.op(
+            "stablehlo.dot_general",
+            &[a, b],
+            &[
+                ("dot_dimension_numbers", dims),
+                ("precision_config", self.precision_config()),
+            ],
+            out_shape,
+            out_dtype,
+        )
+    }
+
+    pub fn precision_config(&self) -> String {
+        let p = self.precision.mlir();
+        format!("[#stablehlo<precision {p}>, #stablehlo<precision {p}>]")
+    }
+
+    /// `stablehlo.iota` along `dim`.
+    pub fn iota(&self, shape: &[i64], dim: i64, dtype: DType) -> R<T<'c, 'b>> {
+        self.op(
+            "stablehlo.iota",
+            &[],
+            &[("iota_dimension", format!("{dim} : i64"))],
+            shape,
+            dtype,
+        )
+    }
+
+    pub fn slice(
+        &self,
+        t: &T<'c, 'b>,
+        start: &[i64],
+        limit: &[i64],
+        strides: &[i64],
+    ) -> R<T<'c, 'b>> {
+        let shape: Vec<i64> = (0..t.rank())
+            .map(|i| ((limit[i] - start[i]).max(0) + strides[i] - 1) / strides[i])
+            .collect();
+        self.op(
+            "stablehlo.slice",
+            &[t],
+            &[
+                ("start_indices", array_i64(start)),
+                ("limit_indices", array_i64(limit)),
+                ("strides", array_i64(strides)),
+            ],
+            &shape,
+            t.dtype,
+        )
+    }
+}

@@ -1,0 +1,452 @@
+//! IR -> StableHLO. One lowering rule per ATen op, all registered in [`registry`]; this module
+//! walks the (static-shaped) graph, calls the rule of each node and checks what it produced
+//! against the types FX recorded, so a wrong rule fails loudly instead of returning wrong numbers.
+
+mod emit;
+mod ops;
+pub mod registry;
+
+pub use emit::{Emitter, Precision, ReduceKind, Scalar, T};
+
+use melior::ir::attribute::{StringAttribute, TypeAttribute};
+use melior::ir::block::BlockLike;
+use melior::ir::operation::OperationLike;
+use melior::ir::r#type::FunctionType;
+use melior::ir::{Block, Location, Module, Region, RegionLike, Value};
+use melior::Context;
+use std::collections::{BTreeMap, HashMap};
+use tpuc_frontend_fx::{Arg, DType, Graph, InputKind, Node, NodeId, Output, ValueRef};
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum LowerError {
+    #[error("unsupported op `{op}` (node `{node}`): tpuc has no lowering rule for it")]
+    Unsupported { op: String, node: String },
+    #[error("cannot lower node `{node}` (op `{op}`): {message}")]
+    Node {
+        op: String,
+        node: String,
+        message: String,
+    },
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl LowerError {
+    pub fn internal(message: impl Into<String>) -> LowerError {
+        LowerError::Internal(message.into())
+    }
+
+    /// Attaches the node to an error raised by a helper that did not know it.
+    fn at(self, node: &Node) -> LowerError {
+        match self {
+            LowerError::Internal(message) => LowerError::Node {
+                op: node.op.clone(),
+                node: node.name.clone(),
+                message,
+            },
+            other => other,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct LowerOptions {
+    pub precision: Precision,
+}
+
+/// What lowering produced: the module text and the signature of `main`.
+#[derive(Clone, Debug)]
+pub struct Lowered {
+    pub mlir: String,
+    pub inputs: Vec<(Vec<i64>, DType)>,
+    pub outputs: Vec<(Vec<i64>, DType)>,
+}
+
+/// The view of one node a lowering rule works with: typed access to its arguments (positional or
+/// by keyword) and result types, and the emitter to build ops with.
+pub struct NodeCx<'x, 'c, 'b> {
+    pub e: &'x Emitter<'c, 'b>,
+    pub node: &'x Node,
+    values: &'x HashMap<ValueRef, T<'c, 'b>>,
+    used: &'x [bool],
+}
+
+pub type R<X> = Result<X, LowerError>;
+
+impl<'c, 'b> NodeCx<'_, 'c, 'b> {
+    pub fn err(&self, message: impl Into<String>) -> LowerError {
+        LowerError::Node {
+            op: self.node.op.clone(),
+            node: self.node.name.clone(),
+            message: message.into(),
+        }
+    }
+
+    /// Argument `i`, or the keyword argument `name` when it was passed by keyword.
+    pub fn arg(&self, i: usize, name: &str) -> Option<&Arg> {
+        self.node.args.get(i).or_else(|| self.node.kwargs.get(name))
+    }
+
+    fn value(&self, a: &Arg, what: &str) -> R<T<'c, 'b>> {
+        match a {
+            Arg::Value(v) => self
+                .values
+                .get(v)
+                .cloned()
+                .ok_or_else(|| self.err(format!("{what}: operand not lowered yet"))),
+            other => Err(self.err(format!("{what}: expected a tensor, got {other:?}"))),
+        }
+    }
+
+    pub fn tensor(&self, i: usize, name: &str) -> R<T<'c, 'b>> {
+        let a = self
+            .arg(i, name)
+            .ok_or_else(|| self.err(format!("missing tensor argument `{name}`")))?;
+        self.value(a, name)
+    }
+
+    pub fn opt_tensor(&self, i: usize, name: &str) -> R<Option<T<'c, 'b>>> {
+        match self.arg(i, name) {
+            None | Some(Arg::None) => Ok(None),
+            Some(a) => self.value(a, name).map(Some),
+        }
+    }
+
+    pub fn tensors(&self, i: usize, name: &str) -> R<Vec<T<'c, 'b>>> {
+        match self.arg(i, name) {
+            Some(Arg::List(items)) => items.iter().map(|a| self.value(a, name)).collect(),
+            other => Err(self.err(format!(
+                "`{name}`: expected a list of tensors, got {other:?}"
+            ))),
+        }
+    }
+
+    pub fn int(&self, i: usize, name: &str) -> R<i64> {
+        match self.arg(i, name) {
+            Some(Arg::Int(v)) => Ok(*v),
+            Some(Arg::Bool(b)) => Ok(*b as i64),
+            other => Err(self.err(format!("`{name}`: expected an int, got {other:?}"))),
+        }
+    }
+
+    pub fn int_or(&self, i: usize, name: &str, default: i64) -> R<i64> {
+        match self.arg(i, name) {
+            None | Some(Arg::None) => Ok(default),
+            _ => self.int(i, name),
+        }
+    }
+
+    pub fn ints(&self, i: usize, name: &str) -> R<Vec<i64>> {
+        match self.arg(i, name) {
+            Some(Arg::List(items)) => items
+                .iter()
+                .map(|a| match a {
+                    Arg::Int(v) => Ok(*v),
+                    other => Err(self.err(format!("`{name}`: expected ints, got {other:?}"))),
+                })
+                .collect(),
+            Some(Arg::Int(v)) => Ok(vec![*v]),
+            other => Err(self.err(format!("`{name}`: expected a list of ints, got {other:?}"))),
+        }
+    }
+
+    pub fn ints_or(&self, i: usize, name: &str, default: &[i64]) -> R<Vec<i64>> {
+        match self.arg(i, name) {
+            None | Some(Arg::None) => Ok(default.to_vec()),
+            Some(Arg::List(l)) if l.is_empty() => Ok(default.to_vec()),
+            _ => self.ints(i, name),
+        }
+    }
+
+    pub fn float_or(&self, i: usize, name: &str, default: f64) -> R<f64> {
+        match self.arg(i, name) {
+            None | Some(Arg::None) => Ok(default),
+            Some(Arg::Float(x)) => Ok(*x),
+            Some(Arg::Int(v)) => Ok(*v as f64),
+            other => Err(self.err(format!("`{name}`: expected a float, got {other:?}"))),
+        }
+    }
+
+    pub fn bool_or(&self, i: usize, name: &str, default: bool) -> R<bool> {
+        match self.arg(i, name) {
+            None | Some(Arg::None) => Ok(default),
+            Some(Arg::Bool(b)) => Ok(*b),
+            Some(Arg::Int(v)) => Ok(*v != 0),
+            other => Err(self.err(format!("`{name}`: expected a bool, got {other:?}"))),
+        }
+    }
+
+    pub fn scalar(&self, i: usize, name: &str) -> R<Scalar> {
+        match self.arg(i, name) {
+            Some(Arg::Float(x)) => Ok(Scalar::Float(*x)),
+            Some(Arg::Int(v)) => Ok(Scalar::Int(*v)),
+            Some(Arg::Bool(b)) => Ok(Scalar::Bool(*b)),
+            other => Err(self.err(format!("`{name}`: expected a number, got {other:?}"))),
+        }
+    }
+
+    pub fn dtype_or(&self, i: usize, name: &str) -> R<Option<DType>> {
+        match self.arg(i, name) {
+            None | Some(Arg::None) => Ok(None),
+            Some(Arg::DType(d)) => Ok(Some(*d)),
+            other => Err(self.err(format!("`{name}`: expected a dtype, got {other:?}"))),
+        }
+    }
+
+    /// Argument `i` as a tensor: a tensor operand as is, a Python number as a scalar tensor of
+    /// `scalar_dtype`.
+    pub fn tensor_or_scalar(&self, i: usize, name: &str, scalar_dtype: DType) -> R<T<'c, 'b>> {
+        match self.arg(i, name) {
+            Some(Arg::Value(_)) => self.tensor(i, name),
+            _ => {
+                let s = self.scalar(i, name)?;
+                self.e.splat(s, &[], scalar_dtype)
+            }
+        }
+    }
+
+    /// Static shape and dtype of result `k`, as FX recorded it.
+    pub fn out(&self, k: usize) -> R<(Vec<i64>, DType)> {
+        let t = self
+            .node
+            .results
+            .get(k)
+            .and_then(|t| t.as_ref())
+            .ok_or_else(|| self.err(format!("result {k} is not a tensor")))?;
+        let shape = t.static_shape().ok_or_else(|| {
+            self.err(format!(
+                "result {k} has symbolic shape {t}; specialize first"
+            ))
+        })?;
+        Ok((shape, t.dtype))
+    }
+
+    pub fn out_shape(&self) -> R<Vec<i64>> {
+        Ok(self.out(0)?.0)
+    }
+
+    pub fn out_dtype(&self) -> R<DType> {
+        Ok(self.out(0)?.1)
+    }
+
+    /// Whether any op or output reads result `k`; rules may skip computing unread results.
+    pub fn result_used(&self, k: usize) -> bool {
+        self.used.get(k).copied().unwrap_or(false)
+    }
+
+    /// A stand-in for a result nobody reads (zeros of the recorded type).
+    pub fn unused(&self, k: usize) -> R<T<'c, 'b>> {
+        if self.result_used(k) {
+            return Err(self.err(format!(
+                "result {k} is read but this rule cannot compute it yet"
+            )));
+        }
+        let (shape, dtype) = self.out(k)?;
+        self.e.splat(Scalar::Int(0), &shape, dtype)
+    }
+
+    /// Normalizes a possibly negative dim against `rank`.
+    pub fn dim(&self, d: i64, rank: usize) -> R<i64> {
+        let r = rank.max(1) as i64;
+        let n = if d < 0 { d + r } else { d };
+        if n < 0 || n >= r {
+            return Err(self.err(format!("dim {d} out of range for rank {rank}")));
+        }
+        Ok(n)
+    }
+}
+
+/// Lowers a graph whose shapes are all static to a StableHLO module with one function, `main`.
+pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
+    // Check every op up front so the error names the first unsupported one, not a later symptom.
+    for id in graph.topo_order() {
+        let n = graph.node(id);
+        if !n.is_input() && registry::rule(&n.op).is_none() {
+            return Err(LowerError::Unsupported {
+                op: n.op.clone(),
+                node: n.name.clone(),
+            });
+        }
+    }
+    let ctx = Context::new();
+    ctx.set_allow_unregistered_dialects(true);
+    // Only `func` is registered: StableHLO ops are built generically (unregistered), which
+    // keeps context creation cheap.
+    let registry = melior::dialect::DialectRegistry::new();
+    melior::dialect::DialectHandle::func().insert_dialect(&registry);
+    ctx.append_dialect_registry(&registry);
+    ctx.load_all_available_dialects();
+    let loc = Location::unknown(&ctx);
+
+    let static_type = |name: &str, t: &tpuc_frontend_fx::TensorType| -> R<(Vec<i64>, DType)> {
+        let s = t.static_shape().ok_or_else(|| {
+            LowerError::internal(format!(
+                "`{name}` has symbolic shape {t}; specialize the graph first"
+            ))
+        })?;
+        Ok((s, t.dtype))
+    };
+    let mut inputs = Vec::new();
+    let mut input_nodes: Vec<NodeId> = Vec::new();
+    for inp in &graph.inputs {
+        if let (InputKind::Tensor(t), Some(node)) = (&inp.kind, inp.node) {
+            inputs.push(static_type(&inp.name, t)?);
+            input_nodes.push(node);
+        }
+    }
+    let mut outputs = Vec::new();
+    for o in &graph.outputs {
+        if let Output::Value(v) = o {
+            let t = graph
+                .value_type(*v)
+                .ok_or_else(|| LowerError::internal("graph output is not a tensor"))?;
+            outputs.push(static_type(&graph.node(v.node).name, t)?);
+        }
+    }
+
+    let arg_types: Vec<_> = inputs
+        .iter()
+        .map(|(s, d)| (emit::tensor_type(&ctx, s, *d), loc))
+        .collect();
+    let block = Block::new(&arg_types);
+    let used = used_results(graph);
+    {
+        let e = Emitter::new(&ctx, &block, loc, options.precision);
+        let mut values: HashMap<ValueRef, T> = HashMap::new();
+        for (i, node) in input_nodes.iter().enumerate() {
+            let v: Value = block
+                .argument(i)
+                .map_err(|e| LowerError::internal(e.to_string()))?
+                .into();
+            let (shape, dtype) = inputs[i].clone();
+            values.insert(
+                ValueRef {
+                    node: *node,
+                    result: 0,
+                },
+                T { v, shape, dtype },
+            );
+        }
+        for id in graph.topo_order() {
+            let node = graph.node(id);
+            if node.is_input() {
+                continue;
+            }
+            let rule = registry::rule(&node.op).expect("checked above");
+            let no_use = Vec::new();
+            let cx = NodeCx {
+                e: &e,
+                node,
+                values: &values,
+                used: used.get(&id).unwrap_or(&no_use),
+            };
+            let results = rule(&cx).map_err(|err| err.at(node))?;
+            check_results(&cx, &results)?;
+            for (k, t) in results.into_iter().enumerate() {
+                values.insert(
+                    ValueRef {
+                        node: id,
+                        result: k,
+                    },
+                    t,
+                );
+            }
+        }
+        let outs: Vec<Value> = graph
+            .outputs
+            .iter()
+            .filter_map(|o| match o {
+                Output::Value(v) => Some(values[v].v),
+                _ => None,
+            })
+            .collect();
+        block.append_operation(melior::dialect::func::r#return(&outs, loc));
+    }
+
+    let region = Region::new();
+    region.append_block(block);
+    let in_types: Vec<_> = arg_types.iter().map(|(t, _)| *t).collect();
+    let out_types: Vec<_> = outputs
+        .iter()
+        .map(|(s, d)| emit::tensor_type(&ctx, s, *d))
+        .collect();
+    let fn_type = FunctionType::new(&ctx, &in_types, &out_types);
+    let func = melior::dialect::func::func(
+        &ctx,
+        StringAttribute::new(&ctx, "main"),
+        TypeAttribute::new(fn_type.into()),
+        region,
+        &[],
+        loc,
+    );
+    let module = Module::new(loc);
+    module.body().append_operation(func);
+    let mlir = module
+        .as_operation()
+        .to_string_with_flags(
+            melior::ir::operation::OperationPrintingFlags::new().print_generic_operation_form(),
+        )
+        .map_err(|e| LowerError::internal(format!("printing the module: {e}")))?;
+    Ok(Lowered {
+        mlir,
+        inputs,
+        outputs,
+    })
+}
+
+/// For every node, which of its results something reads.
+fn used_results(graph: &Graph) -> HashMap<NodeId, Vec<bool>> {
+    let mut used: HashMap<NodeId, Vec<bool>> = HashMap::new();
+    let mut mark = |v: ValueRef| {
+        let n = graph.node(v.node).results.len();
+        let e = used.entry(v.node).or_insert_with(|| vec![false; n]);
+        if v.result < e.len() {
+            e[v.result] = true;
+        }
+    };
+    for id in graph.topo_order() {
+        for v in graph.node(id).operands() {
+            mark(v);
+        }
+    }
+    for o in &graph.outputs {
+        if let Output::Value(v) = o {
+            mark(*v);
+        }
+    }
+    used
+}
+
+/// A rule must produce exactly the types FX recorded: anything else is a bug in the rule.
+fn check_results(cx: &NodeCx, results: &[T]) -> R<()> {
+    if results.len() != cx.node.results.len() {
+        return Err(cx.err(format!(
+            "lowering rule produced {} results, FX recorded {}",
+            results.len(),
+            cx.node.results.len()
+        )));
+    }
+    for (k, t) in results.iter().enumerate() {
+        if cx.node.results[k].is_none() {
+            continue;
+        }
+        let (shape, dtype) = cx.out(k)?;
+        if t.shape != shape || t.dtype != dtype {
+            return Err(cx.err(format!(
+                "lowering rule produced {}{:?} for result {k}, FX recorded {}{:?}",
+                t.dtype, t.shape, dtype, shape
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Ops with a lowering rule, sorted: what Python asks before deciding what to run eagerly.
+pub fn supported_ops() -> Vec<&'static str> {
+    registry::names()
+}
+
+/// Op counts of a graph, for dumps and pass reports.
+pub fn op_histogram(graph: &Graph) -> BTreeMap<String, usize> {
+    graph.op_counts()
+}

@@ -1,0 +1,559 @@
+//! Elementwise ops: arithmetic, comparisons, logic, activations, casts.
+
+use crate::lower::registry::Rule;
+use crate::lower::{NodeCx, Scalar, R, T};
+use tpuc_frontend_fx::{Arg, DType};
+
+pub static RULES: &[(&str, Rule)] = &[
+    ("aten.add.Tensor", add),
+    ("aten.add.Scalar", add),
+    ("aten.sub.Tensor", sub),
+    ("aten.sub.Scalar", sub),
+    ("aten.rsub.Scalar", rsub),
+    ("aten.rsub.Tensor", rsub),
+    ("aten.mul.Tensor", mul),
+    ("aten.mul.Scalar", mul),
+    ("aten.div.Tensor", div),
+    ("aten.div.Scalar", div),
+    ("aten.div.Tensor_mode", div),
+    ("aten.div.Scalar_mode", div),
+    ("aten.pow.Tensor_Scalar", pow),
+    ("aten.pow.Tensor_Tensor", pow),
+    ("aten.pow.Scalar", pow),
+    ("aten.maximum.default", maximum),
+    ("aten.minimum.default", minimum),
+    ("aten.remainder.Tensor", remainder),
+    ("aten.remainder.Scalar", remainder),
+    ("aten.fmod.Tensor", fmod),
+    ("aten.fmod.Scalar", fmod),
+    ("aten.neg.default", neg),
+    ("aten.abs.default", abs),
+    ("aten.exp.default", exp),
+    ("aten.expm1.default", expm1),
+    ("aten.log.default", log),
+    ("aten.log1p.default", log1p),
+    ("aten.log2.default", log2),
+    ("aten.sqrt.default", sqrt),
+    ("aten.rsqrt.default", rsqrt),
+    ("aten.reciprocal.default", reciprocal),
+    ("aten.tanh.default", tanh),
+    ("aten.sin.default", sin),
+    ("aten.cos.default", cos),
+    ("aten.sigmoid.default", sigmoid),
+    ("aten.erf.default", erf),
+    ("aten.sign.default", sign),
+    ("aten.floor.default", floor),
+    ("aten.ceil.default", ceil),
+    ("aten.round.default", round),
+    ("aten.trunc.default", trunc),
+    ("aten.relu.default", relu),
+    ("aten.gelu.default", gelu),
+    ("aten.silu.default", silu),
+    ("aten.clamp.default", clamp),
+    ("aten.clamp.Tensor", clamp),
+    ("aten.clamp_min.default", clamp_min),
+    ("aten.clamp_max.default", clamp_max),
+    ("aten.eq.Tensor", eq),
+    ("aten.eq.Scalar", eq),
+    ("aten.ne.Tensor", ne),
+    ("aten.ne.Scalar", ne),
+    ("aten.lt.Tensor", lt),
+    ("aten.lt.Scalar", lt),
+    ("aten.le.Tensor", le),
+    ("aten.le.Scalar", le),
+    ("aten.gt.Tensor", gt),
+    ("aten.gt.Scalar", gt),
+    ("aten.ge.Tensor", ge),
+    ("aten.ge.Scalar", ge),
+    ("aten.logical_not.default", logical_not),
+    ("aten.logical_and.default", logical_and),
+    ("aten.logical_or.default", logical_or),
+    ("aten.logical_xor.default", logical_xor),
+    ("aten.bitwise_not.default", bitwise_not),
+    ("aten.bitwise_and.Tensor", bitwise_and),
+    ("aten.bitwise_or.Tensor", bitwise_or),
+    ("aten.bitwise_xor.Tensor", bitwise_xor),
+    ("aten.isnan.default", isnan),
+    ("aten.isinf.default", isinf),
+    ("aten.where.self", where_),
+    ("aten._to_copy.default", to_copy),
+    ("aten.clone.default", identity),
+    ("aten.alias.default", identity),
+    ("aten.lift_fresh_copy.default", identity),
+    ("aten.detach.default", identity),
+    ("aten.contiguous.default", identity),
+];
+
+type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
+
+/// The dtype a Python scalar takes next to a tensor of `like`: it never widens the tensor's
+/// category (int tensor + int scalar stays int), except a float scalar with an int tensor.
+fn scalar_dtype(like: DType, s: Scalar) -> DType {
+    match s {
+        Scalar::Float(_) if !like.is_float() => DType::Float32,
+        Scalar::Int(_) if like == DType::Bool => DType::Int64,
+        _ => like,
+    }
+}
+
+/// Operand `i`, a tensor or a Python scalar placed next to `like`.
+fn operand<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, i: usize, name: &str, like: DType) -> R<T<'c, 'b>> {
+    match cx.arg(i, name) {
+        Some(Arg::Value(_)) => cx.tensor(i, name),
+        _ => {
+            let s = cx.scalar(i, name)?;
+            cx.e.splat(s, &[], scalar_dtype(like, s))
+        }
+    }
+}
+
+/// Both operands of a binary op: (self, other) where either may be a Python scalar.
+fn operands<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+    let a = match cx.arg(0, "self") {
+        Some(Arg::Value(_)) => cx.tensor(0, "self")?,
+        _ => {
+            let b = cx.tensor(1, "other")?;
+            let s = cx.scalar(0, "self")?;
+            let a = cx.e.splat(s, &[], scalar_dtype(b.dtype, s))?;
+            return Ok((a, b));
+        }
+    };
+    let b = operand(cx, 1, "other", a.dtype)?;
+    Ok((a, b))
+}
+
+/// Low-precision floats are computed in f32 and rounded once, as PyTorch's CPU kernels do
+/// for transcendental functions.
+fn compute_dtype(d: DType) -> DType {
+    match d {
+        DType::Float16 | DType::Bfloat16 => DType::Float32,
+        d => d,
+    }
+}
+
+fn binary_arith<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    Ok(vec![cx.e.binary(name, &a, &b, out)?])
+}
+
+fn scaled_by_alpha<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, b: T<'c, 'b>, out: DType) -> R<T<'c, 'b>> {
+    match cx.arg(2, "alpha") {
+        None | Some(Arg::None) => Ok(b),
+        Some(_) => {
+            let alpha = cx.scalar(2, "alpha")?;
+            if alpha.as_f64() == 1.0 {
+                return Ok(b);
+            }
+            let a = cx.e.splat(alpha, &[], out)?;
+            cx.e.binary("stablehlo.multiply", &b, &a, out)
+        }
+    }
+}
+
+fn add<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    let b = scaled_by_alpha(cx, cx.e.convert(&b, out)?, out)?;
+    Ok(vec![cx.e.binary("stablehlo.add", &a, &b, out)?])
+}
+
+fn sub<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    let b = scaled_by_alpha(cx, cx.e.convert(&b, out)?, out)?;
+    Ok(vec![cx.e.binary("stablehlo.subtract", &a, &b, out)?])
+}
+
+fn rsub<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    let a = scaled_by_alpha(cx, cx.e.convert(&a, out)?, out)?;
+    Ok(vec![cx.e.binary("stablehlo.subtract", &b, &a, out)?])
+}
+
+fn mul<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    if cx.out_dtype()? == DType::Bool {
+        let (a, b) = operands(cx)?;
+        return Ok(vec![cx.e.binary("stablehlo.and", &a, &b, DType::Bool)?]);
+    }
+    binary_arith(cx, "stablehlo.multiply")
+}
+
+fn div<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    let mode = match cx.arg(2, "rounding_mode") {
+        Some(Arg::Str(s)) => Some(s.as_str()),
+        _ => None,
+    };
+    // True division happens in floating point even for integer operands.
+    let compute = if out.is_float() { out } else { DType::Float64 };
+    let q = cx.e.binary("stablehlo.divide", &a, &b, compute)?;
+    let q = match mode {
+        None => q,
+        Some("trunc") => {
+            if !compute.is_float() {
+                q
+            } else {
+                let s = cx.e.unary("stablehlo.sign", &q)?;
+                let f =
+                    cx.e.unary("stablehlo.floor", &cx.e.unary("stablehlo.abs", &q)?)?;
+                cx.e.binary("stablehlo.multiply", &s, &f, compute)?
+            }
+        }
+        Some("floor") => cx.e.unary("stablehlo.floor", &q)?,
+        Some(m) => return Err(cx.err(format!("unknown rounding_mode {m:?}"))),
+    };
+    Ok(vec![cx.e.convert(&q, out)?])
+}
+
+fn pow<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    // Small integer exponents are multiplications, exact like PyTorch's fast paths.
+    if let Some(Arg::Int(2)) | Some(Arg::Float(2.0)) = cx.arg(1, "exponent") {
+        let a = cx.e.convert(&a, out)?;
+        return Ok(vec![cx.e.binary("stablehlo.multiply", &a, &a, out)?]);
+    }
+    let c = compute_dtype(out);
+    let r = cx.e.binary("stablehlo.power", &a, &b, c)?;
+    Ok(vec![cx.e.convert(&r, out)?])
+}
+
+fn maximum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_arith(cx, "stablehlo.maximum")
+}
+
+fn minimum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_arith(cx, "stablehlo.minimum")
+}
+
+/// Python-style remainder: the result takes the sign of the divisor.
+fn remainder<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    let (a, b) = cx.e.coerce(&a, &b, out)?;
+    let r =
+        cx.e.op("stablehlo.remainder", &[&a, &b], &[], &a.shape.clone(), out)?;
+    let zero = cx.e.splat(Scalar::Int(0), &[], out)?;
+    let r_nonzero = cx.e.compare(&r, &zero, "NE")?;
+    let r_neg = cx.e.compare(&r, &zero, "LT")?;
+    let b_neg = cx.e.compare(&b, &zero, "LT")?;
+    let signs_differ = cx.e.binary("stablehlo.xor", &r_neg, &b_neg, DType::Bool)?;
+    let fix =
+        cx.e.binary("stablehlo.and", &r_nonzero, &signs_differ, DType::Bool)?;
+    let shifted = cx.e.binary("stablehlo.add", &r, &b, out)?;
+    Ok(vec![cx.e.select(&fix, &shifted, &r, out)?])
+}
+
+fn fmod<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_arith(cx, "stablehlo.remainder")
+}
+
+/// A unary float function computed in f32 for low-precision inputs.
+fn unary_float<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let x = cx.e.convert(&x, compute_dtype(out))?;
+    let r = cx.e.unary(name, &x)?;
+    Ok(vec![cx.e.convert(&r, out)?])
+}
+
+fn unary_same<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    Ok(vec![cx
+        .e
+        .unary(name, &cx.e.convert(&x, cx.out_dtype()?)?)?])
+}
+
+fn neg<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_same(cx, "stablehlo.negate")
+}
+fn abs<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_same(cx, "stablehlo.abs")
+}
+fn sign<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_same(cx, "stablehlo.sign")
+}
+fn floor<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    if !cx.out_dtype()?.is_float() {
+        return identity(cx);
+    }
+    unary_same(cx, "stablehlo.floor")
+}
+fn ceil<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    if !cx.out_dtype()?.is_float() {
+        return identity(cx);
+    }
+    unary_same(cx, "stablehlo.ceil")
+}
+fn round<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    if !cx.out_dtype()?.is_float() {
+        return identity(cx);
+    }
+    // torch.round rounds half to even.
+    unary_same(cx, "stablehlo.round_nearest_even")
+}
+fn trunc<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    if !x.dtype.is_float() {
+        return Ok(vec![x]);
+    }
+    let s = cx.e.unary("stablehlo.sign", &x)?;
+    let f =
+        cx.e.unary("stablehlo.floor", &cx.e.unary("stablehlo.abs", &x)?)?;
+    Ok(vec![cx.e.binary("stablehlo.multiply", &s, &f, x.dtype)?])
+}
+fn exp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.exponential")
+}
+fn expm1<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.exponential_minus_one")
+}
+fn log<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.log")
+}
+fn log1p<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.log_plus_one")
+}
+fn log2<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let c = compute_dtype(out);
+    let l = cx.e.unary("stablehlo.log", &cx.e.convert(&x, c)?)?;
+    let ln2 = cx.e.splat(Scalar::Float(std::f64::consts::LN_2), &[], c)?;
+    let r = cx.e.binary("stablehlo.divide", &l, &ln2, c)?;
+    Ok(vec![cx.e.convert(&r, out)?])
+}
+fn sqrt<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.sqrt")
+}
+fn rsqrt<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.rsqrt")
+}
+fn tanh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.tanh")
+}
+fn sin<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.sine")
+}
+fn cos<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.cosine")
+}
+fn sigmoid<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_float(cx, "stablehlo.logistic")
+}
+
+fn reciprocal<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let one = cx.e.splat(Scalar::Int(1), &[], out)?;
+    Ok(vec![cx.e.binary("stablehlo.divide", &one, &x, out)?])
+}
+
+/// erf through CHLO, which every PJRT plugin's StableHLO import legalizes.
+pub fn erf_of<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    cx.e.op("chlo.erf", &[x], &[], &x.shape, x.dtype)
+}
+
+fn erf<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let r = erf_of(cx, &cx.e.convert(&x, compute_dtype(out))?)?;
+    Ok(vec![cx.e.convert(&r, out)?])
+}
+
+fn relu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let zero = cx.e.splat(Scalar::Int(0), &[], x.dtype)?;
+    Ok(vec![cx.e.binary(
+        "stablehlo.maximum",
+        &x,
+        &zero,
+        x.dtype,
+    )?])
+}
+
+/// GELU, exact (`0.5 x (1 + erf(x / sqrt 2))`) or tanh-approximated, computed in f32 for
+/// low-precision inputs.
+fn gelu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x0 = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let c = compute_dtype(out);
+    let e = cx.e;
+    let x = e.convert(&x0, c)?;
+    let k = |v: f64| e.splat(Scalar::Float(v), &[], c);
+    let approximate = match cx.arg(1, "approximate") {
+        Some(Arg::Str(s)) => s.clone(),
+        _ => "none".into(),
+    };
+    let inner = match approximate.as_str() {
+        "none" => {
+            let scaled = e.binary(
+                "stablehlo.multiply",
+                &x,
+                &k(std::f64::consts::FRAC_1_SQRT_2)?,
+                c,
+            )?;
+            erf_of(cx, &scaled)?
+        }
+        "tanh" => {
+            let x3 = e.binary(
+                "stablehlo.multiply",
+                &e.binary("stablehlo.multiply", &x, &x, c)?,
+                &x,
+                c,
+            )?;
+            let poly = e.binary(
+                "stablehlo.add",
+                &x,
+                &e.binary("stablehlo.multiply", &x3, &k(0.044715)?, c)?,
+                c,
+            )?;
+            let arg = e.binary(
+                "stablehlo.multiply",
+                &poly,
+                &k((2.0 / std::f64::consts::PI).sqrt())?,
+                c,
+            )?;
+            e.unary("stablehlo.tanh", &arg)?
+        }
+        other => return Err(cx.err(format!("unknown approximate={other:?}"))),
+    };
+    let one_plus = e.binary("stablehlo.add", &inner, &k(1.0)?, c)?;
+    let half_x = e.binary("stablehlo.multiply", &x, &k(0.5)?, c)?;
+    let r = e.binary("stablehlo.multiply", &half_x, &one_plus, c)?;
+    Ok(vec![e.convert(&r, out)?])
+}
+
+fn silu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x0 = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let c = compute_dtype(out);
+    let x = cx.e.convert(&x0, c)?;
+    let s = cx.e.unary("stablehlo.logistic", &x)?;
+    let r = cx.e.binary("stablehlo.multiply", &x, &s, c)?;
+    Ok(vec![cx.e.convert(&r, out)?])
+}
+
+fn bound<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    i: usize,
+    name: &str,
+    like: DType,
+) -> R<Option<T<'c, 'b>>> {
+    match cx.arg(i, name) {
+        None | Some(Arg::None) => Ok(None),
+        Some(_) => operand(cx, i, name, like).map(Some),
+    }
+}
+
+fn clamp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let mut r = cx.e.convert(&x, out)?;
+    if let Some(lo) = bound(cx, 1, "min", x.dtype)? {
+        r = cx.e.binary("stablehlo.maximum", &r, &lo, out)?;
+    }
+    if let Some(hi) = bound(cx, 2, "max", x.dtype)? {
+        r = cx.e.binary("stablehlo.minimum", &r, &hi, out)?;
+    }
+    Ok(vec![r])
+}
+
+fn clamp_min<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_arith(cx, "stablehlo.maximum")
+}
+
+fn clamp_max<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_arith(cx, "stablehlo.minimum")
+}
+
+fn compare<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, dir: &str) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    Ok(vec![cx.e.compare(&a, &b, dir)?])
+}
+fn eq<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    compare(cx, "EQ")
+}
+fn ne<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    compare(cx, "NE")
+}
+fn lt<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    compare(cx, "LT")
+}
+fn le<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    compare(cx, "LE")
+}
+fn gt<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    compare(cx, "GT")
+}
+fn ge<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    compare(cx, "GE")
+}
+
+fn logical<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let a = cx.e.convert(&a, DType::Bool)?;
+    let b = cx.e.convert(&b, DType::Bool)?;
+    let r = cx.e.binary(name, &a, &b, DType::Bool)?;
+    Ok(vec![cx.e.convert(&r, cx.out_dtype()?)?])
+}
+fn logical_and<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    logical(cx, "stablehlo.and")
+}
+fn logical_or<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    logical(cx, "stablehlo.or")
+}
+fn logical_xor<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    logical(cx, "stablehlo.xor")
+}
+fn logical_not<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.e.convert(&cx.tensor(0, "self")?, DType::Bool)?;
+    let r = cx.e.unary("stablehlo.not", &x)?;
+    Ok(vec![cx.e.convert(&r, cx.out_dtype()?)?])
+}
+fn bitwise_not<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_same(cx, "stablehlo.not")
+}
+fn bitwise_and<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_arith(cx, "stablehlo.and")
+}
+fn bitwise_or<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_arith(cx, "stablehlo.or")
+}
+fn bitwise_xor<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_arith(cx, "stablehlo.xor")
+}
+
+fn isnan<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    Ok(vec![cx.e.compare(&x, &x, "NE")?])
+}
+
+fn isinf<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let a = cx.e.unary("stablehlo.abs", &x)?;
+    let inf = cx.e.splat(Scalar::Float(f64::INFINITY), &[], x.dtype)?;
+    Ok(vec![cx.e.compare(&a, &inf, "EQ")?])
+}
+
+fn where_<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let cond = cx.tensor(0, "condition")?;
+    let out = cx.out_dtype()?;
+    let a = operand(cx, 1, "self", out)?;
+    let b = operand(cx, 2, "other", out)?;
+    Ok(vec![cx.e.select(&cond, &a, &b, out)?])
+}
+
+fn to_copy<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    Ok(vec![cx.e.convert(&x, out)?])
+}
+
+fn identity<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    Ok(vec![cx.e.convert(&x, cx.out_dtype()?)?])
+}

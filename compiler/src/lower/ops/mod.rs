@@ -1,0 +1,8 @@
+//! Lowering rules, grouped by kind. Each file exports `RULES: &[(op name, rule)]`.
+
+pub mod creation;
+pub mod elementwise;
+pub mod linalg;
+pub mod nn;
+pub mod reduce;
+pub mod shape;

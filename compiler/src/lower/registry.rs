@@ -1,0 +1,38 @@
+//! The one table from ATen op name to lowering rule. A new op = one entry here + its rule in
+//! `ops/` + a test.
+
+use super::ops::{creation, elementwise, linalg, nn, reduce, shape};
+use super::{NodeCx, R, T};
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+pub type Rule = for<'x, 'c, 'b> fn(&NodeCx<'x, 'c, 'b>) -> R<Vec<T<'c, 'b>>>;
+
+fn table() -> &'static HashMap<&'static str, Rule> {
+    static TABLE: OnceLock<HashMap<&'static str, Rule>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut m: HashMap<&'static str, Rule> = HashMap::new();
+        for (name, rule) in elementwise::RULES
+            .iter()
+            .chain(shape::RULES)
+            .chain(reduce::RULES)
+            .chain(linalg::RULES)
+            .chain(nn::RULES)
+            .chain(creation::RULES)
+        {
+            let prev = m.insert(name, *rule);
+            assert!(prev.is_none(), "two lowering rules for {name}");
+        }
+        m
+    })
+}
+
+pub fn rule(op: &str) -> Option<Rule> {
+    table().get(op).copied()
+}
+
+pub fn names() -> Vec<&'static str> {
+    let mut v: Vec<&'static str> = table().keys().copied().collect();
+    v.sort();
+    v
+}

@@ -1,0 +1,275 @@
+//! `PJRT_Client`: devices, compilation, host-to-device transfers.
+
+use std::ffi::c_char;
+use std::ptr;
+use std::sync::Arc;
+
+use super::api::{copy_str, pjrt_call, Api, Args, Event};
+use super::buffer::Buffer;
+use super::executable::{CompileOptions, LoadedExecutable};
+use super::plugin::Plugin;
+use super::{sys, ElementType, HostBufferSemantics, PjrtError};
+
+/// A PJRT client. Cloning is cheap and shares the client; the PJRT client is
+/// destroyed when the last clone, executable and buffer made from it is gone.
+#[derive(Clone)]
+pub struct Client {
+    pub(crate) inner: Arc<ClientInner>,
+}
+
+pub(crate) struct ClientInner {
+    pub(crate) plugin: &'static Plugin,
+    pub(crate) raw: *mut sys::PJRT_Client,
+    /// Addressable devices; owned by the client, fixed for its life.
+    devices: Vec<*mut sys::PJRT_Device>,
+}
+
+// SAFETY: PJRT clients are thread-safe (PjRtClient's contract), and the device
+// pointers are immutable handles owned by the client.
+unsafe impl Send for ClientInner {}
+// SAFETY: see `Send`.
+unsafe impl Sync for ClientInner {}
+
+impl ClientInner {
+    pub(crate) fn api(&self) -> &'static Api {
+        &self.plugin.api
+    }
+}
+
+impl Drop for ClientInner {
+    fn drop(&mut self) {
+        let mut args = sys::PJRT_Client_Destroy_Args::new();
+        args.client = self.raw;
+        // SAFETY: no executable or buffer of this client is left (they hold
+        // an Arc to it), and the pointer is not used again.
+        if let Err(e) = unsafe { pjrt_call!(self.api(), PJRT_Client_Destroy, &mut args) } {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("plugin", &self.inner.plugin.path())
+            .field("devices", &self.inner.devices.len())
+            .finish()
+    }
+}
+
+impl Client {
+    /// Creates a client. `cpu_device_count` passes the create option
+    /// `cpu_device_count` (int64), which the CPU plugin uses for its number of
+    /// devices (default 4); other plugins may reject it.
+    pub fn new(
+        plugin: &'static Plugin,
+        cpu_device_count: Option<i64>,
+    ) -> Result<Client, PjrtError> {
+        let api = &plugin.api;
+        const CPU_DEVICE_COUNT: &str = "cpu_device_count";
+        let mut options = Vec::new();
+        if let Some(n) = cpu_device_count {
+            let mut nv = sys::PJRT_NamedValue::new();
+            nv.name = CPU_DEVICE_COUNT.as_ptr().cast::<c_char>();
+            nv.name_size = CPU_DEVICE_COUNT.len();
+            nv.type_ = sys::PJRT_NamedValue_kInt64;
+            nv.__bindgen_anon_1.int64_value = n;
+            nv.value_size = 1;
+            options.push(nv);
+        }
+        let mut args = sys::PJRT_Client_Create_Args::new();
+        args.create_options = options.as_ptr();
+        args.num_options = options.len();
+        // SAFETY: `options` (and the static name it points to) outlive the
+        // call; no key-value store callbacks are given.
+        unsafe { pjrt_call!(api, PJRT_Client_Create, &mut args) }?;
+        if args.client.is_null() {
+            return Err(PjrtError::Other(
+                "PJRT_Client_Create returned no client".into(),
+            ));
+        }
+        // Wrap first so the client is destroyed if the device query fails.
+        let mut inner = ClientInner {
+            plugin,
+            raw: args.client,
+            devices: Vec::new(),
+        };
+        let mut args = sys::PJRT_Client_AddressableDevices_Args::new();
+        args.client = inner.raw;
+        // SAFETY: the client is live.
+        unsafe { pjrt_call!(api, PJRT_Client_AddressableDevices, &mut args) }?;
+        if args.num_addressable_devices > 0 {
+            // SAFETY: the plugin returns an array of that many device handles,
+            // owned by the client.
+            inner.devices = unsafe {
+                std::slice::from_raw_parts(args.addressable_devices, args.num_addressable_devices)
+            }
+            .to_vec();
+        }
+        Ok(Client {
+            inner: Arc::new(inner),
+        })
+    }
+
+    pub fn plugin(&self) -> &'static Plugin {
+        self.inner.plugin
+    }
+
+    /// Platform name, e.g. "cpu".
+    pub fn platform_name(&self) -> Result<String, PjrtError> {
+        let mut args = sys::PJRT_Client_PlatformName_Args::new();
+        args.client = self.inner.raw;
+        // SAFETY: the client is live; the returned string is owned by it and
+        // copied before `self` can go away.
+        unsafe {
+            pjrt_call!(self.inner.api(), PJRT_Client_PlatformName, &mut args)?;
+            Ok(copy_str(args.platform_name, args.platform_name_size))
+        }
+    }
+
+    /// Platform version string of the plugin.
+    pub fn platform_version(&self) -> Result<String, PjrtError> {
+        let mut args = sys::PJRT_Client_PlatformVersion_Args::new();
+        args.client = self.inner.raw;
+        // SAFETY: as in `platform_name`.
+        unsafe {
+            pjrt_call!(self.inner.api(), PJRT_Client_PlatformVersion, &mut args)?;
+            Ok(copy_str(args.platform_version, args.platform_version_size))
+        }
+    }
+
+    pub fn addressable_device_count(&self) -> usize {
+        self.inner.devices.len()
+    }
+
+    /// Compiles a StableHLO module given as MLIR text (or bytecode: the
+    /// format "mlir" accepts both). Parse and verification errors come back
+    /// as `PjrtError::Call` with the plugin's diagnostics.
+    pub fn compile(
+        &self,
+        stablehlo_mlir_text: &str,
+        options: &CompileOptions,
+    ) -> Result<LoadedExecutable, PjrtError> {
+        self.compile_bytes(stablehlo_mlir_text.as_bytes(), options)
+    }
+
+    /// Like [`Client::compile`], for MLIR bytecode or text as bytes.
+    pub fn compile_bytes(
+        &self,
+        stablehlo_mlir: &[u8],
+        options: &CompileOptions,
+    ) -> Result<LoadedExecutable, PjrtError> {
+        let _span = tracing::debug_span!("pjrt_compile", bytes = stablehlo_mlir.len()).entered();
+        const FORMAT: &str = "mlir";
+        let mut program = sys::PJRT_Program::new();
+        // The plugin only reads `code` when compiling; the field is `char*`
+        // because OptimizedProgram writes through it.
+        program.code = stablehlo_mlir.as_ptr().cast::<c_char>().cast_mut();
+        program.code_size = stablehlo_mlir.len();
+        program.format = FORMAT.as_ptr().cast::<c_char>();
+        program.format_size = FORMAT.len();
+        // Never empty: empty options abort the process inside the CPU plugin.
+        let encoded = options.encode();
+        let mut args = sys::PJRT_Client_Compile_Args::new();
+        args.client = self.inner.raw;
+        args.program = &program;
+        args.compile_options = encoded.as_ptr().cast::<c_char>();
+        args.compile_options_size = encoded.len();
+        // SAFETY: the client is live; `program`, the code and `encoded`
+        // outlive the call, which only reads them.
+        unsafe { pjrt_call!(self.inner.api(), PJRT_Client_Compile, &mut args) }?;
+        LoadedExecutable::from_raw(self.inner.clone(), args.executable, false)
+    }
+
+    /// Loads an executable serialized by [`LoadedExecutable::serialize`].
+    /// Only load blobs made by the same plugin build (see
+    /// [`Plugin::identity`]): another build may accept them and compute
+    /// wrong results.
+    pub fn deserialize(&self, bytes: &[u8]) -> Result<LoadedExecutable, PjrtError> {
+        let _span = tracing::debug_span!("pjrt_deserialize", bytes = bytes.len()).entered();
+        let mut args = sys::PJRT_Executable_DeserializeAndLoad_Args::new();
+        args.client = self.inner.raw;
+        args.serialized_executable = bytes.as_ptr().cast::<c_char>();
+        args.serialized_executable_size = bytes.len();
+        // SAFETY: the client is live and `bytes` outlives the call.
+        unsafe {
+            pjrt_call!(
+                self.inner.api(),
+                PJRT_Executable_DeserializeAndLoad,
+                &mut args
+            )
+        }?;
+        LoadedExecutable::from_raw(self.inner.clone(), args.loaded_executable, true)
+    }
+
+    /// Creates a device buffer from dense, row-major host data of type `ty`
+    /// and shape `dims` on addressable device `device_index`.
+    ///
+    /// # Safety
+    /// `data` must point to `len_bytes` readable bytes. With
+    /// [`HostBufferSemantics::ImmutableOnlyDuringCall`] they are copied before
+    /// this returns. With the other semantics the memory must stay valid and
+    /// unmodified until the returned [`Buffer`] is dropped (its drop waits
+    /// until the runtime has released the memory).
+    pub unsafe fn buffer_from_host(
+        &self,
+        data: *const u8,
+        len_bytes: usize,
+        ty: ElementType,
+        dims: &[i64],
+        semantics: HostBufferSemantics,
+        device_index: usize,
+    ) -> Result<Buffer, PjrtError> {
+        let expected = dense_size(ty, dims)?;
+        if expected != len_bytes {
+            return Err(PjrtError::Other(format!(
+                "host buffer has {len_bytes} bytes, but {ty:?}{dims:?} needs {expected}"
+            )));
+        }
+        if data.is_null() && len_bytes > 0 {
+            return Err(PjrtError::Other("host buffer pointer is null".into()));
+        }
+        let device = *self.inner.devices.get(device_index).ok_or_else(|| {
+            PjrtError::Other(format!(
+                "device index {device_index} out of range ({} addressable devices)",
+                self.inner.devices.len()
+            ))
+        })?;
+        let mut args = sys::PJRT_Client_BufferFromHostBuffer_Args::new();
+        args.client = self.inner.raw;
+        args.data = data.cast();
+        args.type_ = ty.to_raw();
+        args.dims = dims.as_ptr();
+        args.num_dims = dims.len();
+        args.byte_strides = ptr::null(); // dense, major-to-minor
+        args.host_buffer_semantics = semantics.to_raw();
+        args.device = device;
+        let api = self.inner.api();
+        // SAFETY: the client and device are live; `dims` outlives the call;
+        // the caller vouches for `data` per this function's contract.
+        unsafe { pjrt_call!(api, PJRT_Client_BufferFromHostBuffer, &mut args) }?;
+        let done = Event::from_raw(api, args.done_with_host_buffer);
+        let mut buffer = Buffer::from_raw(self.inner.clone(), args.buffer)?;
+        match semantics {
+            HostBufferSemantics::ImmutableOnlyDuringCall => {
+                if let Some(done) = done {
+                    done.wait("PJRT_Client_BufferFromHostBuffer (host copy)")?;
+                }
+            }
+            // Awaited when the buffer drops, after the buffer is destroyed:
+            // for zero-copy the runtime releases the memory only then.
+            _ => buffer.host_done = done,
+        }
+        Ok(buffer)
+    }
+}
+
+/// Bytes of a dense array of `ty` with shape `dims` (errors on negative dims
+/// and overflow).
+pub(crate) fn dense_size(ty: ElementType, dims: &[i64]) -> Result<usize, PjrtError> {
+    dims.iter()
+        .try_fold(ty.byte_size(), |acc, &d| {
+            usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+        })
+        .ok_or_else(|| PjrtError::Other(format!("invalid shape {dims:?}")))
+}

@@ -1,0 +1,390 @@
+//! Compiled executables: compile options, execution, serialization.
+
+use std::ffi::c_char;
+use std::ptr;
+use std::sync::Arc;
+
+use super::api::{copy_str, pjrt_call, Args, Event};
+use super::buffer::Buffer;
+use super::client::ClientInner;
+use super::{sys, PjrtError};
+
+/// XLA compile options: the few fields of `xla.CompileOptionsProto` we set.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CompileOptions {
+    pub num_replicas: i64,
+    pub num_partitions: i64,
+    pub use_spmd_partitioning: bool,
+}
+
+impl Default for CompileOptions {
+    fn default() -> Self {
+        CompileOptions {
+            num_replicas: 1,
+            num_partitions: 1,
+            use_spmd_partitioning: false,
+        }
+    }
+}
+
+/// `xla.CompileOptionsProto` (xla/pjrt/proto/compile_options.proto), only the
+/// fields we use; unknown fields keep their defaults on the plugin side.
+#[derive(Clone, PartialEq, prost::Message)]
+struct CompileOptionsProto {
+    #[prost(message, optional, tag = "3")]
+    executable_build_options: Option<ExecutableBuildOptionsProto>,
+}
+
+/// `xla.ExecutableBuildOptionsProto`, likewise partial.
+#[derive(Clone, PartialEq, prost::Message)]
+struct ExecutableBuildOptionsProto {
+    #[prost(int64, tag = "4")]
+    num_replicas: i64,
+    #[prost(int64, tag = "5")]
+    num_partitions: i64,
+    #[prost(bool, tag = "6")]
+    use_spmd_partitioning: bool,
+}
+
+impl CompileOptions {
+    /// Serialized `CompileOptionsProto`. Always contains the build options:
+    /// empty bytes make the CPU plugin abort the process.
+    pub fn encode(&self) -> Vec<u8> {
+        prost::Message::encode_to_vec(&CompileOptionsProto {
+            executable_build_options: Some(ExecutableBuildOptionsProto {
+                num_replicas: self.num_replicas,
+                num_partitions: self.num_partitions,
+                use_spmd_partitioning: self.use_spmd_partitioning,
+            }),
+        })
+    }
+}
+
+/// A compiled program loaded on the client's devices.
+pub struct LoadedExecutable {
+    client: Arc<ClientInner>,
+    raw: *mut sys::PJRT_LoadedExecutable,
+    num_outputs: usize,
+    /// Devices it runs on: one argument list per device in `execute_sharded`.
+    num_devices: usize,
+    deserialized: bool,
+}
+
+// SAFETY: PJRT loaded executables are thread-safe (concurrent Execute calls are
+// allowed by PjRtLoadedExecutable's contract); the handle is only passed to
+// PJRT.
+unsafe impl Send for LoadedExecutable {}
+// SAFETY: see `Send`.
+unsafe impl Sync for LoadedExecutable {}
+
+impl Drop for LoadedExecutable {
+    fn drop(&mut self) {
+        let mut args = sys::PJRT_LoadedExecutable_Destroy_Args::new();
+        args.executable = self.raw;
+        // SAFETY: the executable is live and not used after this.
+        if let Err(e) =
+            unsafe { pjrt_call!(self.client.api(), PJRT_LoadedExecutable_Destroy, &mut args) }
+        {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+impl std::fmt::Debug for LoadedExecutable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedExecutable")
+            .field("num_outputs", &self.num_outputs)
+            .field("num_devices", &self.num_devices)
+            .finish()
+    }
+}
+
+/// The `PJRT_Executable` view of a loaded executable (from GetExecutable),
+/// destroyed on drop.
+struct ExecutableView<'a> {
+    exe: &'a LoadedExecutable,
+    raw: *mut sys::PJRT_Executable,
+}
+
+impl Drop for ExecutableView<'_> {
+    fn drop(&mut self) {
+        let mut args = sys::PJRT_Executable_Destroy_Args::new();
+        args.executable = self.raw;
+        // SAFETY: the view is live and not used after this.
+        if let Err(e) =
+            unsafe { pjrt_call!(self.exe.client.api(), PJRT_Executable_Destroy, &mut args) }
+        {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+impl LoadedExecutable {
+    /// Wraps a fresh executable (owning it even on error) and caches its
+    /// output and device counts, needed on every execute.
+    pub(crate) fn from_raw(
+        client: Arc<ClientInner>,
+        raw: *mut sys::PJRT_LoadedExecutable,
+        deserialized: bool,
+    ) -> Result<LoadedExecutable, PjrtError> {
+        if raw.is_null() {
+            return Err(PjrtError::Other("PJRT returned no executable".into()));
+        }
+        let mut exe = LoadedExecutable {
+            client,
+            raw,
+            num_outputs: 0,
+            num_devices: 0,
+            deserialized,
+        };
+        exe.num_outputs = {
+            let view = exe.view()?;
+            let mut args = sys::PJRT_Executable_NumOutputs_Args::new();
+            args.executable = view.raw;
+            // SAFETY: the view is live.
+            unsafe { pjrt_call!(exe.client.api(), PJRT_Executable_NumOutputs, &mut args) }?;
+            args.num_outputs
+        };
+        let mut args = sys::PJRT_LoadedExecutable_AddressableDevices_Args::new();
+        args.executable = exe.raw;
+        // SAFETY: the executable is live.
+        unsafe {
+            pjrt_call!(
+                exe.client.api(),
+                PJRT_LoadedExecutable_AddressableDevices,
+                &mut args
+            )
+        }?;
+        exe.num_devices = args.num_addressable_devices;
+        Ok(exe)
+    }
+
+    fn view(&self) -> Result<ExecutableView<'_>, PjrtError> {
+        let mut args = sys::PJRT_LoadedExecutable_GetExecutable_Args::new();
+        args.loaded_executable = self.raw;
+        // SAFETY: the executable is live.
+        unsafe {
+            pjrt_call!(
+                self.client.api(),
+                PJRT_LoadedExecutable_GetExecutable,
+                &mut args
+            )
+        }?;
+        if args.executable.is_null() {
+            return Err(PjrtError::Other(
+                "PJRT_LoadedExecutable_GetExecutable returned null".into(),
+            ));
+        }
+        Ok(ExecutableView {
+            exe: self,
+            raw: args.executable,
+        })
+    }
+
+    /// Outputs per device; tuple results come back as separate buffers.
+    pub fn num_outputs(&self) -> Result<usize, PjrtError> {
+        Ok(self.num_outputs)
+    }
+
+    /// Number of devices the executable runs on (replicas x partitions).
+    pub fn num_devices(&self) -> usize {
+        self.num_devices
+    }
+
+    /// Whether this executable came from [`crate::pjrt::Client::deserialize`].
+    pub fn is_deserialized(&self) -> bool {
+        self.deserialized
+    }
+
+    /// Runs a single-device executable and waits for it to finish.
+    pub fn execute(&self, args: &[&Buffer]) -> Result<Vec<Buffer>, PjrtError> {
+        let mut outputs = self.run(&[args])?;
+        Ok(outputs.pop().unwrap_or_default())
+    }
+
+    /// Runs on all devices of the executable, one argument list per device
+    /// (replica-major, as in the device assignment), and waits for all.
+    pub fn execute_sharded(
+        &self,
+        per_device_args: &[Vec<&Buffer>],
+    ) -> Result<Vec<Vec<Buffer>>, PjrtError> {
+        let lists: Vec<&[&Buffer]> = per_device_args.iter().map(Vec::as_slice).collect();
+        self.run(&lists)
+    }
+
+    fn run(&self, lists: &[&[&Buffer]]) -> Result<Vec<Vec<Buffer>>, PjrtError> {
+        if lists.len() != self.num_devices {
+            return Err(PjrtError::Other(format!(
+                "executable runs on {} devices, got {} argument lists",
+                self.num_devices,
+                lists.len()
+            )));
+        }
+        let num_args = lists.first().map_or(0, |l| l.len());
+        if lists.iter().any(|l| l.len() != num_args) {
+            return Err(PjrtError::Other("argument lists differ in length".into()));
+        }
+        // A buffer of another client would be undefined behaviour in PJRT.
+        if lists
+            .iter()
+            .flat_map(|l| l.iter())
+            .any(|b| !Arc::ptr_eq(&b.client, &self.client))
+        {
+            return Err(PjrtError::Other(
+                "argument buffer belongs to another client".into(),
+            ));
+        }
+        let raw_args: Vec<Vec<*mut sys::PJRT_Buffer>> = lists
+            .iter()
+            .map(|l| l.iter().map(|b| b.raw).collect())
+            .collect();
+        let arg_ptrs: Vec<*const *mut sys::PJRT_Buffer> =
+            raw_args.iter().map(|l| l.as_ptr()).collect();
+        let mut raw_outs: Vec<Vec<*mut sys::PJRT_Buffer>> = (0..lists.len())
+            .map(|_| vec![ptr::null_mut(); self.num_outputs])
+            .collect();
+        let out_ptrs: Vec<*mut *mut sys::PJRT_Buffer> =
+            raw_outs.iter_mut().map(|l| l.as_mut_ptr()).collect();
+        let mut events: Vec<*mut sys::PJRT_Event> = vec![ptr::null_mut(); lists.len()];
+
+        let mut options = sys::PJRT_ExecuteOptions::new();
+        let mut args = sys::PJRT_LoadedExecutable_Execute_Args::new();
+        args.executable = self.raw;
+        args.options = &mut options;
+        args.argument_lists = arg_ptrs.as_ptr();
+        args.num_devices = lists.len();
+        args.num_args = num_args;
+        args.output_lists = out_ptrs.as_ptr();
+        args.device_complete_events = events.as_mut_ptr();
+        let api = self.client.api();
+        // SAFETY: all arrays have the sizes PJRT expects ([num_devices][num_args]
+        // inputs of this client, [num_devices][num_outputs] outputs,
+        // [num_devices] events) and outlive the call.
+        unsafe { pjrt_call!(api, PJRT_LoadedExecutable_Execute, &mut args) }?;
+
+        // Take ownership of everything before waiting, so an error below
+        // still frees all outputs and events.
+        let events: Vec<Event> = events
+            .into_iter()
+            .filter_map(|e| Event::from_raw(api, e))
+            .collect();
+        let mut first_err = None;
+        let outputs: Vec<Vec<Buffer>> = raw_outs
+            .into_iter()
+            .map(|l| {
+                l.into_iter()
+                    .filter_map(|b| match Buffer::from_raw(self.client.clone(), b) {
+                        Ok(b) => Some(b),
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                            None
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        for e in events {
+            if let Err(err) = e.wait("PJRT_LoadedExecutable_Execute (device completion)") {
+                first_err.get_or_insert(err);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(outputs),
+        }
+    }
+
+    /// Serializes the executable for [`crate::pjrt::Client::deserialize`].
+    ///
+    /// Refused for an executable that was itself deserialized: the CPU
+    /// plugin then returns a truncated blob that loads but fails in Execute.
+    /// Keep the bytes of the fresh compile instead.
+    pub fn serialize(&self) -> Result<Vec<u8>, PjrtError> {
+        if self.deserialized {
+            return Err(PjrtError::Other(
+                "cannot serialize a deserialized executable (the plugin would return a broken \
+                 blob); keep the bytes it was loaded from"
+                    .into(),
+            ));
+        }
+        let view = self.view()?;
+        let mut args = sys::PJRT_Executable_Serialize_Args::new();
+        args.executable = view.raw;
+        // SAFETY: the view is live.
+        unsafe { pjrt_call!(self.client.api(), PJRT_Executable_Serialize, &mut args) }?;
+        let bytes = if args.serialized_bytes.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: the bytes are backed by `serialized_executable`, freed
+            // just below, after the copy.
+            unsafe {
+                std::slice::from_raw_parts(
+                    args.serialized_bytes.cast::<u8>(),
+                    args.serialized_bytes_size,
+                )
+            }
+            .to_vec()
+        };
+        if let Some(deleter) = args.serialized_executable_deleter {
+            // SAFETY: the plugin's deleter for the object it handed out.
+            unsafe { deleter(args.serialized_executable) };
+        }
+        if bytes.is_empty() {
+            return Err(PjrtError::Other(
+                "PJRT_Executable_Serialize returned no bytes".into(),
+            ));
+        }
+        Ok(bytes)
+    }
+
+    /// The optimized program, as `(format, bytes)`; the CPU plugin gives
+    /// format "hlo": a serialized `xla.HloModuleProto`.
+    pub fn optimized_program(&self) -> Result<(String, Vec<u8>), PjrtError> {
+        let view = self.view()?;
+        let api = self.client.api();
+        let mut program = sys::PJRT_Program::new();
+        let mut args = sys::PJRT_Executable_OptimizedProgram_Args::new();
+        args.executable = view.raw;
+        args.program = &mut program;
+        // First call with `code == null` asks for the size.
+        // SAFETY: the view and `program` are live.
+        unsafe { pjrt_call!(api, PJRT_Executable_OptimizedProgram, &mut args) }?;
+        let mut code = vec![0u8; program.code_size];
+        program.code = code.as_mut_ptr().cast::<c_char>();
+        // SAFETY: `code` has the `code_size` bytes the plugin asked for.
+        unsafe { pjrt_call!(api, PJRT_Executable_OptimizedProgram, &mut args) }?;
+        code.truncate(program.code_size);
+        // SAFETY: `format` is owned by the plugin and is copied while the
+        // view is alive.
+        let format = unsafe { copy_str(program.format, program.format_size) };
+        Ok((format, code))
+    }
+
+    /// Optimized HLO as text, when the plugin offers a text format. The CPU
+    /// plugin only returns a serialized HloModuleProto, so this is `None`
+    /// there (printing HLO would need XLA itself).
+    pub fn optimized_hlo_text(&self) -> Result<Option<String>, PjrtError> {
+        let (format, code) = self.optimized_program()?;
+        Ok(match format.as_str() {
+            "hlo_text" | "text" | "mlir_text" => Some(String::from_utf8_lossy(&code).into_owned()),
+            _ => None,
+        })
+    }
+
+    /// Fingerprint of the compiled program, if the plugin provides one.
+    pub fn fingerprint(&self) -> Option<String> {
+        let view = self.view().ok()?;
+        let mut args = sys::PJRT_Executable_Fingerprint_Args::new();
+        args.executable = view.raw;
+        // SAFETY: the view is live.
+        unsafe { pjrt_call!(self.client.api(), PJRT_Executable_Fingerprint, &mut args) }.ok()?;
+        // SAFETY: owned by the view, copied before it is destroyed.
+        let s = unsafe {
+            copy_str(
+                args.executable_fingerprint,
+                args.executable_fingerprint_size,
+            )
+        };
+        (!s.is_empty()).then_some(s)
+    }
+}

@@ -1,0 +1,224 @@
+//! PJRT runtime: a safe wrapper over the PJRT C API (`pjrt_c_api.h`) of an
+//! OpenXLA plugin (CPU, GPU, TPU) loaded at run time.
+//!
+//! Chain: [`load_plugin`] -> [`Client::new`] -> [`Client::compile`] (StableHLO
+//! text) or [`Client::deserialize`] -> [`Client::buffer_from_host`] ->
+//! [`LoadedExecutable::execute`] -> [`Buffer::to_host`].
+//!
+//! Ownership: plugins live for the whole process (unloading one crashes at
+//! exit). Executables and buffers keep their client alive, so no PJRT object
+//! outlives the client that made it. Every handle is `Send + Sync`: the PJRT C
+//! API is thread-safe. All failures, including those of the plugin, come back
+//! as [`PjrtError`] values that carry the plugin's own message.
+
+mod api;
+mod buffer;
+mod client;
+mod executable;
+mod plugin;
+mod sys;
+#[cfg(test)]
+mod tests;
+
+use std::path::PathBuf;
+
+pub use buffer::Buffer;
+pub use client::Client;
+pub use executable::{CompileOptions, LoadedExecutable};
+pub use plugin::{load_plugin, Plugin};
+
+/// Errors of the PJRT runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum PjrtError {
+    #[error("cannot load PJRT plugin {path}: {reason}")]
+    Load { path: String, reason: String },
+    /// A PJRT function returned an error; `message` is the plugin's text.
+    #[error("{function} failed ({}): {message}", error_code_name(*.code))]
+    Call {
+        function: &'static str,
+        /// `PJRT_Error_Code` (absl status code numbering).
+        code: i32,
+        message: String,
+    },
+    /// The plugin's function table lacks (or has a null) `function`,
+    /// typically because the plugin is older than our header.
+    #[error("PJRT plugin (API {}.{}) does not provide {function}", .version.0, .version.1)]
+    Missing {
+        function: &'static str,
+        version: (i32, i32),
+    },
+    #[error("PJRT: {0}")]
+    Other(String),
+}
+
+impl PjrtError {
+    /// Renames the failing function of a `Call` error (events report through
+    /// `PJRT_Event_Await`, which says nothing about what was awaited).
+    fn in_context(self, what: &'static str) -> PjrtError {
+        match self {
+            PjrtError::Call { code, message, .. } => PjrtError::Call {
+                function: what,
+                code,
+                message,
+            },
+            e => e,
+        }
+    }
+}
+
+/// Name of a `PJRT_Error_Code`.
+pub fn error_code_name(code: i32) -> &'static str {
+    const NAMES: [&str; 17] = [
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    ];
+    usize::try_from(code)
+        .ok()
+        .and_then(|i| NAMES.get(i).copied())
+        .unwrap_or("UNKNOWN_CODE")
+}
+
+/// Element types of buffers (the subset of `PJRT_Buffer_Type` torch uses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ElementType {
+    Pred,
+    S8,
+    S16,
+    S32,
+    S64,
+    U8,
+    U16,
+    U32,
+    U64,
+    F16,
+    BF16,
+    F32,
+    F64,
+    C64,
+    C128,
+}
+
+impl ElementType {
+    /// Bytes per element (`Pred` is one byte, as in XLA's dense layout).
+    pub fn byte_size(self) -> usize {
+        use ElementType::*;
+        match self {
+            Pred | S8 | U8 => 1,
+            S16 | U16 | F16 | BF16 => 2,
+            S32 | U32 | F32 => 4,
+            S64 | U64 | F64 | C64 => 8,
+            C128 => 16,
+        }
+    }
+
+    fn to_raw(self) -> sys::PJRT_Buffer_Type {
+        use ElementType::*;
+        match self {
+            Pred => sys::PJRT_Buffer_Type_PRED,
+            S8 => sys::PJRT_Buffer_Type_S8,
+            S16 => sys::PJRT_Buffer_Type_S16,
+            S32 => sys::PJRT_Buffer_Type_S32,
+            S64 => sys::PJRT_Buffer_Type_S64,
+            U8 => sys::PJRT_Buffer_Type_U8,
+            U16 => sys::PJRT_Buffer_Type_U16,
+            U32 => sys::PJRT_Buffer_Type_U32,
+            U64 => sys::PJRT_Buffer_Type_U64,
+            F16 => sys::PJRT_Buffer_Type_F16,
+            BF16 => sys::PJRT_Buffer_Type_BF16,
+            F32 => sys::PJRT_Buffer_Type_F32,
+            F64 => sys::PJRT_Buffer_Type_F64,
+            C64 => sys::PJRT_Buffer_Type_C64,
+            C128 => sys::PJRT_Buffer_Type_C128,
+        }
+    }
+
+    fn from_raw(raw: sys::PJRT_Buffer_Type) -> Option<ElementType> {
+        use ElementType::*;
+        Some(match raw {
+            sys::PJRT_Buffer_Type_PRED => Pred,
+            sys::PJRT_Buffer_Type_S8 => S8,
+            sys::PJRT_Buffer_Type_S16 => S16,
+            sys::PJRT_Buffer_Type_S32 => S32,
+            sys::PJRT_Buffer_Type_S64 => S64,
+            sys::PJRT_Buffer_Type_U8 => U8,
+            sys::PJRT_Buffer_Type_U16 => U16,
+            sys::PJRT_Buffer_Type_U32 => U32,
+            sys::PJRT_Buffer_Type_U64 => U64,
+            sys::PJRT_Buffer_Type_F16 => F16,
+            sys::PJRT_Buffer_Type_BF16 => BF16,
+            sys::PJRT_Buffer_Type_F32 => F32,
+            sys::PJRT_Buffer_Type_F64 => F64,
+            sys::PJRT_Buffer_Type_C64 => C64,
+            sys::PJRT_Buffer_Type_C128 => C128,
+            _ => return None,
+        })
+    }
+}
+
+/// What the runtime may do with host memory handed to
+/// [`Client::buffer_from_host`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HostBufferSemantics {
+    /// The data is copied before the call returns.
+    ImmutableOnlyDuringCall,
+    /// The data is read after the call returns, until the transfer completes.
+    ImmutableUntilTransferCompletes,
+    /// The buffer may alias the host memory for its whole life (no copy).
+    ImmutableZeroCopy,
+}
+
+impl HostBufferSemantics {
+    fn to_raw(self) -> sys::PJRT_HostBufferSemantics {
+        match self {
+            HostBufferSemantics::ImmutableOnlyDuringCall => {
+                sys::PJRT_HostBufferSemantics_kImmutableOnlyDuringCall
+            }
+            HostBufferSemantics::ImmutableUntilTransferCompletes => {
+                sys::PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes
+            }
+            HostBufferSemantics::ImmutableZeroCopy => {
+                sys::PJRT_HostBufferSemantics_kImmutableZeroCopy
+            }
+        }
+    }
+}
+
+/// Environment variable naming the CPU PJRT plugin (.so) to use.
+pub const PLUGIN_PATH_ENV: &str = "TPUC_PJRT_PLUGIN";
+
+const CPU_PLUGIN_IN_WHEEL: &str = "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so";
+
+/// Finds the CPU PJRT plugin: `$TPUC_PJRT_PLUGIN` if set, else the wheel
+/// `xla-cpu-pjrt` installed in the workspace venv
+/// (`<workspace>/.venv/lib/python3*/site-packages/xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so`).
+/// Meant for tests and tools run from the source tree.
+pub fn default_cpu_plugin_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(PLUGIN_PATH_ENV) {
+        return Some(PathBuf::from(p));
+    }
+    let workspace_root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent()?;
+    let mut found: Vec<PathBuf> = std::fs::read_dir(workspace_root.join(".venv/lib"))
+        .ok()?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+        .map(|e| e.path().join("site-packages").join(CPU_PLUGIN_IN_WHEEL))
+        .filter(|p| p.is_file())
+        .collect();
+    found.sort();
+    found.pop()
+}

@@ -1,0 +1,530 @@
+//! Tests against the real CPU plugin (`xla-cpu-pjrt` in the workspace venv,
+//! or `$TPUC_PJRT_PLUGIN`).
+
+use std::time::Instant;
+
+use super::*;
+
+const ADD_MUL: &str = r#"
+module {
+  func.func @main(%a: tensor<2x3xf32>, %b: tensor<2x3xf32>) -> (tensor<2x3xf32>, tensor<2x3xf32>) {
+    %0 = stablehlo.add %a, %b : tensor<2x3xf32>
+    %1 = stablehlo.multiply %a, %b : tensor<2x3xf32>
+    return %0, %1 : tensor<2x3xf32>, tensor<2x3xf32>
+  }
+}
+"#;
+
+const A: [f32; 6] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+const B: [f32; 6] = [0.5, -1.0, 2.0, 10.0, 0.0, -3.0];
+
+fn plugin() -> &'static Plugin {
+    let path = default_cpu_plugin_path().expect(
+        "CPU PJRT plugin not found: `.venv/bin/pip install --no-deps xla-cpu-pjrt==0.0.1` \
+         or set TPUC_PJRT_PLUGIN",
+    );
+    load_plugin(&path).expect("load CPU plugin")
+}
+
+fn client() -> Client {
+    Client::new(plugin(), None).expect("create client")
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Uploads with a copy, which is always safe.
+fn upload(client: &Client, bytes: &[u8], ty: ElementType, dims: &[i64]) -> Buffer {
+    // SAFETY: `bytes` is valid for the call, which copies it.
+    unsafe {
+        client.buffer_from_host(
+            bytes.as_ptr(),
+            bytes.len(),
+            ty,
+            dims,
+            HostBufferSemantics::ImmutableOnlyDuringCall,
+            0,
+        )
+    }
+    .expect("upload")
+}
+
+fn check_add_mul(outputs: &[Buffer]) {
+    assert_eq!(outputs.len(), 2, "two results come back as two buffers");
+    for o in outputs {
+        assert_eq!(o.dims().unwrap(), vec![2, 3]);
+        assert_eq!(o.element_type().unwrap(), ElementType::F32);
+    }
+    let sum: Vec<f32> = A.iter().zip(B).map(|(a, b)| a + b).collect();
+    let prod: Vec<f32> = A.iter().zip(B).map(|(a, b)| a * b).collect();
+    assert_eq!(bytes_f32(&outputs[0].to_host_vec().unwrap()), sum);
+    assert_eq!(bytes_f32(&outputs[1].to_host_vec().unwrap()), prod);
+}
+
+#[test]
+fn default_compile_options_encode_to_known_bytes() {
+    assert_eq!(
+        CompileOptions::default().encode(),
+        [0x1a, 0x04, 0x20, 0x01, 0x28, 0x01]
+    );
+    let spmd = CompileOptions {
+        num_replicas: 1,
+        num_partitions: 2,
+        use_spmd_partitioning: true,
+    };
+    assert_eq!(
+        spmd.encode(),
+        [0x1a, 0x06, 0x20, 0x01, 0x28, 0x02, 0x30, 0x01]
+    );
+}
+
+#[test]
+fn loads_plugin_once_and_creates_client() {
+    let p = plugin();
+    assert!(std::ptr::eq(p, plugin()), "same plugin for the same path");
+    assert_eq!(p.api_version().0, 0);
+    assert!(p.api_version().1 > 0);
+    let c = client();
+    assert_eq!(c.platform_name().unwrap(), "cpu");
+    assert!(!c.platform_version().unwrap().is_empty());
+    assert!(c.addressable_device_count() >= 1);
+}
+
+#[test]
+fn plugin_identity_is_a_stable_file_hash() {
+    let p = plugin();
+    let id = p.identity();
+    assert_ne!(id, [0u8; 32]);
+    assert_eq!(id, p.identity());
+}
+
+#[test]
+fn cpu_device_count_option() {
+    let c = Client::new(plugin(), Some(4)).unwrap();
+    assert_eq!(c.addressable_device_count(), 4);
+    let c = Client::new(plugin(), Some(2)).unwrap();
+    assert_eq!(c.addressable_device_count(), 2);
+}
+
+#[test]
+fn compile_and_execute_copied_inputs() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    assert_eq!(exe.num_outputs().unwrap(), 2);
+    assert_eq!(exe.num_devices(), 1);
+    let a = upload(&c, &f32_bytes(&A), ElementType::F32, &[2, 3]);
+    let b = upload(&c, &f32_bytes(&B), ElementType::F32, &[2, 3]);
+    assert_eq!(a.on_device_size().unwrap(), 24);
+    check_add_mul(&exe.execute(&[&a, &b]).unwrap());
+    // Inputs are not donated: they stay usable.
+    check_add_mul(&exe.execute(&[&a, &b]).unwrap());
+    assert_eq!(bytes_f32(&a.to_host_vec().unwrap()), A);
+}
+
+/// 64-byte aligned storage for zero-copy tests.
+#[repr(C, align(64))]
+struct Aligned([u8; 128]);
+
+#[test]
+fn execute_zero_copy_and_until_transfer_inputs() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    let mut a_store = Box::new(Aligned([0; 128]));
+    let mut b_store = Box::new(Aligned([0; 128]));
+    for offset in [0usize, 4, 16, 32] {
+        a_store.0[offset..offset + 24].copy_from_slice(&f32_bytes(&A));
+        b_store.0[offset..offset + 24].copy_from_slice(&f32_bytes(&B));
+        let a_ptr = a_store.0[offset..].as_ptr();
+        let b_ptr = b_store.0[offset..].as_ptr();
+        // SAFETY: the stores outlive the buffers (dropped at the end of the
+        // loop body) and are not modified while they live.
+        let (a, b) = unsafe {
+            (
+                c.buffer_from_host(
+                    a_ptr,
+                    24,
+                    ElementType::F32,
+                    &[2, 3],
+                    HostBufferSemantics::ImmutableZeroCopy,
+                    0,
+                )
+                .unwrap(),
+                c.buffer_from_host(
+                    b_ptr,
+                    24,
+                    ElementType::F32,
+                    &[2, 3],
+                    HostBufferSemantics::ImmutableUntilTransferCompletes,
+                    0,
+                )
+                .unwrap(),
+            )
+        };
+        let aliased = a.device_pointer().unwrap() == a_ptr as usize;
+        println!("zero-copy input at 64-byte alignment + {offset}: aliased = {aliased}");
+        if offset == 0 {
+            assert!(aliased, "an aligned zero-copy input is not copied");
+        }
+        check_add_mul(&exe.execute(&[&a, &b]).unwrap());
+    }
+}
+
+#[test]
+fn serialize_deserialize_roundtrip() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    assert!(!exe.is_deserialized());
+    let blob = exe.serialize().unwrap();
+    let t = Instant::now();
+    let exe2 = c.deserialize(&blob).unwrap();
+    println!("deserialize: {:?} for {} bytes", t.elapsed(), blob.len());
+    assert!(exe2.is_deserialized());
+    assert_eq!(exe2.num_outputs().unwrap(), 2);
+    let a = upload(&c, &f32_bytes(&A), ElementType::F32, &[2, 3]);
+    let b = upload(&c, &f32_bytes(&B), ElementType::F32, &[2, 3]);
+    let r1: Vec<Vec<u8>> = exe
+        .execute(&[&a, &b])
+        .unwrap()
+        .iter()
+        .map(|o| o.to_host_vec().unwrap())
+        .collect();
+    let r2: Vec<Vec<u8>> = exe2
+        .execute(&[&a, &b])
+        .unwrap()
+        .iter()
+        .map(|o| o.to_host_vec().unwrap())
+        .collect();
+    assert_eq!(r1, r2);
+    // Also works in another client of the same plugin.
+    let c2 = client();
+    let exe3 = c2.deserialize(&blob).unwrap();
+    let a = upload(&c2, &f32_bytes(&A), ElementType::F32, &[2, 3]);
+    let b = upload(&c2, &f32_bytes(&B), ElementType::F32, &[2, 3]);
+    check_add_mul(&exe3.execute(&[&a, &b]).unwrap());
+}
+
+#[test]
+fn malformed_module_reports_parser_message() {
+    let c = client();
+    let err = c
+        .compile("module { func.func @main( -> }", &CompileOptions::default())
+        .unwrap_err();
+    let msg = err.to_string();
+    println!("{msg}");
+    assert!(
+        matches!(
+            err,
+            PjrtError::Call {
+                function: "PJRT_Client_Compile",
+                ..
+            }
+        ),
+        "{msg}"
+    );
+    assert!(msg.contains("expected"), "parser message missing: {msg}");
+
+    // Parses, but does not verify (operand types differ).
+    let bad = "module { func.func @main(%a: tensor<2xf32>, %b: tensor<3xf32>) -> tensor<2xf32> { \
+               %0 = stablehlo.add %a, %b : (tensor<2xf32>, tensor<3xf32>) -> tensor<2xf32> \
+               return %0 : tensor<2xf32> } }";
+    let err = c.compile(bad, &CompileOptions::default()).unwrap_err();
+    println!("{err}");
+    assert!(matches!(err, PjrtError::Call { .. }));
+}
+
+#[test]
+fn loading_a_non_plugin_fails_cleanly() {
+    let dir = std::env::temp_dir().join(format!("tpuc-pjrt-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let junk = dir.join("junk.so");
+    std::fs::write(&junk, b"not an ELF file").unwrap();
+    let err = load_plugin(&junk).unwrap_err();
+    assert!(matches!(err, PjrtError::Load { .. }), "{err}");
+    println!("{err}");
+    std::fs::remove_dir_all(&dir).ok();
+
+    let missing = load_plugin(std::path::Path::new("/nonexistent/plugin.so")).unwrap_err();
+    assert!(matches!(missing, PjrtError::Load { .. }), "{missing}");
+
+    // An executable (PIE) cannot be dlopen'ed.
+    if std::path::Path::new("/bin/ls").exists() {
+        let err = load_plugin(std::path::Path::new("/bin/ls")).unwrap_err();
+        assert!(matches!(err, PjrtError::Load { .. }), "{err}");
+        println!("{err}");
+    }
+    // A real shared library without the entry point.
+    for lib in [
+        "/lib/x86_64-linux-gnu/libm.so.6",
+        "/usr/lib/x86_64-linux-gnu/libm.so.6",
+        "/lib64/libm.so.6",
+    ] {
+        if std::path::Path::new(lib).exists() {
+            let err = load_plugin(std::path::Path::new(lib)).unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("not a PJRT plugin: no GetPjrtApi symbol"),
+                "{err}"
+            );
+            break;
+        }
+    }
+}
+
+#[test]
+fn bf16_i64_pred_roundtrip() {
+    let c = client();
+    let module = r#"
+module {
+  func.func @main(%x: tensor<3xbf16>, %i: tensor<2x2xi64>, %p: tensor<4xi1>)
+      -> (tensor<3xbf16>, tensor<2x2xi64>, tensor<4xi1>) {
+    %0 = stablehlo.add %x, %x : tensor<3xbf16>
+    %1 = stablehlo.multiply %i, %i : tensor<2x2xi64>
+    %2 = stablehlo.not %p : tensor<4xi1>
+    return %0, %1, %2 : tensor<3xbf16>, tensor<2x2xi64>, tensor<4xi1>
+  }
+}
+"#;
+    let exe = c.compile(module, &CompileOptions::default()).unwrap();
+    let bf16 = |x: f32| ((x.to_bits() >> 16) as u16).to_ne_bytes();
+    let x: Vec<u8> = [1.5f32, -2.0, 0.25].into_iter().flat_map(bf16).collect();
+    let ints: [i64; 4] = [3, -4, 1 << 20, i64::from(i32::MAX)];
+    let i: Vec<u8> = ints.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    let p: Vec<u8> = vec![1, 0, 0, 1];
+    let xb = upload(&c, &x, ElementType::BF16, &[3]);
+    let ib = upload(&c, &i, ElementType::S64, &[2, 2]);
+    let pb = upload(&c, &p, ElementType::Pred, &[4]);
+    // Inputs round-trip unchanged.
+    assert_eq!(xb.to_host_vec().unwrap(), x);
+    assert_eq!(ib.to_host_vec().unwrap(), i);
+    assert_eq!(pb.to_host_vec().unwrap(), p);
+    let out = exe.execute(&[&xb, &ib, &pb]).unwrap();
+    assert_eq!(out.len(), 3);
+    assert_eq!(out[0].element_type().unwrap(), ElementType::BF16);
+    assert_eq!(out[1].element_type().unwrap(), ElementType::S64);
+    assert_eq!(out[2].element_type().unwrap(), ElementType::Pred);
+    let want_x: Vec<u8> = [3.0f32, -4.0, 0.5].into_iter().flat_map(bf16).collect();
+    assert_eq!(out[0].to_host_vec().unwrap(), want_x);
+    let want_i: Vec<u8> = ints.iter().flat_map(|v| (v * v).to_ne_bytes()).collect();
+    assert_eq!(out[1].to_host_vec().unwrap(), want_i);
+    assert_eq!(out[2].to_host_vec().unwrap(), vec![0, 1, 1, 0]);
+}
+
+#[test]
+fn bad_calls_are_errors_not_crashes() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    let bytes = f32_bytes(&A);
+    // Wrong byte count for the shape.
+    // SAFETY: `bytes` is valid for the call.
+    let r = unsafe {
+        c.buffer_from_host(
+            bytes.as_ptr(),
+            20,
+            ElementType::F32,
+            &[2, 3],
+            HostBufferSemantics::ImmutableOnlyDuringCall,
+            0,
+        )
+    };
+    assert!(r.is_err());
+    // Device out of range.
+    // SAFETY: as above.
+    let r = unsafe {
+        c.buffer_from_host(
+            bytes.as_ptr(),
+            24,
+            ElementType::F32,
+            &[2, 3],
+            HostBufferSemantics::ImmutableOnlyDuringCall,
+            99,
+        )
+    };
+    assert!(r.is_err());
+    let a = upload(&c, &bytes, ElementType::F32, &[2, 3]);
+    // Wrong number of arguments.
+    let err = exe.execute(&[&a]).unwrap_err();
+    println!("{err}");
+    // Wrong shape.
+    let small = upload(&c, &bytes[..8], ElementType::F32, &[2]);
+    let err = exe.execute(&[&a, &small]).unwrap_err();
+    println!("{err}");
+    // Buffer of another client.
+    let other = client();
+    let foreign = upload(&other, &bytes, ElementType::F32, &[2, 3]);
+    assert!(exe.execute(&[&a, &foreign]).is_err());
+    // Destination too small.
+    let mut dst = [0u8; 8];
+    // SAFETY: `dst` has 8 writable bytes; the call fails before writing.
+    assert!(unsafe { a.to_host(dst.as_mut_ptr(), dst.len()) }.is_err());
+}
+
+#[test]
+fn execute_sharded_over_two_replicas() {
+    let c = Client::new(plugin(), Some(4)).unwrap();
+    let opts = CompileOptions {
+        num_replicas: 2,
+        ..CompileOptions::default()
+    };
+    let exe = c.compile(ADD_MUL, &opts).unwrap();
+    assert_eq!(exe.num_devices(), 2);
+    let upload_on = |v: &[f32], dev: usize| {
+        let bytes = f32_bytes(v);
+        // SAFETY: `bytes` is valid for the call, which copies it.
+        unsafe {
+            c.buffer_from_host(
+                bytes.as_ptr(),
+                24,
+                ElementType::F32,
+                &[2, 3],
+                HostBufferSemantics::ImmutableOnlyDuringCall,
+                dev,
+            )
+        }
+        .unwrap()
+    };
+    let a0 = upload_on(&A, 0);
+    let b0 = upload_on(&B, 0);
+    let a1 = upload_on(&B, 1);
+    let b1 = upload_on(&A, 1);
+    let out = exe
+        .execute_sharded(&[vec![&a0, &b0], vec![&a1, &b1]])
+        .unwrap();
+    assert_eq!(out.len(), 2);
+    check_add_mul(&out[0]);
+    // Swapped operands: the same sums and products.
+    check_add_mul(&out[1]);
+}
+
+#[test]
+fn concurrent_execution_from_threads() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    let a = upload(&c, &f32_bytes(&A), ElementType::F32, &[2, 3]);
+    let b = upload(&c, &f32_bytes(&B), ElementType::F32, &[2, 3]);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..50 {
+                    check_add_mul(&exe.execute(&[&a, &b]).unwrap());
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn optional_introspection() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    match exe.optimized_program() {
+        Ok((format, code)) => {
+            println!("optimized program: format {format:?}, {} bytes", code.len())
+        }
+        Err(e) => println!("optimized program: {e}"),
+    }
+    println!(
+        "optimized hlo text: {:?}",
+        exe.optimized_hlo_text().map(|o| o.map(|s| s.len()))
+    );
+    println!("fingerprint: {:?}", exe.fingerprint());
+}
+
+#[test]
+fn timing_report() {
+    let c = client();
+    let t = Instant::now();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    let compile = t.elapsed();
+    let bytes_a = f32_bytes(&A);
+    let a = upload(&c, &bytes_a, ElementType::F32, &[2, 3]);
+    let b = upload(&c, &f32_bytes(&B), ElementType::F32, &[2, 3]);
+    let n = 200u32;
+    let t = Instant::now();
+    for _ in 0..n {
+        drop(exe.execute(&[&a, &b]).unwrap());
+    }
+    let execute = t.elapsed() / n;
+    let t = Instant::now();
+    for _ in 0..n {
+        drop(upload(&c, &bytes_a, ElementType::F32, &[2, 3]));
+    }
+    let h2d = t.elapsed() / n;
+    let out = exe.execute(&[&a, &b]).unwrap();
+    let t = Instant::now();
+    for _ in 0..n {
+        out[0].to_host_vec().unwrap();
+    }
+    let d2h = t.elapsed() / n;
+    println!(
+        "compile {compile:?}, execute {execute:?}, host->device {h2d:?}, device->host {d2h:?}"
+    );
+}
+
+#[test]
+fn reserializing_a_deserialized_executable_is_refused() {
+    // The CPU plugin re-serializes a deserialized executable into a smaller
+    // blob that later fails in Execute ("Function ... not found"), so such a
+    // blob must never reach a cache.
+    let c = client();
+    let blob = c
+        .compile(ADD_MUL, &CompileOptions::default())
+        .unwrap()
+        .serialize()
+        .unwrap();
+    let err = c.deserialize(&blob).unwrap().serialize().unwrap_err();
+    assert!(err.to_string().contains("deserialized"), "{err}");
+}
+
+#[test]
+fn empty_and_scalar_buffers() {
+    let c = client();
+    let empty = upload(&c, &[], ElementType::F32, &[0, 3]);
+    assert_eq!(empty.dims().unwrap(), vec![0, 3]);
+    assert_eq!(empty.to_host_vec().unwrap(), Vec::<u8>::new());
+    let scalar = upload(&c, &1.5f32.to_ne_bytes(), ElementType::F32, &[]);
+    assert_eq!(scalar.dims().unwrap(), Vec::<i64>::new());
+    assert_eq!(scalar.to_host_vec().unwrap(), 1.5f32.to_ne_bytes());
+}
+
+#[test]
+fn functions_beyond_an_old_plugins_table_are_missing_not_read() {
+    // A table that ends just before PJRT_Client_Create, as an older plugin's
+    // would, with a null PJRT_Plugin_Initialize.
+    let raw = sys::PJRT_Api {
+        struct_size: std::mem::offset_of!(sys::PJRT_Api, PJRT_Client_Create),
+        pjrt_api_version: sys::PJRT_Api_Version {
+            struct_size: sys::PJRT_Api_Version_STRUCT_SIZE as usize,
+            major_version: 0,
+            minor_version: 1,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    // SAFETY: `raw` outlives `api`, which is only used in this test.
+    let api = unsafe { api::Api::new(&raw) }.unwrap();
+    assert_eq!(api.version(), (0, 1));
+    let err = api::pjrt_fn!(&api, PJRT_Client_Create).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PjrtError::Missing {
+                function: "PJRT_Client_Create",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "PJRT plugin (API 0.1) does not provide PJRT_Client_Create"
+    );
+    let err = api::pjrt_fn!(&api, PJRT_Plugin_Initialize).unwrap_err();
+    assert!(matches!(err, PjrtError::Missing { .. }), "{err}");
+}

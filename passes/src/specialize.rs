@@ -1,0 +1,150 @@
+//! Specialization: substitute concrete sizes for the symbols of a symbolic graph, giving the
+//! static graph that lowering needs. The symbolic graph is kept; each concrete shape gets its own
+//! specialized copy (and executable) without a new trace.
+
+use std::collections::HashMap;
+use tpuc_frontend_fx::{Arg, Dim, Graph, InputKind, Output, SymbolError, TensorType};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecializeError {
+    #[error("{0}")]
+    Symbol(#[from] SymbolError),
+    #[error("input `{input}` dim {dim}: the graph was traced with `{expected}` = {bound}, the call passes {actual}")]
+    Mismatch {
+        input: String,
+        dim: usize,
+        expected: String,
+        bound: i64,
+        actual: i64,
+    },
+    #[error("input `{input}`: expected rank {expected}, got {actual}")]
+    Rank {
+        input: String,
+        expected: usize,
+        actual: usize,
+    },
+}
+
+/// The value of every symbol, read off the concrete input shapes (for tensor inputs) and the
+/// SymInt inputs. `shapes[i]` is the shape of input `i` (ignored for SymInt inputs);
+/// `ints[i]` the value of SymInt input `i`.
+pub fn bindings_from_inputs(
+    g: &Graph,
+    shapes: &[Vec<i64>],
+    ints: &[Option<i64>],
+) -> Result<HashMap<String, i64>, SpecializeError> {
+    let mut b = HashMap::new();
+    for (i, inp) in g.inputs.iter().enumerate() {
+        match &inp.kind {
+            InputKind::Tensor(t) => {
+                let Some(shape) = shapes.get(i) else { continue };
+                if shape.len() != t.rank() {
+                    return Err(SpecializeError::Rank {
+                        input: inp.name.clone(),
+                        expected: t.rank(),
+                        actual: shape.len(),
+                    });
+                }
+                for (dim, (d, &n)) in t.shape.iter().zip(shape).enumerate() {
+                    if let Dim::Sym(e) = d {
+                        if let Some(s) = e.as_symbol() {
+                            b.insert(s.to_string(), n);
+                        }
+                    } else if d.as_static() != Some(n) {
+                        return Err(SpecializeError::Mismatch {
+                            input: inp.name.clone(),
+                            dim,
+                            expected: d.to_string(),
+                            bound: d.as_static().unwrap_or(-1),
+                            actual: n,
+                        });
+                    }
+                }
+            }
+            InputKind::SymInt(e) => {
+                if let (Some(s), Some(Some(v))) = (e.as_symbol(), ints.get(i)) {
+                    b.insert(s.to_string(), *v);
+                }
+            }
+        }
+    }
+    Ok(b)
+}
+
+fn ty(t: &TensorType, b: &HashMap<String, i64>) -> Result<TensorType, SymbolError> {
+    Ok(TensorType {
+        shape: t
+            .shape
+            .iter()
+            .map(|d| d.eval(b).map(Dim::Static))
+            .collect::<Result<_, _>>()?,
+        dtype: t.dtype,
+    })
+}
+
+fn arg(a: &Arg, b: &HashMap<String, i64>) -> Result<Arg, SymbolError> {
+    Ok(match a {
+        Arg::Sym(e) => Arg::Int(e.eval(b)?),
+        Arg::List(items) => Arg::List(items.iter().map(|i| arg(i, b)).collect::<Result<_, _>>()?),
+        other => other.clone(),
+    })
+}
+
+/// A copy of `g` with every symbolic dim and size argument replaced by its value.
+pub fn specialize(g: &Graph, b: &HashMap<String, i64>) -> Result<Graph, SpecializeError> {
+    let mut out = g.clone();
+    for n in out.dag.node_weights_mut() {
+        for r in n.results.iter_mut().flatten() {
+            *r = ty(r, b)?;
+        }
+        for a in n.args.iter_mut() {
+            *a = arg(a, b)?;
+        }
+        for a in n.kwargs.values_mut() {
+            *a = arg(a, b)?;
+        }
+    }
+    for inp in out.inputs.iter_mut() {
+        if let InputKind::Tensor(t) = &mut inp.kind {
+            *t = ty(t, b)?;
+        }
+    }
+    for o in out.outputs.iter_mut() {
+        if let Output::Sym(e) = o {
+            *o = Output::Int(e.eval(b)?);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tpuc_frontend_fx::import_json;
+
+    const G: &str = r#"{"nodes": [
+      {"name": "x", "op": "placeholder", "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}}},
+      {"name": "v", "op": "call_function", "target": "aten.view.default", "args": [{"node": "x"}, [{"node": "m"}]], "val": {"tensor": {"shape": ["4*s0"], "dtype": "float32"}}},
+      {"name": "output", "op": "output", "args": [[{"node": "v"}]]}]}"#;
+
+    #[test]
+    fn binds_and_substitutes_sizes() {
+        let g = G.replace(r#"[{"node": "m"}]"#, r#"[-1]"#);
+        let g = import_json(&g).unwrap();
+        let b = bindings_from_inputs(&g, &[vec![3, 4]], &[None]).unwrap();
+        assert_eq!(b["s0"], 3);
+        let s = specialize(&g, &b).unwrap();
+        assert!(
+            s.to_string().contains("f32[12]") || s.to_string().contains("float32[12]"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn rejects_static_dim_mismatch() {
+        let g = G.replace(r#"[{"node": "m"}]"#, r#"[-1]"#);
+        let g = import_json(&g).unwrap();
+        let e = bindings_from_inputs(&g, &[vec![3, 5]], &[None]).unwrap_err();
+        assert!(e.to_string().contains("dim 1"), "{e}");
+    }
+}

@@ -1,0 +1,448 @@
+//! `tpuc._native`: the Python face of the Rust core. Thin by design: it converts between Python
+//! values and the core's types, releases the GIL around long work, and turns every error into a
+//! Python exception carrying the core's message.
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tpuc_compiler::lower::{LowerError, Precision};
+use tpuc_compiler::pipeline::{CacheOutcome, CompileError, Compiled, Engine, HostArray, RunArg};
+use tpuc_compiler::pjrt::{Buffer, PjrtError};
+use tpuc_frontend_fx::{DType, Dim, Graph, InputKind, Output};
+
+create_exception!(
+    _native,
+    TpucError,
+    PyRuntimeError,
+    "Base class of tpuc's errors."
+);
+create_exception!(
+    _native,
+    UnsupportedOpError,
+    TpucError,
+    "An op tpuc cannot lower (the message names the op and the FX node)."
+);
+create_exception!(
+    _native,
+    PjrtError_,
+    TpucError,
+    "An error reported by the PJRT plugin (the message is the plugin's)."
+);
+create_exception!(
+    _native,
+    GraphImportError,
+    TpucError,
+    "An FX graph tpuc cannot import."
+);
+
+fn lower_err(e: LowerError) -> PyErr {
+    match e {
+        LowerError::Unsupported { .. } => UnsupportedOpError::new_err(e.to_string()),
+        other => TpucError::new_err(other.to_string()),
+    }
+}
+
+fn pjrt_err(e: PjrtError) -> PyErr {
+    PjrtError_::new_err(e.to_string())
+}
+
+fn compile_err(e: CompileError) -> PyErr {
+    match e {
+        CompileError::Lower(l) => lower_err(l),
+        CompileError::Pjrt(p) => pjrt_err(p),
+        other => TpucError::new_err(other.to_string()),
+    }
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    DType::from_name(name).ok_or_else(|| TpucError::new_err(format!("unsupported dtype {name}")))
+}
+
+/// An imported FX graph (symbolic shapes kept), after the cleanup passes.
+#[pyclass(module = "tpuc._native", frozen)]
+struct FxGraph {
+    graph: Graph,
+}
+
+fn dim_to_py(py: Python<'_>, d: &Dim) -> PyResult<Py<PyAny>> {
+    Ok(match d {
+        Dim::Static(n) => n.into_pyobject(py)?.into_any().unbind(),
+        Dim::Sym(e) => e.to_string().into_pyobject(py)?.into_any().unbind(),
+    })
+}
+
+#[pymethods]
+impl FxGraph {
+    /// Imports the JSON that `tpuc.fx_export` writes.
+    #[staticmethod]
+    fn from_json(py: Python<'_>, json: &str) -> PyResult<FxGraph> {
+        let graph = py
+            .detach(|| tpuc_frontend_fx::import_json(json))
+            .map_err(|e| GraphImportError::new_err(e.to_string()))?;
+        Ok(FxGraph { graph })
+    }
+
+    /// Runs the cleanup passes named in `enabled` (all when None); returns
+    /// `[(pass, ops_before, ops_after, graph_text_after)]` and the cleaned graph.
+    #[pyo3(signature = (enabled=None))]
+    fn cleanup(
+        &self,
+        enabled: Option<Vec<String>>,
+    ) -> (Vec<(String, usize, usize, String)>, FxGraph) {
+        let mut g = self.graph.clone();
+        let mut report = Vec::new();
+        for pass in tpuc_passes::CLEANUP {
+            if enabled
+                .as_ref()
+                .is_some_and(|e| !e.iter().any(|n| n == pass.name))
+            {
+                continue;
+            }
+            let before = g.op_count();
+            (pass.run)(&mut g);
+            report.push((pass.name.to_string(), before, g.op_count(), g.to_string()));
+        }
+        (report, FxGraph { graph: g })
+    }
+
+    fn __str__(&self) -> String {
+        self.graph.to_string()
+    }
+
+    fn op_count(&self) -> usize {
+        self.graph.op_count()
+    }
+
+    fn op_counts(&self) -> HashMap<String, usize> {
+        self.graph.op_counts().into_iter().collect()
+    }
+
+    /// Ops of this graph that have no lowering rule: `[(op, node name)]`.
+    fn unsupported_ops(&self) -> Vec<(String, String)> {
+        self.graph
+            .topo_order()
+            .into_iter()
+            .map(|id| self.graph.node(id))
+            .filter(|n| !n.is_input() && tpuc_compiler::lower::registry::rule(&n.op).is_none())
+            .map(|n| (n.op.clone(), n.name.clone()))
+            .collect()
+    }
+
+    /// One entry per graph input: `("tensor", shape, dtype)` with symbolic dims as strings, or
+    /// `("symint", expr)`.
+    fn inputs<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        self.graph
+            .inputs
+            .iter()
+            .map(|i| match &i.kind {
+                InputKind::Tensor(t) => {
+                    let shape = t
+                        .shape
+                        .iter()
+                        .map(|d| dim_to_py(py, d))
+                        .collect::<PyResult<Vec<_>>>()?;
+                    PyTuple::new(
+                        py,
+                        [
+                            "tensor".into_pyobject(py)?.into_any(),
+                            PyList::new(py, shape)?.into_any(),
+                            t.dtype.name().into_pyobject(py)?.into_any(),
+                        ],
+                    )
+                }
+                InputKind::SymInt(e) => PyTuple::new(
+                    py,
+                    [
+                        "symint".into_pyobject(py)?.into_any(),
+                        e.to_string().into_pyobject(py)?.into_any(),
+                    ],
+                ),
+            })
+            .collect()
+    }
+
+    /// One entry per graph output (see [`output_plan`]).
+    fn outputs(&self) -> Vec<(String, Option<String>)> {
+        output_plan(&self.graph)
+    }
+
+    /// Symbol values read off concrete input shapes (`None` for SymInt inputs) and SymInt
+    /// values (`None` for tensors).
+    fn bindings(
+        &self,
+        shapes: Vec<Option<Vec<i64>>>,
+        ints: Vec<Option<i64>>,
+    ) -> PyResult<HashMap<String, i64>> {
+        let shapes: Vec<Vec<i64>> = shapes.into_iter().map(Option::unwrap_or_default).collect();
+        tpuc_passes::bindings_from_inputs(&self.graph, &shapes, &ints)
+            .map_err(|e| TpucError::new_err(e.to_string()))
+    }
+}
+
+/// One entry per graph output: `("tensor", k)` (the k-th executable output), `("sym", expr)`,
+/// `("int", v)` or `("none", None)`.
+fn output_plan(g: &Graph) -> Vec<(String, Option<String>)> {
+    let mut k = 0;
+    g.outputs
+        .iter()
+        .map(|o| match o {
+            Output::Value(_) => {
+                k += 1;
+                ("tensor".into(), Some((k - 1).to_string()))
+            }
+            Output::Sym(e) => ("sym".into(), Some(e.to_string())),
+            Output::Int(i) => ("int".into(), Some(i.to_string())),
+            Output::None => ("none".into(), None),
+        })
+        .collect()
+}
+
+/// A PJRT client for one plugin, with its in-memory executable cache.
+#[pyclass(module = "tpuc._native", frozen)]
+struct Runtime {
+    engine: Arc<Engine>,
+}
+
+/// A buffer resident on the device (a parameter kept there between calls). On the CPU plugin it
+/// aliases the host tensor, which the Python side keeps alive alongside it.
+#[pyclass(module = "tpuc._native", frozen)]
+struct DeviceBuffer {
+    buffer: Buffer,
+}
+
+fn host_array(t: &Bound<'_, PyTuple>) -> PyResult<HostArray> {
+    let (ptr, nbytes, dt, shape): (usize, usize, String, Vec<i64>) = t.extract()?;
+    Ok(HostArray {
+        ptr,
+        nbytes,
+        dtype: dtype(&dt)?,
+        shape,
+    })
+}
+
+#[pymethods]
+impl Runtime {
+    #[new]
+    #[pyo3(signature = (plugin_path, cpu_devices=None))]
+    fn new(py: Python<'_>, plugin_path: PathBuf, cpu_devices: Option<i64>) -> PyResult<Runtime> {
+        let engine = py
+            .detach(|| Engine::new(&plugin_path, cpu_devices))
+            .map_err(pjrt_err)?;
+        Ok(Runtime {
+            engine: Arc::new(engine),
+        })
+    }
+
+    #[getter]
+    fn platform(&self) -> String {
+        self.engine.platform().to_string()
+    }
+
+    #[getter]
+    fn platform_version(&self) -> PyResult<String> {
+        self.engine.client().platform_version().map_err(pjrt_err)
+    }
+
+    #[getter]
+    fn device_count(&self) -> usize {
+        self.engine.client().addressable_device_count()
+    }
+
+    #[getter]
+    fn plugin_path(&self) -> String {
+        self.engine.client().plugin().path().display().to_string()
+    }
+
+    #[getter]
+    fn api_version(&self) -> (i32, i32) {
+        self.engine.client().plugin().api_version()
+    }
+
+    #[getter]
+    fn cached_executables(&self) -> usize {
+        self.engine.cached_executables()
+    }
+
+    /// Specializes `graph` to `bindings`, lowers and compiles it (GIL released).
+    fn compile(
+        &self,
+        py: Python<'_>,
+        graph: &FxGraph,
+        bindings: HashMap<String, i64>,
+        precision: &str,
+    ) -> PyResult<Executable> {
+        let precision = Precision::parse(precision).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!("bad precision {precision:?}"))
+        })?;
+        let engine = self.engine.clone();
+        let compiled = py
+            .detach(|| engine.compile(&graph.graph, &bindings, precision))
+            .map_err(compile_err)?;
+        Ok(Executable {
+            engine: self.engine.clone(),
+            compiled: Arc::new(compiled),
+        })
+    }
+
+    /// Puts a host array on device 0 (aliasing it on the CPU plugin).
+    fn upload(&self, array: &Bound<'_, PyTuple>) -> PyResult<DeviceBuffer> {
+        let a = host_array(array)?;
+        // SAFETY: the Python caller passes a live, contiguous tensor's data pointer and keeps the
+        // tensor alive as long as this DeviceBuffer.
+        let buffer = unsafe { self.engine.upload(&a) }.map_err(pjrt_err)?;
+        Ok(DeviceBuffer { buffer })
+    }
+}
+
+/// A compiled graph for one static shape.
+#[pyclass(module = "tpuc._native", frozen)]
+struct Executable {
+    engine: Arc<Engine>,
+    compiled: Arc<Compiled>,
+}
+
+#[pymethods]
+impl Executable {
+    /// Runs with `args` (each `(ptr, nbytes, dtype, shape)` or a DeviceBuffer) and writes the
+    /// outputs into `outs` (each `(ptr, nbytes, dtype, shape)`). GIL released while running.
+    fn run(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, PyList>,
+        outs: &Bound<'_, PyList>,
+    ) -> PyResult<()> {
+        let mut hosts: Vec<Option<HostArray>> = Vec::with_capacity(args.len());
+        let mut devs: Vec<Option<Py<DeviceBuffer>>> = Vec::with_capacity(args.len());
+        for a in args.iter() {
+            if let Ok(d) = a.cast::<DeviceBuffer>() {
+                devs.push(Some(d.clone().unbind()));
+                hosts.push(None);
+            } else {
+                hosts.push(Some(host_array(a.cast::<PyTuple>()?)?));
+                devs.push(None);
+            }
+        }
+        let outs: Vec<HostArray> = outs
+            .iter()
+            .map(|o| host_array(o.cast::<PyTuple>()?))
+            .collect::<PyResult<_>>()?;
+        let run_args: Vec<RunArg> = hosts
+            .into_iter()
+            .zip(&devs)
+            .map(|(h, d)| match (h, d) {
+                (Some(h), _) => RunArg::Host(h),
+                (None, Some(d)) => RunArg::Device(&d.get().buffer),
+                (None, None) => unreachable!(),
+            })
+            .collect();
+        let engine = &self.engine;
+        let compiled = &self.compiled;
+        // SAFETY: the Python caller passes live, contiguous tensors' pointers (outputs freshly
+        // allocated, so not aliasing inputs) and holds them for the duration of this call.
+        py.detach(|| unsafe { engine.run(compiled, &run_args, &outs) })
+            .map_err(compile_err)
+    }
+
+    /// `[(shape, dtype)]` of the executable's outputs.
+    #[getter]
+    fn output_types(&self) -> Vec<(Vec<i64>, String)> {
+        self.compiled
+            .lowered
+            .outputs
+            .iter()
+            .map(|(s, d)| (s.clone(), d.name().to_string()))
+            .collect()
+    }
+
+    #[getter]
+    fn input_types(&self) -> Vec<(Vec<i64>, String)> {
+        self.compiled
+            .lowered
+            .inputs
+            .iter()
+            .map(|(s, d)| (s.clone(), d.name().to_string()))
+            .collect()
+    }
+
+    #[getter]
+    fn mlir(&self) -> String {
+        self.compiled.lowered.mlir.clone()
+    }
+
+    #[getter]
+    fn key(&self) -> String {
+        self.compiled.key.hex()
+    }
+
+    /// `"miss"` (PJRT compiled it) or `"memory"` (found in this process's cache).
+    #[getter]
+    fn cache(&self) -> &'static str {
+        match self.compiled.outcome {
+            CacheOutcome::Miss => "miss",
+            CacheOutcome::Memory => "memory",
+        }
+    }
+
+    #[getter]
+    fn lower_seconds(&self) -> f64 {
+        self.compiled.lower_seconds
+    }
+
+    #[getter]
+    fn compile_seconds(&self) -> f64 {
+        self.compiled.compile_seconds
+    }
+
+    /// The specialized (static-shape) IR that was lowered.
+    #[getter]
+    fn graph_text(&self) -> String {
+        self.compiled.specialized.to_string()
+    }
+
+    /// How to assemble the graph's outputs, with sizes of this specialization filled in.
+    fn output_plan(&self) -> Vec<(String, Option<String>)> {
+        output_plan(&self.compiled.specialized)
+    }
+
+    fn optimized_hlo(&self) -> PyResult<Option<String>> {
+        self.compiled.exe.optimized_hlo_text().map_err(pjrt_err)
+    }
+}
+
+#[pyfunction]
+fn supported_ops() -> Vec<&'static str> {
+    tpuc_compiler::lower::supported_ops()
+}
+
+/// Routes Rust logs: to stderr through `tracing-subscriber` when `TPUC_LOG` is set (its value is
+/// the filter), else into Python's `logging` (loggers named after the Rust modules).
+fn init_logging() {
+    if let Ok(filter) = std::env::var("TPUC_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    } else {
+        let _ = pyo3_log::try_init();
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
+    m.add_class::<FxGraph>()?;
+    m.add_class::<Runtime>()?;
+    m.add_class::<Executable>()?;
+    m.add_class::<DeviceBuffer>()?;
+    m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
+    let py = m.py();
+    m.add("TpucError", py.get_type::<TpucError>())?;
+    m.add("UnsupportedOpError", py.get_type::<UnsupportedOpError>())?;
+    m.add("PjrtError", py.get_type::<PjrtError_>())?;
+    m.add("GraphImportError", py.get_type::<GraphImportError>())?;
+    Ok(())
+}

@@ -1,0 +1,21 @@
+"""tpuc: a `torch.compile` backend written in Rust.
+
+    compiled = torch.compile(model, backend="tpu")
+
+`import tpuc` is not needed for that (the backend is registered as an entry point); import it
+for `tpuc.stats()`, `tpuc.reset_stats()` and the error types.
+"""
+
+from ._native import GraphImportError, PjrtError, TpucError, UnsupportedOpError, supported_ops
+from .counters import reset_stats, stats
+
+__all__ = [
+    "GraphImportError",
+    "PjrtError",
+    "TpucError",
+    "UnsupportedOpError",
+    "reset_stats",
+    "stats",
+    "supported_ops",
+]
+__version__ = "0.1.0"

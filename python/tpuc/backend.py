@@ -1,0 +1,285 @@
+"""The `torch.compile` backend: `torch.compile(model, backend="tpu")`.
+
+Dynamo hands us its graph; AOTAutograd (core ATen decompositions) turns it into functional
+forward/backward graphs; each graph becomes a `CompiledGraph`: imported into the Rust IR once,
+then specialized, lowered and compiled per concrete shape, and run through PJRT.
+Ops without a lowering rule run in PyTorch (`fallback="eager"`) or raise (`fallback="error"`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+import weakref
+
+import torch
+import torch.fx
+from torch._decomp import core_aten_decompositions
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+from . import _native, counters, dump, fx_export, runtime
+from . import options as options_mod
+
+log = logging.getLogger("tpuc")
+
+_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+_supported_ops = frozenset(_native.supported_ops())
+_warned_fallback: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _host_array(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.nbytes, _DTYPE_NAMES[t.dtype], list(t.shape))
+
+
+class _Slot:
+    """The device buffer of one input position, reused while the same tensor object comes back
+    unchanged (same `_version`): parameters and buffers are uploaded once. A tensor is only
+    cached the second time it is seen, so per-call activations are never pinned."""
+
+    __slots__ = ("ref", "tensor", "version", "buffer")
+
+    def __init__(self):
+        self.ref = None
+        self.tensor = None
+        self.version = -1
+        self.buffer = None
+
+
+class CompiledGraph:
+    """One AOTAutograd graph compiled by tpuc. Called boxed: with a list of args."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: options_mod.Options, name: str):
+        self.opts = opts
+        self.name = name
+        self.runtime = runtime.get_runtime(opts.plugin)
+        self.fx_text = gm.print_readable(print_output=False)
+        wire, attr_targets = fx_export.export(gm)
+        self.attr_tensors = [getattr(gm, t) for t in attr_targets]
+        imported = _native.FxGraph.from_json(wire)
+        enabled = None if opts.pass_enabled("cleanup") else []
+        self.pass_report, self.graph = imported.cleanup(enabled)
+        self.imported_text = str(imported)
+        self.inputs = self.graph.inputs()
+        self.tensor_slots = [i for i, k in enumerate(self.inputs) if k[0] == "tensor"]
+        self.symbolic = any(k[0] == "symint" or any(isinstance(d, str) for d in k[1]) for k in self.inputs)
+        self.executables: dict = {}
+        self.slots = [_Slot() for _ in self.inputs]
+        self.lock = threading.Lock()
+        counters.add(graphs_compiled=1)
+        if not self.symbolic:
+            self.static = self._compile({}, None)
+        else:
+            self.static = None
+
+    def _compile(self, bindings: dict, key):
+        exe = self.runtime.compile(self.graph, bindings, self.opts.precision)
+        if exe.cache == "miss":
+            counters.add(xla_compiles=1, lower_seconds=exe.lower_seconds, compile_seconds=exe.compile_seconds)
+        else:
+            counters.add(cache_hits_memory=1, lower_seconds=exe.lower_seconds)
+        out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
+        plan = exe.output_plan()
+        entry = (exe, out_types, plan)
+        if self.opts.dump_dir is not None:
+            dump.write(self, exe, bindings)
+        log.debug("tpuc: compiled %s for %s (%s)", self.name, bindings or "static shapes", exe.cache)
+        return entry
+
+    def _entry_for(self, args):
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+        entry = self.executables.get(shapes)
+        if entry is None:
+            with self.lock:
+                entry = self.executables.get(shapes)
+                if entry is None:
+                    bindings = self.graph.bindings(
+                        [list(a.shape) if isinstance(a, torch.Tensor) else None for a in args],
+                        [int(a) if not isinstance(a, torch.Tensor) else None for a in args],
+                    )
+                    entry = self._compile(bindings, shapes)
+                    self.executables[shapes] = entry
+        return entry
+
+    def _device_arg(self, i: int, t: torch.Tensor):
+        slot = self.slots[i]
+        if slot.tensor is t and slot.version == t._version:
+            return slot.buffer
+        if slot.ref is not None and slot.ref() is t:
+            # Seen before at this position: keep it resident from now on.
+            slot.tensor, slot.version = t, t._version
+            slot.buffer = self.runtime.upload(_host_array(t))
+            return slot.buffer
+        slot.ref = weakref.ref(t)
+        slot.tensor = slot.buffer = None
+        return None
+
+    def __call__(self, args: list):
+        args = list(args) + self.attr_tensors
+        exe, out_types, plan = self.static or self._entry_for(args)
+        specs = []
+        keep = []
+        for i in self.tensor_slots:
+            t = args[i]
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            buf = self._device_arg(i, t) if t is args[i] else None
+            if buf is not None:
+                specs.append(buf)
+            else:
+                keep.append(t)
+                specs.append(_host_array(t))
+        outs = [torch.empty(s, dtype=d) for s, d in out_types]
+        exe.run(specs, [_host_array(o) for o in outs])
+        counters.count_execution()
+        result = []
+        for kind, value in plan:
+            if kind == "tensor":
+                result.append(outs[int(value)])
+            elif kind == "int":
+                result.append(int(value))
+            else:
+                result.append(None)
+        return result
+
+
+class _PartitionModule(torch.nn.Module):
+    """Stands in for a partition of supported ops inside a graph that also runs eager ops."""
+
+    def __init__(self, compiled: CompiledGraph, single_output: bool):
+        super().__init__()
+        self.compiled = compiled
+        self.single_output = single_output
+
+    def forward(self, *args):
+        outs = self.compiled(list(args))
+        return outs[0] if self.single_output else tuple(outs)
+
+
+def _is_tensor_op(n: torch.fx.Node) -> bool:
+    val = n.meta.get("val")
+    return n.op == "call_function" and not isinstance(val, torch.SymInt | int)
+
+
+def _supported(n: torch.fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if not _is_tensor_op(n):
+        return False
+    return str(n.target) in _supported_ops or n.target.__name__ == "getitem"
+
+
+def _unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if _is_tensor_op(n) and not _supported(n)]
+
+
+def _warn_fallback(ops: list[str]) -> None:
+    with _warn_lock:
+        new = sorted(set(ops) - _warned_fallback)
+        _warned_fallback.update(new)
+    if new:
+        warnings.warn(
+            f"tpuc: running {len(new)} op(s) without a lowering rule in eager PyTorch: {', '.join(new)}",
+            stacklevel=3,
+        )
+
+
+def _partitioned(gm: torch.fx.GraphModule, opts, name: str):
+    """Splits `gm` into tpuc partitions (supported ops) and eager ops."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import OperatorSupport
+
+    class Support(OperatorSupport):
+        def is_node_supported(self, submodules, node):
+            return _supported(node)
+
+    partitioner = CapabilityBasedPartitioner(gm, Support(), allows_single_node_partition=True)
+    fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    for node in list(fused.graph.nodes):
+        if node.op != "call_module":
+            continue
+        sub = getattr(fused, node.target)
+        out_arg = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        single = not isinstance(out_arg, list | tuple)
+        if single:
+            # CompiledGraph always returns a list; give the subgraph a tuple output.
+            out_node = next(n for n in sub.graph.nodes if n.op == "output")
+            out_node.args = ((out_arg,),)
+            sub.recompile()
+        compiled = CompiledGraph(sub, opts, f"{name}.{node.target}")
+        setattr(fused, node.target, _PartitionModule(compiled, single))
+    fused.recompile()
+    return fused
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, opts, name: str):
+    """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc."""
+    bad = _unsupported_nodes(gm)
+    if not bad:
+        return CompiledGraph(gm, opts, name)
+    if opts.fallback == "error":
+        n = bad[0]
+        raise _native.UnsupportedOpError(
+            f"unsupported op `{n.target}` (node `{n.name}`): tpuc has no lowering rule for it "
+            f"({len(bad)} unsupported node(s) in this graph; use options={{'fallback': 'eager'}} to run them in PyTorch)"
+        )
+    ops = [str(n.target) for n in bad]
+    for op in ops:
+        counters.count_fallback(op)
+    _warn_fallback(ops)
+    fused = _partitioned(gm, opts, name)
+    return make_boxed_func(fused.forward)
+
+
+def _check_implemented(opts: options_mod.Options) -> None:
+    if opts.mesh is not None or opts.sharding != "replicated":
+        raise NotImplementedError("tpuc: options 'mesh' and 'sharding' are accepted but SPMD is not implemented yet")
+
+
+_graph_counter = 0
+_counter_lock = threading.Lock()
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=None, **kwargs):
+    """Entry point of `torch.compile(model, backend="tpu")` (and `"tpuc"`)."""
+    global _graph_counter
+    if kwargs:
+        raise ValueError(f"tpuc: unexpected backend argument(s) {sorted(kwargs)}; pass settings in options={{...}}")
+    opts = options_mod.parse(options, mode)
+    _check_implemented(opts)
+    runtime.get_runtime(opts.plugin)  # a bad plugin fails here, at compile time
+    with _counter_lock:
+        _graph_counter += 1
+        gid = _graph_counter
+    t0 = time.perf_counter()
+
+    def fw(g, ins):
+        return compile_graph(g, ins, opts, f"g{gid}_forward")
+
+    def bw(g, ins):
+        return compile_graph(g, ins, opts, f"g{gid}_backward")
+
+    out = aot_module_simplified(
+        gm, example_inputs, fw_compiler=fw, bw_compiler=bw, decompositions=core_aten_decompositions()
+    )
+    log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
+    return out

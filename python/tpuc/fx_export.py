@@ -1,0 +1,117 @@
+"""FX graph -> the JSON that the Rust frontend imports (`frontend_fx/src/wire.rs`).
+
+The only place that knows both torch.fx and the wire format. `get_attr` nodes (lifted constants)
+become extra inputs after the placeholders; `attr_inputs` lists their targets so the runtime can
+pass them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+
+import torch
+import torch.fx
+
+from . import _native
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _sym(value) -> str | int:
+    """A size as the wire format wants it: an int, or the ShapeEnv expression text."""
+    if isinstance(value, int):
+        return value
+    expr = value.node.expr
+    if getattr(expr, "is_number", False):
+        return int(expr)
+    return str(expr)
+
+
+def _meta(val, node: torch.fx.Node):
+    if val is None:
+        return None
+    if isinstance(val, torch.Tensor):
+        return {"tensor": {"shape": [_sym(d) for d in val.shape], "dtype": dtype_name(val.dtype)}}
+    if isinstance(val, torch.SymInt):
+        s = _sym(val)
+        return {"int": s} if isinstance(s, int) else {"symint": s}
+    if isinstance(val, bool):
+        return {"bool": val}
+    if isinstance(val, int):
+        return {"int": val}
+    if isinstance(val, float):
+        return {"float": val}
+    if isinstance(val, list | tuple):
+        return {"tuple": [_meta(v, node) for v in val]}
+    return None
+
+
+def _arg(a, node: torch.fx.Node):
+    if isinstance(a, torch.fx.Node):
+        return {"node": a.name}
+    if a is None or isinstance(a, bool | str):
+        return a
+    if isinstance(a, int):
+        return a
+    if isinstance(a, float):
+        if math.isfinite(a):
+            return a
+        return {"float": "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")}
+    if isinstance(a, list | tuple):
+        return [_arg(x, node) for x in a]
+    if isinstance(a, torch.dtype):
+        return {"dtype": dtype_name(a)}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    if isinstance(a, torch.layout | torch.memory_format):
+        return {"other": str(a)}
+    if isinstance(a, torch.SymInt):
+        s = _sym(a)
+        if isinstance(s, int):
+            return s
+    raise _native.GraphImportError(
+        f"node `{node.name}` (op `{node.target}`): argument {a!r} of type {type(a).__name__} "
+        "cannot be passed to tpuc"
+    )
+
+
+def _target(node: torch.fx.Node) -> str:
+    if node.target is operator.getitem:
+        return "<built-in function getitem>"
+    return str(node.target)
+
+
+def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
+    """Returns (wire JSON, targets of get_attr nodes in input order)."""
+    inputs, attrs, ops = [], [], []
+    attr_inputs = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            inputs.append({"name": n.name, "op": "placeholder", "target": n.name, "val": _meta(n.meta.get("val"), n)})
+        elif n.op == "get_attr":
+            val = getattr(gm, n.target)
+            if not isinstance(val, torch.Tensor):
+                raise _native.GraphImportError(f"node `{n.name}`: get_attr of a {type(val).__name__}")
+            attr_inputs.append(n.target)
+            attrs.append({"name": n.name, "op": "placeholder", "target": n.target, "val": _meta(val, n)})
+        elif n.op in ("call_function", "output"):
+            ops.append(
+                {
+                    "name": n.name,
+                    "op": n.op,
+                    "target": _target(n),
+                    "args": [_arg(a, n) for a in n.args],
+                    "kwargs": {k: _arg(v, n) for k, v in n.kwargs.items()},
+                    "val": _meta(n.meta.get("val"), n),
+                }
+            )
+        else:
+            raise _native.GraphImportError(
+                f"node `{n.name}`: {n.op} `{n.target}` (tpuc imports functional ATen graphs from AOTAutograd)"
+            )
+    # Lifted constants become inputs after the placeholders: the runtime appends them to the args.
+    return json.dumps({"nodes": inputs + attrs + ops}), attr_inputs

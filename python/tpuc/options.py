@@ -1,0 +1,117 @@
+"""Validation of `torch.compile(..., options={...})` (see API.md for the contract)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VALID_KEYS = ("plugin", "precision", "cache_dir", "dump_dir", "fallback", "buckets", "mesh", "sharding", "passes")
+PRECISIONS = ("highest", "high", "default")
+FALLBACKS = ("eager", "error")
+SHARDINGS = ("replicated", "data_parallel", "fsdp", "tensor_parallel")
+PASSES = ("cleanup", "fusion")
+
+# torch.get_float32_matmul_precision() -> our precision.
+_TORCH_PRECISION = {"highest": "highest", "high": "high", "medium": "default"}
+
+
+@dataclass(frozen=True)
+class Options:
+    plugin: str | None = None
+    precision: str = "highest"
+    cache_dir: Path | None = None
+    dump_dir: Path | None = None
+    fallback: str = "eager"
+    buckets: Any = "pow2"
+    mesh: dict | None = None
+    sharding: Any = "replicated"
+    passes: dict = field(default_factory=dict)
+
+    def pass_enabled(self, name: str) -> bool:
+        return bool(self.passes.get(name, True))
+
+
+def _bad(key: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"tpuc: bad value for option {key!r}: {value!r} (expected {expected})")
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tpuc"
+
+
+def parse(options: dict | None, mode: str | None = None) -> Options:
+    """Checks `options` and fills defaults from the environment and torch's settings."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(VALID_KEYS))
+    if unknown:
+        raise ValueError(f"tpuc: unknown option(s) {unknown}; valid keys are: {', '.join(VALID_KEYS)}")
+
+    plugin = options.get("plugin", os.environ.get("TPUC_PJRT_PLUGIN") or None)
+    if plugin is not None and not isinstance(plugin, str | os.PathLike):
+        raise _bad("plugin", plugin, '"cpu", "cuda", "tpu" or a path to a PJRT plugin .so')
+
+    if "precision" in options:
+        precision = options["precision"]
+        if precision not in PRECISIONS:
+            raise _bad("precision", precision, " or ".join(repr(p) for p in PRECISIONS))
+    else:
+        precision = _TORCH_PRECISION.get(torch.get_float32_matmul_precision(), "highest")
+
+    if "cache_dir" in options:
+        cache_dir = options["cache_dir"]
+        if cache_dir is not None and not isinstance(cache_dir, str | os.PathLike):
+            raise _bad("cache_dir", cache_dir, "a folder path or None")
+    else:
+        cache_dir = os.environ.get("TPUC_CACHE_DIR") or default_cache_dir()
+
+    dump_dir = options.get("dump_dir", os.environ.get("TPUC_DUMP_DIR") or None)
+    if dump_dir is not None and not isinstance(dump_dir, str | os.PathLike):
+        raise _bad("dump_dir", dump_dir, "a folder path or None")
+
+    fallback = options.get("fallback", "eager")
+    if fallback not in FALLBACKS:
+        raise _bad("fallback", fallback, " or ".join(repr(f) for f in FALLBACKS))
+
+    buckets = options.get("buckets", "pow2")
+    if not (
+        buckets == "pow2"
+        or (isinstance(buckets, list | tuple) and buckets and all(isinstance(b, int) and b > 0 for b in buckets))
+    ):
+        raise _bad("buckets", buckets, '"pow2" or a non-empty list of positive ints')
+
+    mesh = options.get("mesh")
+    if mesh is not None:
+        if not (
+            isinstance(mesh, dict)
+            and set(mesh) <= {"shape", "axes"}
+            and isinstance(mesh.get("shape"), list | tuple)
+            and all(isinstance(s, int) and s > 0 for s in mesh["shape"])
+            and isinstance(mesh.get("axes"), list | tuple)
+            and len(mesh["axes"]) == len(mesh["shape"])
+        ):
+            raise _bad("mesh", mesh, '{"shape": [ints], "axes": [names]} with one name per dim')
+
+    sharding = options.get("sharding", "replicated")
+    if not (sharding in SHARDINGS or isinstance(sharding, dict | list | tuple)):
+        raise _bad("sharding", sharding, " or ".join(repr(s) for s in SHARDINGS) + " or per-input specs")
+
+    passes = options.get("passes", {})
+    if not isinstance(passes, dict) or not all(k in PASSES and isinstance(v, bool) for k, v in passes.items()):
+        raise _bad("passes", passes, f"a dict of {{name: bool}} with names from {PASSES}")
+
+    return Options(
+        plugin=str(plugin) if plugin is not None else None,
+        precision=precision,
+        cache_dir=Path(cache_dir) if cache_dir is not None else None,
+        dump_dir=Path(dump_dir) if dump_dir is not None else None,
+        fallback=fallback,
+        buckets=list(buckets) if isinstance(buckets, list | tuple) else buckets,
+        mesh=mesh,
+        sharding=sharding,
+        passes=dict(passes),
+    )
