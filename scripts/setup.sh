@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Sets up everything tpuc needs on a fresh Debian 12 machine, skipping what is already there:
+# the LLVM/MLIR 22 packages, the Python environment (.venv) with torch 2.15 and the CPU PJRT
+# plugin, the test tools, and the build of the Rust extension (installed into .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22 libclang-common-22-dev libzstd-dev zlib1g-dev)
+TORCH_VERSION=2.15.0
+PY=.venv/bin/python
+PIP=(.venv/bin/pip install --disable-pip-version-check -q)
+
+step() { printf '\n== %s\n' "$*"; }
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    step "apt: installing ${missing[*]}"
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    step "apt: LLVM/MLIR 22 packages present"
+fi
+
+if [ ! -x "$PY" ]; then
+    step "python: creating .venv"
+    python3 -m venv .venv
+fi
+
+have() { "$PY" -c "$1" >/dev/null 2>&1; }
+
+if ! have "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')"; then
+    step "python: installing torch $TORCH_VERSION (large download, once)"
+    "${PIP[@]}" "torch==$TORCH_VERSION"
+fi
+# Plugin and verifier wheels carry no usable dependency metadata for us: --no-deps keeps pip
+# from touching torch.
+if ! have "import importlib.metadata as m; m.distribution('xla-cpu-pjrt')"; then
+    step "python: installing the CPU PJRT plugin (xla-cpu-pjrt)"
+    "${PIP[@]}" --no-deps "xla-cpu-pjrt==0.0.1"
+fi
+if ! have "import torch_mlir._mlir_libs._stablehlo"; then
+    step "python: installing the StableHLO verifier (torch-mlir wheel)"
+    "${PIP[@]}" --no-deps "torch-mlir==20261001"
+    "${PIP[@]}" packaging
+fi
+if ! have "import maturin, pytest, numpy" || [ ! -x .venv/bin/ruff ]; then
+    step "python: installing build and test tools"
+    "${PIP[@]}" "maturin>=1.5,<2" pytest numpy ruff
+fi
+
+step "build: Rust extension (release), installed into .venv"
+.venv/bin/maturin develop --release -q -m python/Cargo.toml
+"$PY" -c "import tpuc, sys; print('tpuc', tpuc.__version__, 'ready:', len(tpuc.supported_ops()), 'lowering rules')"
