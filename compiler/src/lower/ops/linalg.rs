@@ -4,7 +4,7 @@
 use crate::lower::emit::array_i64;
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::registry::Rule;
-use crate::lower::{NodeCx, Scalar, R, T};
+use crate::lower::{NodeCx, R, T};
 use tpuc_frontend_fx::Arg;
 
 pub static RULES: &[(&str, Rule)] = &[
@@ -17,8 +17,9 @@ pub static RULES: &[(&str, Rule)] = &[
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
 
-/// `a @ b` over the given batch/contracting dims, accumulating in f32 for f16/bf16.
-fn dot<'c, 'b>(
+/// `a @ b` over the given batch/contracting dims, in the accumulation dtype (f32 for f16/bf16;
+/// the caller rounds to the output dtype once, after any bias is added).
+fn dot_acc<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
     a: &T<'c, 'b>,
     b: &T<'c, 'b>,
@@ -29,8 +30,18 @@ fn dot<'c, 'b>(
     let acc = acc_dtype(out);
     let a = cx.e.convert(a, out)?;
     let b = cx.e.convert(b, out)?;
-    let r = cx.e.dot_general(&a, &b, batch, contract, &shape, acc)?;
-    cx.e.convert(&r, out)
+    cx.e.dot_general(&a, &b, batch, contract, &shape, acc)
+}
+
+fn dot<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    a: &T<'c, 'b>,
+    b: &T<'c, 'b>,
+    batch: (&[i64], &[i64]),
+    contract: (&[i64], &[i64]),
+) -> R<T<'c, 'b>> {
+    let r = dot_acc(cx, a, b, batch, contract)?;
+    cx.e.convert(&r, cx.out_dtype()?)
 }
 
 fn mm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
@@ -45,8 +56,10 @@ fn bmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     Ok(vec![dot(cx, &a, &b, (&[0], &[0]), (&[2], &[1]))?])
 }
 
-/// `beta * input + alpha * product`, skipping the multiplications when they are 1.
+/// `beta * input + alpha * product` in the accumulation dtype, rounded once to the output
+/// dtype (as PyTorch's fused CPU kernels do), skipping multiplications by 1.
 fn scaled_sum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, input: &T<'c, 'b>, prod: T<'c, 'b>) -> R<T<'c, 'b>> {
+    let final_dtype = cx.out_dtype()?;
     let out = prod.dtype;
     let scale = |t: T<'c, 'b>, i: usize, name: &str| -> R<T<'c, 'b>> {
         match cx.arg(i, name) {
@@ -65,17 +78,18 @@ fn scaled_sum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, input: &T<'c, 'b>, prod: T<'c, 'b
     let prod = scale(prod, 4, "alpha")?;
     if beta_is_zero {
         // beta = 0 ignores `input` entirely, NaNs included.
-        return Ok(prod);
+        return cx.e.convert(&prod, final_dtype);
     }
     let input = scale(cx.e.convert(input, out)?, 3, "beta")?;
-    cx.e.binary("stablehlo.add", &input, &prod, out)
+    let sum = cx.e.binary("stablehlo.add", &input, &prod, out)?;
+    cx.e.convert(&sum, final_dtype)
 }
 
 fn addmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let input = cx.tensor(0, "self")?;
     let a = cx.tensor(1, "mat1")?;
     let b = cx.tensor(2, "mat2")?;
-    let p = dot(cx, &a, &b, (&[], &[]), (&[1], &[0]))?;
+    let p = dot_acc(cx, &a, &b, (&[], &[]), (&[1], &[0]))?;
     Ok(vec![scaled_sum(cx, &input, p)?])
 }
 
@@ -83,7 +97,7 @@ fn baddbmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let input = cx.tensor(0, "self")?;
     let a = cx.tensor(1, "batch1")?;
     let b = cx.tensor(2, "batch2")?;
-    let p = dot(cx, &a, &b, (&[0], &[0]), (&[2], &[1]))?;
+    let p = dot_acc(cx, &a, &b, (&[0], &[0]), (&[2], &[1]))?;
     Ok(vec![scaled_sum(cx, &input, p)?])
 }
 
@@ -143,6 +157,5 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         }
         None => r,
     };
-    let _ = Scalar::Int(0);
     Ok(vec![cx.e.convert(&r, out)?])
 }

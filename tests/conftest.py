@@ -1,0 +1,58 @@
+"""Shared fixtures. Every StableHLO module that tpuc compiles during the test session is checked
+by a real StableHLO verifier (the one in the torch-mlir wheel), in the test that emitted it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tpuc  # noqa: E402
+from tpuc import backend  # noqa: E402
+
+_verified: list[str] = []
+
+
+def verify_stablehlo(text: str) -> None:
+    """Parses and verifies `text` with StableHLO's own dialect registered (no unregistered ops)."""
+    from torch_mlir import ir
+    from torch_mlir._mlir_libs import _stablehlo
+
+    with ir.Context() as ctx:
+        _stablehlo.register_dialect(ctx)
+        ctx.allow_unregistered_dialects = False
+        module = ir.Module.parse(text)
+        assert module.operation.verify(), "StableHLO verifier rejected the module"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _verify_every_module():
+    original = backend.CompiledGraph._compile
+
+    def compile_and_verify(self, bindings, key):
+        entry = original(self, bindings, key)
+        verify_stablehlo(entry[0].mlir)
+        _verified.append(self.name)
+        return entry
+
+    backend.CompiledGraph._compile = compile_and_verify
+    yield
+    backend.CompiledGraph._compile = original
+
+
+@pytest.fixture
+def verified_modules():
+    """Names of the graphs verified so far (tests can check the hook saw their modules)."""
+    return _verified
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    tpuc.reset_stats()
+    yield
+    torch._dynamo.reset()

@@ -1,0 +1,140 @@
+"""Small functions exercising op families and dtypes (int64, int32, bool, fp16, bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpuc
+
+
+def check(fn, *args, rtol=1e-5, atol=1e-5, **options):
+    expected = fn(*args)
+    actual = torch.compile(fn, backend="tpu", dynamic=False, options=options or None)(*args)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    assert tpuc.stats()["fallback_ops"] == {}
+    return actual
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_arithmetic_and_comparisons(dtype):
+    a = torch.randint(-50, 50, (4, 5), dtype=dtype)
+    b = torch.randint(1, 9, (4, 5), dtype=dtype)
+
+    def f(a, b):
+        return (a + 3 * b) * 2 - b, a // b, a % b, torch.maximum(a, b), (a > b) & (b < 5), a.sum(1), a.neg()
+
+    check(f, a, b)
+
+
+def test_bool_logic_and_where():
+    a = torch.rand(3, 7) > 0.5
+    b = torch.rand(3, 7) > 0.3
+    x = torch.randn(3, 7)
+
+    def f(a, b, x):
+        return a & b, a | ~b, a ^ b, torch.where(a, x, -x), a.any(1), b.all(), (x > 0).sum()
+
+    check(f, a, b, x)
+
+
+def test_casts_between_all_supported_dtypes():
+    x = torch.randn(4, 6) * 10
+
+    def f(x):
+        return (
+            x.to(torch.bfloat16),
+            x.to(torch.float16),
+            x.to(torch.int64),
+            x.to(torch.int32),
+            x.to(torch.bool),
+            x.to(torch.int32).to(torch.float32),
+        )
+
+    check(f, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_activations_and_normalizations(dtype):
+    x = torch.randn(2, 5, 16, dtype=dtype)
+    w = torch.randn(16, dtype=dtype)
+    b = torch.randn(16, dtype=dtype)
+
+    def f(x, w, b):
+        return (
+            F.gelu(x),
+            F.gelu(x, approximate="tanh"),
+            F.silu(x),
+            torch.sigmoid(x),
+            torch.tanh(x),
+            F.softmax(x, -1),
+            F.log_softmax(x, 1),
+            F.layer_norm(x, (16,), w, b),
+        )
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check(f, x, w, b, rtol=tol, atol=tol)
+
+
+def test_reductions_and_shapes():
+    x = torch.randn(2, 3, 4, 5)
+
+    def f(x):
+        return (
+            x.sum((1, 3), keepdim=True),
+            x.mean(-1),
+            x.amax(2),
+            x.var(1),
+            x.permute(3, 1, 0, 2).reshape(5, -1),
+            x[:, 1:, ::2],
+            x.select(2, -1),
+            torch.cat([x, x * 2], 1),
+            x.unsqueeze(0).expand(3, 2, 3, 4, 5),
+            F.pad(x, (1, 2, 0, 1), value=-1.0),
+        )
+
+    check(f, x)
+
+
+def test_matmul_family_and_embedding():
+    a = torch.randn(3, 4, 5)
+    b = torch.randn(3, 5, 6)
+    w = torch.randn(10, 8)
+    idx = torch.tensor([[1, 9, 0], [3, 3, 7]])
+
+    def f(a, b, w, idx):
+        return torch.bmm(a, b), a @ b[0], torch.baddbmm(torch.ones(3, 4, 6), a, b, alpha=0.5), F.embedding(idx, w)
+
+    check(f, a, b, w, idx)
+
+
+def test_arange_full_and_masks():
+    x = torch.randn(6, 6)
+
+    def f(x):
+        mask = torch.arange(6).unsqueeze(0) <= torch.arange(6).unsqueeze(1)
+        return x.masked_fill(~mask, float("-inf")).softmax(-1), torch.full((2, 3), 7.5), torch.arange(1, 10, 3)
+
+    check(f, x)
+
+
+@pytest.mark.parametrize("precision,attr", [("highest", "HIGHEST"), ("high", "HIGH"), ("medium", "DEFAULT")])
+def test_matmul_precision_follows_torch_setting(tmp_path, precision, attr):
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        a, b = torch.randn(4, 8), torch.randn(8, 3)
+        check(lambda a, b: a @ b, a, b, rtol=1e-2, atol=1e-2, dump_dir=str(tmp_path))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    modules = list(tmp_path.glob("*/stablehlo.mlir"))
+    assert len(modules) == 1
+    assert f"#stablehlo<precision {attr}>" in modules[0].read_text()
+
+
+def test_explicit_precision_option_overrides_torch(tmp_path):
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    check(lambda a, b: a @ b, a, b, rtol=1e-2, atol=1e-2, precision="default", dump_dir=str(tmp_path))
+    text = next(tmp_path.glob("*/stablehlo.mlir")).read_text()
+    assert "#stablehlo<precision DEFAULT>" in text
