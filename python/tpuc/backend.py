@@ -17,6 +17,7 @@ import weakref
 import torch
 import torch.fx
 from torch._decomp import core_aten_decompositions
+from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 from . import _native, counters, dump, fx_export, runtime
@@ -255,12 +256,40 @@ def _check_implemented(opts: options_mod.Options) -> None:
         raise NotImplementedError("tpuc: options 'mesh' and 'sharding' are accepted but SPMD is not implemented yet")
 
 
+_SURFACED: dict[type, type] = {}
+
+
+def _surface(e: Exception) -> Exception:
+    """The same error, made to pass through Dynamo unwrapped.
+
+    Dynamo wraps any backend exception in BackendCompilerFailed, except ShortenTraceback; a
+    subclass of both keeps the user-facing type (`except ValueError`, `except
+    tpuc.UnsupportedOpError` work) and the message."""
+    cls = type(e)
+    sub = _SURFACED.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _SURFACED[cls] = sub
+    err = sub.__new__(sub, *e.args)
+    BaseException.__init__(err, *e.args)
+    err.__dict__.update(getattr(e, "__dict__", {}))
+    err.first_useful_frame = None
+    return err
+
+
 _graph_counter = 0
 _counter_lock = threading.Lock()
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=None, **kwargs):
     """Entry point of `torch.compile(model, backend="tpu")` (and `"tpuc"`)."""
+    try:
+        return _compile(gm, example_inputs, options, mode, kwargs)
+    except (ValueError, NotImplementedError, _native.TpucError) as e:
+        raise _surface(e) from e
+
+
+def _compile(gm, example_inputs, options, mode, kwargs):
     global _graph_counter
     if kwargs:
         raise ValueError(f"tpuc: unexpected backend argument(s) {sorted(kwargs)}; pass settings in options={{...}}")
