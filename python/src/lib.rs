@@ -39,11 +39,24 @@ create_exception!(
     "An FX graph tpuc cannot import."
 );
 
+/// A lowering error as a Python exception; `op` and `node` attributes name the failing node.
 fn lower_err(e: LowerError) -> PyErr {
-    match e {
+    let (op, node) = match &e {
+        LowerError::Unsupported { op, node } | LowerError::Node { op, node, .. } => {
+            (Some(op.clone()), Some(node.clone()))
+        }
+        LowerError::Internal(_) => (None, None),
+    };
+    let err = match e {
         LowerError::Unsupported { .. } => UnsupportedOpError::new_err(e.to_string()),
         other => TpucError::new_err(other.to_string()),
-    }
+    };
+    Python::attach(|py| {
+        let value = err.value(py);
+        let _ = value.setattr("op", op);
+        let _ = value.setattr("node", node);
+    });
+    err
 }
 
 fn pjrt_err(e: PjrtError) -> PyErr {

@@ -69,6 +69,8 @@ class CompiledGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, opts: options_mod.Options, name: str):
         self.opts = opts
+        # With fallback="eager", a shape tpuc cannot lower runs this graph in PyTorch instead.
+        self.eager = gm if opts.fallback == "eager" else None
         self.name = name
         self.runtime = runtime.get_runtime(opts.plugin)
         self.fx_text = gm.print_readable(print_output=False)
@@ -115,7 +117,13 @@ class CompiledGraph:
                         [list(a.shape) if isinstance(a, torch.Tensor) else None for a in args],
                         [int(a) if not isinstance(a, torch.Tensor) else None for a in args],
                     )
-                    entry = self._compile(bindings, shapes)
+                    try:
+                        entry = self._compile(bindings, shapes)
+                    except _native.TpucError as e:
+                        if self.eager is None:
+                            raise
+                        _lowering_fallback(e, self.name)
+                        entry = _EAGER
                     self.executables[shapes] = entry
         return entry
 
@@ -127,6 +135,7 @@ class CompiledGraph:
             # Seen before at this position: keep it resident from now on.
             slot.tensor, slot.version = t, t._version
             slot.buffer = self.runtime.upload(_host_array(t))
+            counters.count_upload()
             return slot.buffer
         slot.ref = weakref.ref(t)
         slot.tensor = slot.buffer = None
@@ -134,7 +143,10 @@ class CompiledGraph:
 
     def __call__(self, args: list):
         args = list(args) + self.attr_tensors
-        exe, out_types, plan = self.static or self._entry_for(args)
+        entry = self.static or self._entry_for(args)
+        if entry is _EAGER:
+            return list(self.eager(*args[: len(args) - len(self.attr_tensors)]))
+        exe, out_types, plan = entry
         specs = []
         keep = []
         for i in self.tensor_slots:
@@ -161,6 +173,16 @@ class CompiledGraph:
             else:
                 result.append(None)
         return result
+
+
+_EAGER = ("eager",)
+
+
+def _lowering_fallback(e: Exception, graph_name: str) -> None:
+    """Records and reports a graph that runs in PyTorch because tpuc could not lower it."""
+    op = getattr(e, "op", None) or "<graph>"
+    counters.count_fallback(op)
+    warnings.warn(f"tpuc: running graph {graph_name} in eager PyTorch: {e}", stacklevel=4)
 
 
 class _PartitionModule(torch.nn.Module):
@@ -236,7 +258,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, opts, name: str):
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc."""
     bad = _unsupported_nodes(gm)
     if not bad:
-        return CompiledGraph(gm, opts, name)
+        try:
+            return CompiledGraph(gm, opts, name)
+        except _native.TpucError as e:
+            if opts.fallback == "error" or isinstance(e, _native.PjrtError):
+                raise
+            _lowering_fallback(e, name)
+            return make_boxed_func(gm.forward)
     if opts.fallback == "error":
         n = bad[0]
         raise _native.UnsupportedOpError(

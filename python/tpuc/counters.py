@@ -19,6 +19,7 @@ def reset_stats() -> None:
             cache_hits_memory=0,
             cache_hits_disk=0,
             executions=0,
+            device_uploads=0,
             fallback_ops=Counter(),
             lower_seconds=0.0,
             compile_seconds=0.0,
@@ -42,6 +43,10 @@ def add(**deltas) -> None:
 def count_fallback(op: str, n: int = 1) -> None:
     with _lock:
         _stats["fallback_ops"][op] += n
+
+
+def count_upload() -> None:
+    _stats["device_uploads"] += 1
 
 
 def count_execution() -> None:

@@ -90,6 +90,8 @@ def get_runtime(plugin: str | None) -> _native.Runtime:
     """The process's runtime for `plugin` (created on first use; plugins are never unloaded)."""
     path = resolve_plugin(plugin)
     devices = cpu_device_count()
+    # XLA logs informational lines to stderr at plugin start; keep them unless asked for.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     key = (str(path), devices)
     with _lock:
         rt = _runtimes.get(key)

@@ -89,7 +89,12 @@ pub struct Emitter<'c, 'b> {
     block: &'b Block<'c>,
     loc: Location<'c>,
     pub precision: Precision,
+    /// MLIR's diagnostics (captured instead of printed), reported with the error they explain.
+    diagnostics: Diagnostics,
 }
+
+/// Messages MLIR emitted through the context's diagnostic handler.
+pub type Diagnostics = std::rc::Rc<std::cell::RefCell<Vec<String>>>;
 
 pub type R<T> = Result<T, LowerError>;
 
@@ -241,18 +246,22 @@ impl<'c, 'b> Emitter<'c, 'b> {
         block: &'b Block<'c>,
         loc: Location<'c>,
         precision: Precision,
+        diagnostics: Diagnostics,
     ) -> Self {
         Emitter {
             ctx,
             block,
             loc,
             precision,
+            diagnostics,
         }
     }
 
     pub fn attr(&self, text: &str) -> R<Attribute<'c>> {
-        Attribute::parse(self.ctx, text)
-            .ok_or_else(|| LowerError::internal(format!("MLIR rejected attribute `{text}`")))
+        Attribute::parse(self.ctx, text).ok_or_else(|| {
+            let why = self.diagnostics.borrow_mut().drain(..).collect::<Vec<_>>();
+            LowerError::internal(format!("MLIR rejected attribute `{text}`: {}", why.join("; ")))
+        })
     }
 
     /// Appends one op with the given operands, attributes (name, MLIR text) and result types.

@@ -5,6 +5,8 @@
 mod emit;
 mod ops;
 pub mod registry;
+#[cfg(test)]
+mod tests;
 
 pub use emit::{Emitter, Precision, ReduceKind, Scalar, T};
 
@@ -277,6 +279,12 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
     ctx.append_dialect_registry(&registry);
     ctx.load_all_available_dialects();
     let loc = Location::unknown(&ctx);
+    let diagnostics = emit::Diagnostics::default();
+    let sink = diagnostics.clone();
+    ctx.attach_diagnostic_handler(move |d| {
+        sink.borrow_mut().push(d.to_string());
+        true
+    });
 
     let static_type = |name: &str, t: &tpuc_frontend_fx::TensorType| -> R<(Vec<i64>, DType)> {
         let s = t.static_shape().ok_or_else(|| {
@@ -311,7 +319,7 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
     let block = Block::new(&arg_types);
     let used = used_results(graph);
     {
-        let e = Emitter::new(&ctx, &block, loc, options.precision);
+        let e = Emitter::new(&ctx, &block, loc, options.precision, diagnostics.clone());
         let mut values: HashMap<ValueRef, T> = HashMap::new();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block
