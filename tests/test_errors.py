@@ -48,7 +48,11 @@ def test_file_that_is_not_a_pjrt_plugin(tmp_path):
 
 
 def test_shared_library_without_pjrt_entry_point():
-    libm = next(p for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6") if os.path.exists(p))
+    libm = next(
+        p
+        for p in ("/lib/x86_64-linux-gnu/libm.so.6", "/usr/lib/x86_64-linux-gnu/libm.so.6")
+        if os.path.exists(p)
+    )
     model, x = mlp()
     with pytest.raises(tpuc.PjrtError, match="GetPjrtApi"):
         torch.compile(model, backend="tpu", options={"plugin": libm})(x)
@@ -61,7 +65,9 @@ def unsupported_fn(x):
 
 def test_unsupported_op_with_fallback_error_names_op_and_node():
     x = torch.randn(5)
-    with pytest.raises(tpuc.UnsupportedOpError, match=r"unsupported op `aten\.cumsum\.default` \(node `cumsum`\)"):
+    with pytest.raises(
+        tpuc.UnsupportedOpError, match=r"unsupported op `aten\.cumsum\.default` \(node `cumsum`\)"
+    ):
         torch.compile(unsupported_fn, backend="tpu", options={"fallback": "error"})(x)
 
 

@@ -104,7 +104,12 @@ def test_matmul_family_and_embedding():
     idx = torch.tensor([[1, 9, 0], [3, 3, 7]])
 
     def f(a, b, w, idx):
-        return torch.bmm(a, b), a @ b[0], torch.baddbmm(torch.ones(3, 4, 6), a, b, alpha=0.5), F.embedding(idx, w)
+        return (
+            torch.bmm(a, b),
+            a @ b[0],
+            torch.baddbmm(torch.ones(3, 4, 6), a, b, alpha=0.5),
+            F.embedding(idx, w),
+        )
 
     check(f, a, b, w, idx)
 
@@ -114,7 +119,11 @@ def test_arange_full_and_masks():
 
     def f(x):
         mask = torch.arange(6).unsqueeze(0) <= torch.arange(6).unsqueeze(1)
-        return x.masked_fill(~mask, float("-inf")).softmax(-1), torch.full((2, 3), 7.5), torch.arange(1, 10, 3)
+        return (
+            x.masked_fill(~mask, float("-inf")).softmax(-1),
+            torch.full((2, 3), 7.5),
+            torch.arange(1, 10, 3),
+        )
 
     check(f, x)
 

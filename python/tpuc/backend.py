@@ -281,7 +281,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, opts, name: str):
 
 def _check_implemented(opts: options_mod.Options) -> None:
     if opts.mesh is not None or opts.sharding != "replicated":
-        raise NotImplementedError("tpuc: options 'mesh' and 'sharding' are accepted but SPMD is not implemented yet")
+        raise NotImplementedError(
+            "tpuc: options 'mesh' and 'sharding' are accepted but SPMD is not implemented yet"
+        )
 
 
 _SURFACED: dict[type, type] = {}
@@ -296,7 +298,11 @@ def _surface(e: Exception) -> Exception:
     cls = type(e)
     sub = _SURFACED.get(cls)
     if sub is None:
-        sub = type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        sub = type(
+            cls.__name__,
+            (cls, ShortenTraceback),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
         _SURFACED[cls] = sub
     err = sub.__new__(sub, *e.args)
     BaseException.__init__(err, *e.args)
@@ -320,7 +326,9 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=Non
 def _compile(gm, example_inputs, options, mode, kwargs):
     global _graph_counter
     if kwargs:
-        raise ValueError(f"tpuc: unexpected backend argument(s) {sorted(kwargs)}; pass settings in options={{...}}")
+        raise ValueError(
+            f"tpuc: unexpected backend argument(s) {sorted(kwargs)}; pass settings in options={{...}}"
+        )
     opts = options_mod.parse(options, mode)
     _check_implemented(opts)
     runtime.get_runtime(opts.plugin)  # a bad plugin fails here, at compile time

@@ -32,7 +32,9 @@ def _doctor(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tpuc", description="tpuc: torch.compile backend (Rust, StableHLO, PJRT)")
+    parser = argparse.ArgumentParser(
+        prog="tpuc", description="tpuc: torch.compile backend (Rust, StableHLO, PJRT)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="check the plugin, versions, devices and cache dir")
     doctor.add_argument("--plugin", default=None, help="cpu, cuda, tpu or a path (default: detect)")

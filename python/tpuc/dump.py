@@ -17,7 +17,9 @@ def write(compiled, exe, bindings: dict) -> Path:
     with _lock:
         n = next(_seq)
     shape_tag = "_".join(f"{k}{v}" for k, v in sorted(bindings.items())) or "static"
-    folder = Path(compiled.opts.dump_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}_{n:04d}_{compiled.name}_{shape_tag}"
+    folder = (
+        Path(compiled.opts.dump_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}_{n:04d}_{compiled.name}_{shape_tag}"
+    )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "fx_graph.txt").write_text(compiled.fx_text)
     (folder / "ir_0_imported.txt").write_text(compiled.imported_text)

@@ -91,7 +91,9 @@ def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
     attr_inputs = []
     for n in gm.graph.nodes:
         if n.op == "placeholder":
-            inputs.append({"name": n.name, "op": "placeholder", "target": n.name, "val": _meta(n.meta.get("val"), n)})
+            inputs.append(
+                {"name": n.name, "op": "placeholder", "target": n.name, "val": _meta(n.meta.get("val"), n)}
+            )
         elif n.op == "get_attr":
             val = getattr(gm, n.target)
             if not isinstance(val, torch.Tensor):

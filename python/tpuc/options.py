@@ -9,7 +9,17 @@ from typing import Any
 
 import torch
 
-VALID_KEYS = ("plugin", "precision", "cache_dir", "dump_dir", "fallback", "buckets", "mesh", "sharding", "passes")
+VALID_KEYS = (
+    "plugin",
+    "precision",
+    "cache_dir",
+    "dump_dir",
+    "fallback",
+    "buckets",
+    "mesh",
+    "sharding",
+    "passes",
+)
 PRECISIONS = ("highest", "high", "default")
 FALLBACKS = ("eager", "error")
 SHARDINGS = ("replicated", "data_parallel", "fsdp", "tensor_parallel")
@@ -80,7 +90,11 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
     buckets = options.get("buckets", "pow2")
     if not (
         buckets == "pow2"
-        or (isinstance(buckets, list | tuple) and buckets and all(isinstance(b, int) and b > 0 for b in buckets))
+        or (
+            isinstance(buckets, list | tuple)
+            and buckets
+            and all(isinstance(b, int) and b > 0 for b in buckets)
+        )
     ):
         raise _bad("buckets", buckets, '"pow2" or a non-empty list of positive ints')
 
@@ -101,7 +115,9 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
         raise _bad("sharding", sharding, " or ".join(repr(s) for s in SHARDINGS) + " or per-input specs")
 
     passes = options.get("passes", {})
-    if not isinstance(passes, dict) or not all(k in PASSES and isinstance(v, bool) for k, v in passes.items()):
+    if not isinstance(passes, dict) or not all(
+        k in PASSES and isinstance(v, bool) for k, v in passes.items()
+    ):
         raise _bad("passes", passes, f"a dict of {{name: bool}} with names from {PASSES}")
 
     return Options(
