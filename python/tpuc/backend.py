@@ -19,6 +19,7 @@ import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _native, counters, dump, fx_export, runtime
 from . import options as options_mod
@@ -248,23 +249,34 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str):
             out_node = next(n for n in sub.graph.nodes if n.op == "output")
             out_node.args = ((out_arg,),)
             sub.recompile()
-        compiled = CompiledGraph(sub, opts, f"{name}.{node.target}")
-        setattr(fused, node.target, _PartitionModule(compiled, single))
+        compiled = _compile_or_fallback(sub, opts, f"{name}.{node.target}")
+        if compiled is not None:
+            setattr(fused, node.target, _PartitionModule(compiled, single))
+        elif single:
+            out_node.args = (out_arg,)  # stays eager: restore its original output
+            sub.recompile()
     fused.recompile()
     return fused
+
+
+def _compile_or_fallback(gm: torch.fx.GraphModule, opts, name: str) -> CompiledGraph | None:
+    """A CompiledGraph, or None (run `gm` eagerly) when lowering fails and fallback="eager".
+    Plugin errors always raise: they are not a matter of op coverage."""
+    try:
+        return CompiledGraph(gm, opts, name)
+    except _native.TpucError as e:
+        if opts.fallback == "error" or isinstance(e, _native.PjrtError):
+            raise
+        _lowering_fallback(e, name)
+        return None
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, opts, name: str):
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc."""
     bad = _unsupported_nodes(gm)
     if not bad:
-        try:
-            return CompiledGraph(gm, opts, name)
-        except _native.TpucError as e:
-            if opts.fallback == "error" or isinstance(e, _native.PjrtError):
-                raise
-            _lowering_fallback(e, name)
-            return make_boxed_func(gm.forward)
+        compiled = _compile_or_fallback(gm, opts, name)
+        return compiled if compiled is not None else make_boxed_func(gm.forward)
     if opts.fallback == "error":
         n = bad[0]
         raise _native.UnsupportedOpError(
@@ -343,8 +355,12 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     def bw(g, ins):
         return compile_graph(g, ins, opts, f"g{gid}_backward")
 
-    out = aot_module_simplified(
-        gm, example_inputs, fw_compiler=fw, bw_compiler=bw, decompositions=core_aten_decompositions()
-    )
+    # Trace attention through the math path: otherwise the forward decomposes to math while the
+    # backward keeps the CPU flash kernel, whose saved-tensor contract the decomposed forward does
+    # not meet (gradients come out wrong, even with aot_eager).
+    with sdpa_kernel(SDPBackend.MATH):
+        out = aot_module_simplified(
+            gm, example_inputs, fw_compiler=fw, bw_compiler=bw, decompositions=core_aten_decompositions()
+        )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
     return out

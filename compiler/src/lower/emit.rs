@@ -206,6 +206,14 @@ pub fn promote(a: DType, b: DType) -> DType {
         std::cmp::Ordering::Equal => {
             if matches!((a, b), (Float16, Bfloat16) | (Bfloat16, Float16)) {
                 Float32
+            } else if a == Uint8 || b == Uint8 {
+                // uint8 with a signed int needs a signed type wider than 8 bits.
+                let other = if a == Uint8 { b } else { a };
+                if other.byte_size() > 1 {
+                    other
+                } else {
+                    Int16
+                }
             } else if a.byte_size() >= b.byte_size() {
                 a
             } else {
@@ -260,7 +268,10 @@ impl<'c, 'b> Emitter<'c, 'b> {
     pub fn attr(&self, text: &str) -> R<Attribute<'c>> {
         Attribute::parse(self.ctx, text).ok_or_else(|| {
             let why = self.diagnostics.borrow_mut().drain(..).collect::<Vec<_>>();
-            LowerError::internal(format!("MLIR rejected attribute `{text}`: {}", why.join("; ")))
+            LowerError::internal(format!(
+                "MLIR rejected attribute `{text}`: {}",
+                why.join("; ")
+            ))
         })
     }
 
@@ -565,6 +576,10 @@ impl<'c, 'b> Emitter<'c, 'b> {
         kind: ReduceKind,
         keepdim: bool,
     ) -> R<T<'c, 'b>> {
+        if t.rank() == 0 {
+            // PyTorch treats dim 0 / -1 of a 0-d tensor as the tensor itself.
+            return Ok(t.clone());
+        }
         let mut dims: Vec<i64> = dims.to_vec();
         dims.sort();
         dims.dedup();

@@ -187,6 +187,15 @@ fn div<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         Some(Arg::Str(s)) => Some(s.as_str()),
         _ => None,
     };
+    if mode.is_some() && !out.is_float() {
+        return Ok(vec![int_div_rounded(
+            cx,
+            &a,
+            &b,
+            out,
+            mode == Some("floor"),
+        )?]);
+    }
     // True division happens in floating point even for integer operands.
     let compute = if out.is_float() { out } else { DType::Float64 };
     let q = cx.e.binary("stablehlo.divide", &a, &b, compute)?;
@@ -206,6 +215,37 @@ fn div<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         Some(m) => return Err(cx.err(format!("unknown rounding_mode {m:?}"))),
     };
     Ok(vec![cx.e.convert(&q, out)?])
+}
+
+/// Exact integer division: StableHLO's divide truncates; floor mode steps down by one when the
+/// remainder is non-zero and the operands' signs differ.
+fn int_div_rounded<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    a: &T<'c, 'b>,
+    b: &T<'c, 'b>,
+    out: DType,
+    floor: bool,
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let (a, b) = e.coerce(a, b, out)?;
+    let shape = a.shape.clone();
+    let q = e.op("stablehlo.divide", &[&a, &b], &[], &shape, out)?;
+    if !floor {
+        return Ok(q);
+    }
+    let r = e.op("stablehlo.remainder", &[&a, &b], &[], &shape, out)?;
+    let zero = e.splat(Scalar::Int(0), &[], out)?;
+    let inexact = e.compare(&r, &zero, "NE")?;
+    let signs_differ = e.binary(
+        "stablehlo.xor",
+        &e.compare(&a, &zero, "LT")?,
+        &e.compare(&b, &zero, "LT")?,
+        DType::Bool,
+    )?;
+    let step = e.binary("stablehlo.and", &inexact, &signs_differ, DType::Bool)?;
+    let one = e.splat(Scalar::Int(1), &[], out)?;
+    let q1 = e.binary("stablehlo.subtract", &q, &one, out)?;
+    e.select(&step, &q1, &q, out)
 }
 
 fn pow<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
@@ -274,6 +314,12 @@ fn abs<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     unary_same(cx, "stablehlo.abs")
 }
 fn sign<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    if matches!(x.dtype, DType::Bool | DType::Uint8) {
+        // Unsigned: sign is 1 for non-zero, 0 for zero (StableHLO's sign takes signed types only).
+        let nz = cx.e.convert(&x, DType::Bool)?;
+        return Ok(vec![cx.e.convert(&nz, x.dtype)?]);
+    }
     unary_same(cx, "stablehlo.sign")
 }
 fn floor<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
@@ -373,7 +419,10 @@ pub fn erf_of<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
         -1.42647390514189e-02,
     ];
     if x.dtype != DType::Float32 {
-        return Err(cx.err(format!("erf is implemented for float32 (and f16/bf16 through it), not {}", x.dtype)));
+        return Err(cx.err(format!(
+            "erf is implemented for float32 (and f16/bf16 through it), not {}",
+            x.dtype
+        )));
     }
     let e = cx.e;
     let k = |v: f64| e.splat(Scalar::Float(v), &[], DType::Float32);
@@ -569,6 +618,13 @@ fn isnan<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 
 fn isinf<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
+    if !x.dtype.is_float() {
+        return Ok(vec![cx.e.splat(
+            Scalar::Bool(false),
+            &x.shape,
+            DType::Bool,
+        )?]);
+    }
     let a = cx.e.unary("stablehlo.abs", &x)?;
     let inf = cx.e.splat(Scalar::Float(f64::INFINITY), &[], x.dtype)?;
     Ok(vec![cx.e.compare(&a, &inf, "EQ")?])
