@@ -59,25 +59,25 @@ def test_shared_library_without_pjrt_entry_point():
 
 
 def unsupported_fn(x):
-    # aten.cumsum has no lowering rule yet: the op stands for "anything unsupported".
-    return torch.cumsum(x, 0) * 2 + 1
+    # aten.kthvalue has no lowering rule (yet): it stands for "any unsupported op".
+    return torch.kthvalue(x, 2, 0)[0] * 2 + 1
 
 
 def test_unsupported_op_with_fallback_error_names_op_and_node():
-    x = torch.randn(5)
+    x = torch.randn(5, 3)
     with pytest.raises(
-        tpuc.UnsupportedOpError, match=r"unsupported op `aten\.cumsum\.default` \(node `cumsum`\)"
+        tpuc.UnsupportedOpError, match=r"unsupported op `aten\.kthvalue\.default` \(node `kthvalue`\)"
     ):
         torch.compile(unsupported_fn, backend="tpu", options={"fallback": "error"})(x)
 
 
 def test_unsupported_op_with_fallback_eager_runs_it_in_pytorch_and_says_so():
-    x = torch.randn(5)
-    with pytest.warns(UserWarning, match="aten.cumsum.default"):
+    x = torch.randn(5, 3)
+    with pytest.warns(UserWarning, match="aten.kthvalue.default"):
         out = torch.compile(unsupported_fn, backend="tpu")(x)
     torch.testing.assert_close(out, unsupported_fn(x))
     s = tpuc.stats()
-    assert s["fallback_ops"] == {"aten.cumsum.default": 1}
+    assert s["fallback_ops"] == {"aten.kthvalue.default": 1}
     assert s["xla_compiles"] >= 1  # the supported part still ran through tpuc
 
 

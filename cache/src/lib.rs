@@ -5,6 +5,10 @@
 //! to shared executables in memory; callers decide what a value is (the compiler stores PJRT
 //! executables).
 
+mod disk;
+
+pub use disk::{CacheError, DiskCache, Entry, EntryInfo, GcReport, FORMAT_VERSION};
+
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -39,8 +43,10 @@ pub struct KeyBuilder(blake3::Hasher);
 impl KeyBuilder {
     const DOMAIN: &'static str = "tpuc executable cache key v1";
 
+    /// A builder whose key also covers the on-disk format version.
     pub fn new() -> KeyBuilder {
         KeyBuilder(blake3::Hasher::new_derive_key(Self::DOMAIN))
+            .part("format", &FORMAT_VERSION.to_le_bytes())
     }
 
     pub fn part(mut self, name: &str, bytes: &[u8]) -> KeyBuilder {

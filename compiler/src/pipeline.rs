@@ -6,11 +6,15 @@ use crate::pjrt::{
     self, Buffer, Client, CompileOptions, ElementType, HostBufferSemantics, LoadedExecutable,
     PjrtError, Plugin,
 };
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tpuc_cache::{host_cpu_fingerprint, CacheKey, ExecutableCache, KeyBuilder};
+use tpuc_cache::{
+    host_cpu_fingerprint, CacheError, CacheKey, DiskCache, ExecutableCache, KeyBuilder,
+};
 use tpuc_frontend_fx::{DType, Graph};
 use tpuc_passes::SpecializeError;
 
@@ -22,6 +26,8 @@ pub enum CompileError {
     Pjrt(#[from] PjrtError),
     #[error(transparent)]
     Specialize(#[from] SpecializeError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
     #[error("{0}")]
     Run(String),
 }
@@ -46,6 +52,8 @@ pub fn element_type(d: DType) -> ElementType {
 pub struct Engine {
     client: Client,
     cache: ExecutableCache<LoadedExecutable>,
+    /// Open disk caches by folder (opened once per process; `None` entries never exist).
+    disks: Mutex<HashMap<PathBuf, Arc<DiskCache>>>,
     platform: String,
     /// Whether buffers may alias host memory (the CPU plugin): inputs are then never copied.
     host_zero_copy: bool,
@@ -57,6 +65,24 @@ pub struct Engine {
 pub enum CacheOutcome {
     Miss,
     Memory,
+    Disk,
+}
+
+/// Where and how compiled executables persist.
+#[derive(Clone, Debug, Default)]
+pub struct DiskCacheOptions {
+    pub dir: Option<PathBuf>,
+    pub max_bytes: Option<u64>,
+}
+
+/// What a disk entry records beside the executable, checked again when it is loaded.
+#[derive(Serialize, Deserialize, Debug)]
+struct EntryMeta {
+    plugin_identity: [u8; 32],
+    platform: String,
+    tpuc_version: String,
+    inputs: Vec<(Vec<i64>, DType)>,
+    outputs: Vec<(Vec<i64>, DType)>,
 }
 
 /// A compiled, ready-to-run graph for one static shape.
@@ -95,6 +121,7 @@ impl Engine {
             host_zero_copy: platform == "cpu",
             client,
             cache: ExecutableCache::default(),
+            disks: Mutex::new(HashMap::new()),
             platform,
             cpu: host_cpu_fingerprint(),
         })
@@ -112,13 +139,31 @@ impl Engine {
         self.cache.len()
     }
 
-    /// Specializes `graph` to the sizes in `bindings`, lowers it and compiles it (or finds it in
-    /// the cache).
+    /// The disk cache for `opts`, opened on first use.
+    pub fn disk_cache(
+        &self,
+        opts: &DiskCacheOptions,
+    ) -> Result<Option<Arc<DiskCache>>, CacheError> {
+        let Some(dir) = &opts.dir else {
+            return Ok(None);
+        };
+        let mut disks = self.disks.lock().unwrap();
+        if let Some(d) = disks.get(dir) {
+            return Ok(Some(d.clone()));
+        }
+        let d = Arc::new(DiskCache::open(dir, opts.max_bytes)?);
+        disks.insert(dir.clone(), d.clone());
+        Ok(Some(d))
+    }
+
+    /// Specializes `graph` to the sizes in `bindings`, lowers it and compiles it, or finds the
+    /// executable in memory or in the disk cache.
     pub fn compile(
         &self,
         graph: &Graph,
         bindings: &HashMap<String, i64>,
         precision: Precision,
+        disk: &DiskCacheOptions,
     ) -> Result<Compiled, CompileError> {
         let t0 = Instant::now();
         let specialized = tpuc_passes::specialize(graph, bindings)?;
@@ -135,8 +180,17 @@ impl Engine {
         let (exe, outcome) = match self.cache.get(&key) {
             Some(exe) => (exe, CacheOutcome::Memory),
             None => {
-                let exe = self.client.compile(&lowered.mlir, &options)?;
-                (self.cache.insert(key, exe), CacheOutcome::Miss)
+                let disk = self.disk_cache(disk)?;
+                match disk.as_ref().and_then(|d| self.load(d, &key)) {
+                    Some(exe) => (self.cache.insert(key, exe), CacheOutcome::Disk),
+                    None => {
+                        let exe = self.client.compile(&lowered.mlir, &options)?;
+                        if let Some(d) = &disk {
+                            self.store(d, &key, &exe, &lowered);
+                        }
+                        (self.cache.insert(key, exe), CacheOutcome::Miss)
+                    }
+                }
             }
         };
         let compile_seconds = t1.elapsed().as_secs_f64();
@@ -150,6 +204,107 @@ impl Engine {
             compile_seconds,
             specialized,
         })
+    }
+
+    /// Compiles one specialization per entry of `all_bindings`, in parallel (rayon), with an
+    /// optional progress bar on stderr. Results come back in order.
+    pub fn compile_many(
+        &self,
+        graph: &Graph,
+        all_bindings: &[HashMap<String, i64>],
+        precision: Precision,
+        disk: &DiskCacheOptions,
+        progress: bool,
+    ) -> Vec<Result<Compiled, CompileError>> {
+        let bar = if progress {
+            let bar = indicatif::ProgressBar::new(all_bindings.len() as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+            );
+            bar.set_prefix("tpuc: compiling");
+            bar
+        } else {
+            indicatif::ProgressBar::hidden()
+        };
+        let out: Vec<_> = all_bindings
+            .par_iter()
+            .map(|b| {
+                let r = self.compile(graph, b, precision, disk);
+                bar.inc(1);
+                r
+            })
+            .collect();
+        bar.finish();
+        out
+    }
+
+    /// A verified executable from the disk cache, or None (absent, or bad: then it is removed,
+    /// and a warning says why).
+    fn load(&self, disk: &DiskCache, key: &CacheKey) -> Option<LoadedExecutable> {
+        let entry = match disk.get(key) {
+            Ok(Some(e)) => e,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!("{e}; recompiling");
+                return None;
+            }
+        };
+        let meta: EntryMeta = match bincode::deserialize(&entry.meta) {
+            Ok(m) => m,
+            Err(e) => {
+                self.reject(disk, key, &format!("unreadable metadata: {e}"));
+                return None;
+            }
+        };
+        // The key covers the plugin already; this catches a file placed under the wrong name.
+        if meta.plugin_identity != self.client.plugin().identity() {
+            self.reject(disk, key, "made by another PJRT plugin build");
+            return None;
+        }
+        match self.client.deserialize(&entry.payload) {
+            Ok(exe) => Some(exe),
+            Err(e) => {
+                self.reject(disk, key, &format!("the plugin cannot load it: {e}"));
+                None
+            }
+        }
+    }
+
+    fn reject(&self, disk: &DiskCache, key: &CacheKey, why: &str) {
+        let path = disk.entry_path(key);
+        tracing::warn!(
+            "cache entry {} rejected: {why}; recompiling",
+            path.display()
+        );
+        if !disk.is_read_only() {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    /// Writes a freshly compiled executable to the disk cache; failures only warn (the
+    /// executable still works from memory).
+    fn store(&self, disk: &DiskCache, key: &CacheKey, exe: &LoadedExecutable, lowered: &Lowered) {
+        let meta = EntryMeta {
+            plugin_identity: self.client.plugin().identity(),
+            platform: self.platform.clone(),
+            tpuc_version: env!("CARGO_PKG_VERSION").to_string(),
+            inputs: lowered.inputs.clone(),
+            outputs: lowered.outputs.clone(),
+        };
+        let result = exe
+            .serialize()
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| {
+                let meta = bincode::serialize(&meta).map_err(|e| e.to_string())?;
+                disk.put(key, &meta, &bytes).map_err(|e| e.to_string())
+            });
+        if let Err(e) = result {
+            tracing::warn!("could not write cache entry {}: {e}", key.hex());
+        }
     }
 
     /// Uploads host memory to device 0. On the CPU plugin the buffer aliases the memory, which

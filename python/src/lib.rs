@@ -9,8 +9,11 @@ use pyo3::types::{PyList, PyTuple};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use tpuc_cache::{CacheError, DiskCache};
 use tpuc_compiler::lower::{LowerError, Precision};
-use tpuc_compiler::pipeline::{CacheOutcome, CompileError, Compiled, Engine, HostArray, RunArg};
+use tpuc_compiler::pipeline::{
+    CacheOutcome, CompileError, Compiled, DiskCacheOptions, Engine, HostArray, RunArg,
+};
 use tpuc_compiler::pjrt::{Buffer, PjrtError};
 use tpuc_frontend_fx::{DType, Dim, Graph, InputKind, Output};
 
@@ -67,6 +70,14 @@ fn compile_err(e: CompileError) -> PyErr {
     match e {
         CompileError::Lower(l) => lower_err(l),
         CompileError::Pjrt(p) => pjrt_err(p),
+        CompileError::Cache(c) => cache_err(c),
+        other => TpucError::new_err(other.to_string()),
+    }
+}
+
+fn cache_err(e: CacheError) -> PyErr {
+    match e {
+        CacheError::Unsafe { .. } => pyo3::exceptions::PyPermissionError::new_err(e.to_string()),
         other => TpucError::new_err(other.to_string()),
     }
 }
@@ -280,25 +291,57 @@ impl Runtime {
         self.engine.cached_executables()
     }
 
-    /// Specializes `graph` to `bindings`, lowers and compiles it (GIL released).
+    /// Specializes `graph` to `bindings`, lowers and compiles it, or loads it from the caches
+    /// (GIL released).
+    #[pyo3(signature = (graph, bindings, precision, cache_dir=None, cache_max_bytes=None))]
     fn compile(
         &self,
         py: Python<'_>,
         graph: &FxGraph,
         bindings: HashMap<String, i64>,
         precision: &str,
+        cache_dir: Option<PathBuf>,
+        cache_max_bytes: Option<u64>,
     ) -> PyResult<Executable> {
-        let precision = Precision::parse(precision).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!("bad precision {precision:?}"))
-        })?;
+        let precision = parse_precision(precision)?;
+        let disk = DiskCacheOptions {
+            dir: cache_dir,
+            max_bytes: cache_max_bytes,
+        };
         let engine = self.engine.clone();
         let compiled = py
-            .detach(|| engine.compile(&graph.graph, &bindings, precision))
+            .detach(|| engine.compile(&graph.graph, &bindings, precision, &disk))
             .map_err(compile_err)?;
-        Ok(Executable {
-            engine: self.engine.clone(),
-            compiled: Arc::new(compiled),
-        })
+        Ok(self.executable(compiled))
+    }
+
+    /// Compiles one specialization per bindings dict, in parallel; a progress bar on stderr
+    /// when `progress`. Returns the executables in order (the first error raises).
+    #[pyo3(signature = (graph, all_bindings, precision, cache_dir=None, cache_max_bytes=None, progress=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn compile_many(
+        &self,
+        py: Python<'_>,
+        graph: &FxGraph,
+        all_bindings: Vec<HashMap<String, i64>>,
+        precision: &str,
+        cache_dir: Option<PathBuf>,
+        cache_max_bytes: Option<u64>,
+        progress: bool,
+    ) -> PyResult<Vec<Executable>> {
+        let precision = parse_precision(precision)?;
+        let disk = DiskCacheOptions {
+            dir: cache_dir,
+            max_bytes: cache_max_bytes,
+        };
+        let engine = self.engine.clone();
+        let results = py.detach(|| {
+            engine.compile_many(&graph.graph, &all_bindings, precision, &disk, progress)
+        });
+        results
+            .into_iter()
+            .map(|r| r.map(|c| self.executable(c)).map_err(compile_err))
+            .collect()
     }
 
     /// Puts a host array on device 0 (aliasing it on the CPU plugin).
@@ -308,6 +351,15 @@ impl Runtime {
         // tensor alive as long as this DeviceBuffer.
         let buffer = unsafe { self.engine.upload(&a) }.map_err(pjrt_err)?;
         Ok(DeviceBuffer { buffer })
+    }
+}
+
+impl Runtime {
+    fn executable(&self, compiled: Compiled) -> Executable {
+        Executable {
+            engine: self.engine.clone(),
+            compiled: Arc::new(compiled),
+        }
     }
 }
 
@@ -391,12 +443,14 @@ impl Executable {
         self.compiled.key.hex()
     }
 
-    /// `"miss"` (PJRT compiled it) or `"memory"` (found in this process's cache).
+    /// `"miss"` (PJRT compiled it), `"memory"` (this process had it) or `"disk"` (loaded from
+    /// the persistent cache).
     #[getter]
     fn cache(&self) -> &'static str {
         match self.compiled.outcome {
             CacheOutcome::Miss => "miss",
             CacheOutcome::Memory => "memory",
+            CacheOutcome::Disk => "disk",
         }
     }
 
@@ -426,6 +480,76 @@ impl Executable {
     }
 }
 
+fn parse_precision(p: &str) -> PyResult<Precision> {
+    Precision::parse(p)
+        .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("bad precision {p:?}")))
+}
+
+fn open_cache(dir: PathBuf) -> PyResult<DiskCache> {
+    DiskCache::open(&dir, None).map_err(cache_err)
+}
+
+/// `[(key, size bytes, last used unix seconds)]`, most recently used first.
+#[pyfunction]
+fn cache_list(dir: PathBuf) -> PyResult<Vec<(String, u64, f64)>> {
+    let c = open_cache(dir)?;
+    Ok(c.list()
+        .map_err(cache_err)?
+        .into_iter()
+        .map(|e| {
+            let t = e
+                .last_used
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            (e.key, e.size, t)
+        })
+        .collect())
+}
+
+/// Verified entry details: `{"key", "path", "meta_bytes", "payload_bytes"}`; raises if bad.
+#[pyfunction]
+fn cache_info(dir: PathBuf, key: &str) -> PyResult<HashMap<String, String>> {
+    let c = open_cache(dir)?;
+    let (k, entry) = c.read_raw(key).map_err(cache_err)?;
+    let mut m = HashMap::new();
+    m.insert("key".into(), k.hex());
+    m.insert("path".into(), c.entry_path(&k).display().to_string());
+    m.insert("meta_bytes".into(), entry.meta.len().to_string());
+    m.insert("payload_bytes".into(), entry.payload.len().to_string());
+    Ok(m)
+}
+
+/// Verifies every entry, removing bad ones: `(good, [(path, reason)])`.
+#[pyfunction]
+fn cache_verify(dir: PathBuf) -> PyResult<(usize, Vec<(String, String)>)> {
+    let (good, bad) = open_cache(dir)?.verify().map_err(cache_err)?;
+    Ok((
+        good,
+        bad.into_iter()
+            .map(|(p, r)| (p.display().to_string(), r))
+            .collect(),
+    ))
+}
+
+/// Evicts least recently used entries down to `max_bytes`: `{"removed", "freed_bytes", "kept",
+/// "kept_bytes", "stale_temp_files"}`.
+#[pyfunction]
+fn cache_gc(dir: PathBuf, max_bytes: u64) -> PyResult<HashMap<String, u64>> {
+    let r = open_cache(dir)?.gc(max_bytes).map_err(cache_err)?;
+    Ok(HashMap::from([
+        ("removed".to_string(), r.removed as u64),
+        ("freed_bytes".to_string(), r.freed_bytes),
+        ("kept".to_string(), r.kept as u64),
+        ("kept_bytes".to_string(), r.kept_bytes),
+        ("stale_temp_files".to_string(), r.stale_temp_files as u64),
+    ]))
+}
+
+#[pyfunction]
+fn cache_clear(dir: PathBuf) -> PyResult<usize> {
+    open_cache(dir)?.clear().map_err(cache_err)
+}
+
 #[pyfunction]
 fn supported_ops() -> Vec<&'static str> {
     tpuc_compiler::lower::supported_ops()
@@ -452,6 +576,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Executable>()?;
     m.add_class::<DeviceBuffer>()?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_list, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_info, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_verify, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_gc, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_clear, m)?)?;
     let py = m.py();
     m.add("TpucError", py.get_type::<TpucError>())?;
     m.add("UnsupportedOpError", py.get_type::<UnsupportedOpError>())?;

@@ -8,10 +8,12 @@ for `tpuc.stats()`, `tpuc.reset_stats()` and the error types.
 
 from ._native import GraphImportError, PjrtError, TpucError, UnsupportedOpError, supported_ops
 from .counters import reset_stats, stats
+from .precompile import precompile
 
 __all__ = [
     "GraphImportError",
     "PjrtError",
+    "precompile",
     "TpucError",
     "UnsupportedOpError",
     "reset_stats",

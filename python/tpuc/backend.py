@@ -21,7 +21,7 @@ from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, counters, dump, fx_export, runtime
+from . import _native, counters, dump, fx_export, precompile, runtime
 from . import options as options_mod
 
 log = logging.getLogger("tpuc")
@@ -47,6 +47,23 @@ _warn_lock = threading.Lock()
 
 def _host_array(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.nbytes, _DTYPE_NAMES[t.dtype], list(t.shape))
+
+
+def cache_args(opts: options_mod.Options) -> tuple:
+    """The (cache_dir, cache_max_bytes) arguments of Runtime.compile for these options."""
+    if opts.cache_dir is None:
+        return (None, None)
+    return (str(opts.cache_dir), opts.cache_max_bytes)
+
+
+def record_compile(exe) -> None:
+    """Counts one executable obtained from Runtime.compile in tpuc.stats()."""
+    if exe.cache == "miss":
+        counters.add(xla_compiles=1, lower_seconds=exe.lower_seconds, compile_seconds=exe.compile_seconds)
+    elif exe.cache == "disk":
+        counters.add(cache_hits_disk=1, lower_seconds=exe.lower_seconds)
+    else:
+        counters.add(cache_hits_memory=1, lower_seconds=exe.lower_seconds)
 
 
 class _Slot:
@@ -88,17 +105,15 @@ class CompiledGraph:
         self.slots = [_Slot() for _ in self.inputs]
         self.lock = threading.Lock()
         counters.add(graphs_compiled=1)
+        precompile.record_graph(self)
         if not self.symbolic:
             self.static = self._compile({}, None)
         else:
             self.static = None
 
     def _compile(self, bindings: dict, key):
-        exe = self.runtime.compile(self.graph, bindings, self.opts.precision)
-        if exe.cache == "miss":
-            counters.add(xla_compiles=1, lower_seconds=exe.lower_seconds, compile_seconds=exe.compile_seconds)
-        else:
-            counters.add(cache_hits_memory=1, lower_seconds=exe.lower_seconds)
+        exe = self.runtime.compile(self.graph, bindings, self.opts.precision, *cache_args(self.opts))
+        record_compile(exe)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
         entry = (exe, out_types, plan)

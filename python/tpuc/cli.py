@@ -31,6 +31,85 @@ def _doctor(args) -> int:
     return 0
 
 
+def _cache_dir(args) -> str:
+    from . import options as options_mod
+
+    return str(args.cache_dir or options_mod.parse({}).cache_dir)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "K", "M", "G"):
+        if n < 1024 or unit == "G":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return str(n)
+
+
+def _cache(args) -> int:
+    import datetime
+
+    from . import _native
+    from . import options as options_mod
+
+    d = _cache_dir(args)
+    if args.action == "ls":
+        entries = _native.cache_list(d)
+        for key, size, used in entries:
+            print(f"{key}  {_human(size):>7}  {datetime.datetime.fromtimestamp(used):%Y-%m-%d %H:%M:%S}")
+        print(f"{len(entries)} entries, {_human(sum(e[1] for e in entries))} in {d}")
+    elif args.action == "info":
+        if not args.key:
+            print("tpuc cache info: give a KEY (see tpuc cache ls)", file=sys.stderr)
+            return 2
+        for k, v in sorted(_native.cache_info(d, args.key).items()):
+            print(f"{k}: {v}")
+    elif args.action == "verify":
+        good, bad = _native.cache_verify(d)
+        for path, reason in bad:
+            print(f"removed {path}: {reason}")
+        print(f"{good} good, {len(bad)} bad entries in {d}")
+        return 1 if bad else 0
+    elif args.action == "gc":
+        if not args.max_size:
+            print("tpuc cache gc: give --max-size (e.g. 2G)", file=sys.stderr)
+            return 2
+        r = _native.cache_gc(d, options_mod.parse_size(args.max_size))
+        print(
+            f"removed {r['removed']} entries ({_human(r['freed_bytes'])}), kept {r['kept']} "
+            f"({_human(r['kept_bytes'])}), removed {r['stale_temp_files']} stale temp files"
+        )
+    elif args.action == "clear":
+        print(f"removed {_native.cache_clear(d)} entries from {d}")
+    return 0
+
+
+def _precompile(args) -> int:
+    import importlib
+    import json
+    import os
+
+    from .precompile import precompile
+
+    module_name, _, factory_name = args.target.partition(":")
+    if not factory_name:
+        print("tpuc precompile: expected MODULE:FACTORY", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.getcwd())
+    factory = getattr(importlib.import_module(module_name), factory_name)
+    model, example_inputs, dynamic = factory()
+    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    report = precompile(
+        model,
+        example_inputs,
+        dynamic=dynamic,
+        buckets=buckets,
+        options={"cache_dir": args.cache_dir},
+        progress=True,
+    )
+    print(json.dumps(report, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tpuc", description="tpuc: torch.compile backend (Rust, StableHLO, PJRT)"
@@ -39,8 +118,27 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="check the plugin, versions, devices and cache dir")
     doctor.add_argument("--plugin", default=None, help="cpu, cuda, tpu or a path (default: detect)")
     doctor.set_defaults(func=_doctor)
+
+    cache = sub.add_parser("cache", help="inspect and manage the persistent executable cache")
+    cache.add_argument("action", choices=["ls", "info", "verify", "gc", "clear"])
+    cache.add_argument("key", nargs="?", help="entry key (for info)")
+    cache.add_argument("--cache-dir", default=None, help="default: TPUC_CACHE_DIR or ~/.cache/tpuc")
+    cache.add_argument("--max-size", default=None, help="for gc: size to shrink to, e.g. 2G")
+    cache.set_defaults(func=_cache)
+
+    pre = sub.add_parser("precompile", help="compile a model's shape buckets into the cache ahead of time")
+    pre.add_argument(
+        "target", metavar="MODULE:FACTORY", help="FACTORY() returns (model, example_inputs, dynamic)"
+    )
+    pre.add_argument("--cache-dir", required=True)
+    pre.add_argument("--buckets", default=None, help="comma-separated sizes (default: powers of two)")
+    pre.set_defaults(func=_precompile)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, PermissionError, RuntimeError) as e:
+        print(f"tpuc: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

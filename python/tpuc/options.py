@@ -25,6 +25,8 @@ FALLBACKS = ("eager", "error")
 SHARDINGS = ("replicated", "data_parallel", "fsdp", "tensor_parallel")
 PASSES = ("cleanup", "fusion")
 
+DEFAULT_CACHE_MAX_SIZE = "10G"
+
 # torch.get_float32_matmul_precision() -> our precision.
 _TORCH_PRECISION = {"highest": "highest", "high": "high", "medium": "default"}
 
@@ -40,6 +42,7 @@ class Options:
     mesh: dict | None = None
     sharding: Any = "replicated"
     passes: dict = field(default_factory=dict)
+    cache_max_bytes: int | None = None
 
     def pass_enabled(self, name: str) -> bool:
         return bool(self.passes.get(name, True))
@@ -47,6 +50,21 @@ class Options:
 
 def _bad(key: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"tpuc: bad value for option {key!r}: {value!r} (expected {expected})")
+
+
+def parse_size(text: str) -> int:
+    """`"500M"`, `"10G"`, `"1.5G"`, `"4096"` -> bytes (powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in units else ""
+    number = t[: len(t) - len(unit)]
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"tpuc: bad size {text!r} (expected e.g. 500M, 10G)") from None
+    if value < 0:
+        raise ValueError(f"tpuc: bad size {text!r} (negative)")
+    return int(value * units[unit])
 
 
 def default_cache_dir() -> Path:
@@ -130,4 +148,5 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
         mesh=mesh,
         sharding=sharding,
         passes=dict(passes),
+        cache_max_bytes=parse_size(os.environ.get("TPUC_CACHE_MAX_SIZE") or DEFAULT_CACHE_MAX_SIZE),
     )

@@ -1,0 +1,111 @@
+"""Ahead-of-time compilation of shape buckets (`tpuc.precompile`, `tpuc precompile`).
+
+The model is traced once with the declared dynamic dims (Dynamo + AOTAutograd, through the normal
+backend); every symbolic graph that comes out is then specialized to each bucket and compiled in
+parallel in Rust (rayon), into the persistent cache. A later process that compiles the same model
+with the same options and marks finds those executables on disk.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+import time
+
+import torch
+
+from . import backend
+from . import options as options_mod
+
+_session = threading.local()
+_SOURCE = re.compile(r"^L\['(\w+)'\]\.size\(\)\[(\d+)\]$")
+
+
+def record_graph(compiled_graph) -> None:
+    """Called by the backend for each graph it compiles: inside `precompile`, remembers the graph
+    and which (argument, dim) each of its size symbols stands for."""
+    graphs = getattr(_session, "graphs", None)
+    if graphs is None:
+        return
+    symbols = {}
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is not None and ctx.fake_mode is not None and ctx.fake_mode.shape_env is not None:
+        for sym, sources in ctx.fake_mode.shape_env.var_to_sources.items():
+            for src in sources:
+                m = _SOURCE.match(src.name)
+                if m:
+                    symbols[str(sym)] = (m.group(1), int(m.group(2)))
+                    break
+    graphs.append((compiled_graph, symbols))
+
+
+def bucket_sizes(buckets, maximum: int) -> list[int]:
+    """The sizes to compile for a dim with declared `maximum`: the buckets up to it (and the
+    maximum itself, so every size up to it has a bucket); "pow2" = 2, 4, 8, ... ."""
+    if buckets == "pow2":
+        sizes, b = [], 2
+        while b < maximum:
+            sizes.append(b)
+            b *= 2
+    else:
+        sizes = [b for b in buckets if b < maximum]
+    return sorted(set(sizes + [maximum]))
+
+
+def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, progress=False) -> dict:
+    """Compiles `model` for every bucket of its dynamic dims into the persistent cache.
+
+    `dynamic`: {input index: {dim: declared maximum}}; `buckets`: list of sizes or "pow2"
+    (default: the `buckets` option). Returns {"executables", "compiled", "from_cache", "seconds",
+    "graphs", "buckets"}."""
+    t0 = time.perf_counter()
+    opts_dict = dict(options or {})
+    if buckets is not None:
+        opts_dict["buckets"] = buckets
+    opts = options_mod.parse(opts_dict)
+    dynamic = {int(i): {int(d): int(mx) for d, mx in dims.items()} for i, dims in (dynamic or {}).items()}
+    inputs = list(example_inputs)
+    for idx, dims in dynamic.items():
+        for dim, maximum in dims.items():
+            if inputs[idx].shape[dim] > maximum:
+                raise ValueError(
+                    f"tpuc.precompile: input {idx} dim {dim} is {inputs[idx].shape[dim]}, above its maximum {maximum}"
+                )
+            torch._dynamo.mark_dynamic(inputs[idx], dim, max=maximum)
+    forward = model.forward if isinstance(model, torch.nn.Module) else model
+    arg_names = list(inspect.signature(forward).parameters)
+
+    _session.graphs = []
+    try:
+        compiled = torch.compile(model, backend="tpu", options=options)
+        with torch.no_grad():
+            compiled(*inputs)
+        graphs = _session.graphs
+    finally:
+        _session.graphs = None
+
+    report = {"executables": 0, "compiled": 0, "from_cache": 0, "graphs": len(graphs), "buckets": {}}
+    for cg, symbols in graphs:
+        if not cg.symbolic:
+            continue
+        per_symbol = {}
+        for sym, (name, dim) in symbols.items():
+            idx = arg_names.index(name) if name in arg_names else None
+            if idx in dynamic and dim in dynamic[idx]:
+                per_symbol[sym] = bucket_sizes(opts.buckets, dynamic[idx][dim])
+        if not per_symbol:
+            continue
+        # Dims bucket together: the k-th size of every dynamic dim (the last one once shorter).
+        n = max(len(v) for v in per_symbol.values())
+        all_bindings = [{s: v[min(k, len(v) - 1)] for s, v in per_symbol.items()} for k in range(n)]
+        report["buckets"][cg.name] = [dict(b) for b in all_bindings]
+        exes = cg.runtime.compile_many(
+            cg.graph, all_bindings, opts.precision, *backend.cache_args(opts), progress=progress
+        )
+        for exe in exes:
+            backend.record_compile(exe)
+            report["executables"] += 1
+            report["compiled" if exe.cache == "miss" else "from_cache"] += 1
+    report["seconds"] = time.perf_counter() - t0
+    return report
