@@ -79,6 +79,8 @@ pub struct DiskCacheOptions {
 #[derive(Serialize, Deserialize, Debug)]
 struct EntryMeta {
     plugin_identity: [u8; 32],
+    /// blake3 of the StableHLO module: a well-formed entry for another module is refused.
+    module_hash: [u8; 32],
     platform: String,
     tpuc_version: String,
     inputs: Vec<(Vec<i64>, DType)>,
@@ -181,7 +183,8 @@ impl Engine {
             Some(exe) => (exe, CacheOutcome::Memory),
             None => {
                 let disk = self.disk_cache(disk)?;
-                match disk.as_ref().and_then(|d| self.load(d, &key)) {
+                let module_hash = *blake3::hash(lowered.mlir.as_bytes()).as_bytes();
+                match disk.as_ref().and_then(|d| self.load(d, &key, &module_hash)) {
                     Some(exe) => (self.cache.insert(key, exe), CacheOutcome::Disk),
                     None => {
                         let exe = self.client.compile(&lowered.mlir, &options)?;
@@ -244,7 +247,12 @@ impl Engine {
 
     /// A verified executable from the disk cache, or None (absent, or bad: then it is removed,
     /// and a warning says why).
-    fn load(&self, disk: &DiskCache, key: &CacheKey) -> Option<LoadedExecutable> {
+    fn load(
+        &self,
+        disk: &DiskCache,
+        key: &CacheKey,
+        module_hash: &[u8; 32],
+    ) -> Option<LoadedExecutable> {
         let entry = match disk.get(key) {
             Ok(Some(e)) => e,
             Ok(None) => return None,
@@ -263,6 +271,10 @@ impl Engine {
         // The key covers the plugin already; this catches a file placed under the wrong name.
         if meta.plugin_identity != self.client.plugin().identity() {
             self.reject(disk, key, "made by another PJRT plugin build");
+            return None;
+        }
+        if &meta.module_hash != module_hash {
+            self.reject(disk, key, "compiled from another module");
             return None;
         }
         match self.client.deserialize(&entry.payload) {
@@ -290,6 +302,7 @@ impl Engine {
     fn store(&self, disk: &DiskCache, key: &CacheKey, exe: &LoadedExecutable, lowered: &Lowered) {
         let meta = EntryMeta {
             plugin_identity: self.client.plugin().identity(),
+            module_hash: *blake3::hash(lowered.mlir.as_bytes()).as_bytes(),
             platform: self.platform.clone(),
             tpuc_version: env!("CARGO_PKG_VERSION").to_string(),
             inputs: lowered.inputs.clone(),
