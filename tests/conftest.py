@@ -3,13 +3,19 @@ by a real StableHLO verifier (the one in the torch-mlir wheel), in the test that
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The suite must not read or fill the user's cache (~/.cache/tpuc): counts of XLA compiles would
+# depend on earlier runs. Subprocesses inherit this too.
+os.environ["TPUC_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-cache-")
 
 import tpuc  # noqa: E402
 from tpuc import backend  # noqa: E402
