@@ -71,6 +71,15 @@ def test_unsupported_op_with_fallback_error_names_op_and_node():
         torch.compile(unsupported_fn, backend="tpu", options={"fallback": "error"})(x)
 
 
+def test_fallback_error_says_where_the_op_came_from():
+    x = torch.randn(5, 3)
+    with pytest.raises(tpuc.UnsupportedOpError) as info:
+        torch.compile(unsupported_fn, backend="tpu", options={"fallback": "error"})(x)
+    message = str(info.value)
+    assert "test_errors.py" in message and "torch.kthvalue(x, 2, 0)" in message, message
+    assert info.value.op == "aten.kthvalue.default" and info.value.node == "kthvalue"
+
+
 def test_unsupported_op_with_fallback_eager_runs_it_in_pytorch_and_says_so():
     x = torch.randn(5, 3)
     with pytest.warns(UserWarning, match="aten.kthvalue.default"):

@@ -231,6 +231,24 @@ def _unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if _is_tensor_op(n) and not _supported(n)]
 
 
+def _origin(n: torch.fx.Node, traces: dict) -> str:
+    """Where the user's code produced `n`: the last frame of the stack trace Dynamo recorded for
+    the node it came from (AOTAutograd nodes point back to it through `from_node`)."""
+    trace = n.meta.get("stack_trace")
+    source = (n.meta.get("from_node") or [None])[-1]
+    while not trace and source is not None:
+        trace = traces.get(source.name)
+        source = (source.from_node or [None])[-1]
+    trace = (trace or "").strip().splitlines()
+    lines = [line.strip() for line in trace if line.strip() and set(line.strip()) - set("^~ ")]
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = lines[last + 1] if last + 1 < len(lines) else ""
+    return f", from {lines[last]}" + (f": {code}" if code else "")
+
+
 def _warn_fallback(ops: list[str]) -> None:
     with _warn_lock:
         new = sorted(set(ops) - _warned_fallback)
@@ -286,18 +304,24 @@ def _compile_or_fallback(gm: torch.fx.GraphModule, opts, name: str) -> CompiledG
         return None
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, opts, name: str):
-    """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc."""
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, opts, name: str, traces: dict | None = None):
+    """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
+    Dynamo node names to their stack traces, for error messages."""
+    traces = traces or {}
     bad = _unsupported_nodes(gm)
     if not bad:
         compiled = _compile_or_fallback(gm, opts, name)
         return compiled if compiled is not None else make_boxed_func(gm.forward)
     if opts.fallback == "error":
         n = bad[0]
-        raise _native.UnsupportedOpError(
-            f"unsupported op `{n.target}` (node `{n.name}`): tpuc has no lowering rule for it "
-            f"({len(bad)} unsupported node(s) in this graph; use options={{'fallback': 'eager'}} to run them in PyTorch)"
+        details = "\n".join(f"  - `{b.target}` (node `{b.name}`){_origin(b, traces)}" for b in bad)
+        err = _native.UnsupportedOpError(
+            f"unsupported op `{n.target}` (node `{n.name}`): tpuc has no lowering rule for it; "
+            f"{len(bad)} unsupported node(s) in this graph:\n{details}\n"
+            "use options={'fallback': 'eager'} to run them in PyTorch"
         )
+        err.op, err.node = str(n.target), n.name
+        raise err
     ops = [str(n.target) for n in bad]
     for op in ops:
         counters.count_fallback(op)
@@ -364,11 +388,13 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         gid = _graph_counter
     t0 = time.perf_counter()
 
+    traces = {n.name: n.meta.get("stack_trace") for n in gm.graph.nodes}
+
     def fw(g, ins):
-        return compile_graph(g, ins, opts, f"g{gid}_forward")
+        return compile_graph(g, ins, opts, f"g{gid}_forward", traces)
 
     def bw(g, ins):
-        return compile_graph(g, ins, opts, f"g{gid}_backward")
+        return compile_graph(g, ins, opts, f"g{gid}_backward", traces)
 
     # Trace attention through the math path: otherwise the forward decomposes to math while the
     # backward keeps the CPU flash kernel, whose saved-tensor contract the decomposed forward does
