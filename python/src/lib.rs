@@ -82,6 +82,21 @@ fn cache_err(e: CacheError) -> PyErr {
     }
 }
 
+/// Runs `f`, turning a panic (a bug in tpuc) into a `TpucError` instead of a `PanicException`,
+/// which is a BaseException that `except Exception` and the eager fallback would not catch.
+fn no_panic<T>(f: impl FnOnce() -> T) -> PyResult<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
+        let msg = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        TpucError::new_err(format!(
+            "internal error in tpuc (a bug, please report it): {msg}"
+        ))
+    })
+}
+
 fn dtype(name: &str) -> PyResult<DType> {
     DType::from_name(name).ok_or_else(|| TpucError::new_err(format!("unsupported dtype {name}")))
 }
@@ -310,7 +325,7 @@ impl Runtime {
         };
         let engine = self.engine.clone();
         let compiled = py
-            .detach(|| engine.compile(&graph.graph, &bindings, precision, &disk))
+            .detach(|| no_panic(|| engine.compile(&graph.graph, &bindings, precision, &disk)))?
             .map_err(compile_err)?;
         Ok(self.executable(compiled))
     }
@@ -336,8 +351,10 @@ impl Runtime {
         };
         let engine = self.engine.clone();
         let results = py.detach(|| {
-            engine.compile_many(&graph.graph, &all_bindings, precision, &disk, progress)
-        });
+            no_panic(|| {
+                engine.compile_many(&graph.graph, &all_bindings, precision, &disk, progress)
+            })
+        })?;
         results
             .into_iter()
             .map(|r| r.map(|c| self.executable(c)).map_err(compile_err))

@@ -19,6 +19,7 @@ import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.exc import ShortenTraceback
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _native, counters, dump, fx_export, precompile, runtime
@@ -41,6 +42,14 @@ _DTYPES = {
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 _supported_ops = frozenset(_native.supported_ops())
+
+# Core ATen decompositions, minus one that is wrong in torch 2.15: the CPU flash-attention
+# decomposition returns the attention weights where the op's second result is the logsumexp.
+_DECOMPOSITIONS = {
+    op: fn
+    for op, fn in core_aten_decompositions().items()
+    if op is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+}
 _warned_fallback: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -219,10 +228,21 @@ def _is_tensor_op(n: torch.fx.Node) -> bool:
     return n.op == "call_function" and not isinstance(val, torch.SymInt | int)
 
 
+def _representable(val) -> bool:
+    """Whether tpuc can type a value: supported dtypes, and no data-dependent (unbacked) sizes."""
+    if isinstance(val, list | tuple):
+        return all(_representable(v) for v in val)
+    if isinstance(val, torch.Tensor):
+        return val.dtype in _DTYPE_NAMES and not free_unbacked_symbols(val)
+    return True
+
+
 def _supported(n: torch.fx.Node) -> bool:
     if n.op != "call_function":
         return False
     if not _is_tensor_op(n):
+        return False
+    if not _representable(n.meta.get("val")):
         return False
     return str(n.target) in _supported_ops or n.target.__name__ == "getitem"
 
@@ -401,7 +421,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     # not meet (gradients come out wrong, even with aot_eager).
     with sdpa_kernel(SDPBackend.MATH):
         out = aot_module_simplified(
-            gm, example_inputs, fw_compiler=fw, bw_compiler=bw, decompositions=core_aten_decompositions()
+            gm, example_inputs, fw_compiler=fw, bw_compiler=bw, decompositions=_DECOMPOSITIONS
         )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
     return out
