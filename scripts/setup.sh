@@ -53,6 +53,23 @@ if ! have "import maturin, pytest, numpy" || [ ! -x .venv/bin/ruff ]; then
     "${PIP[@]}" "maturin>=1.5,<2" pytest numpy ruff
 fi
 
+# The model zoo (tests/zoo.py) builds Hugging Face and torchvision models from configs (random
+# weights, no downloads). Both wheels declare torch as a dependency, so they go in with --no-deps;
+# their own dependencies (none of which needs torch) are installed normally. `kernels` (hub
+# kernels, an optional accelerator path) is left out: it has no release transformers accepts.
+TRANSFORMERS_VERSION=5.25.0
+TORCHVISION_VERSION=0.29.2 # the newest torchvision; it declares torch>=2.14
+if ! have "import transformers, torchvision, sys; sys.exit(transformers.__version__ != '$TRANSFORMERS_VERSION' or torchvision.__version__.split('+')[0] != '$TORCHVISION_VERSION')"; then
+    step "python: installing transformers $TRANSFORMERS_VERSION and torchvision $TORCHVISION_VERSION (no torch)"
+    "${PIP[@]}" "huggingface-hub>=2.4.0,<3" "pyyaml>=5.1" "regex>=2025.10.22" "tokenizers>=0.23.1,<0.24" \
+        "safetensors>=0.8.0" "tqdm>=4.60" typer "pillow>=5.3.0,!=8.3.*" numpy packaging filelock
+    "${PIP[@]}" --no-deps "transformers==$TRANSFORMERS_VERSION" "torchvision==$TORCHVISION_VERSION"
+    have "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" || {
+        echo "setup: installing the model zoo packages changed torch" >&2
+        exit 1
+    }
+fi
+
 step "build: Rust extension (release), installed into .venv"
 .venv/bin/maturin develop --release -q -m python/Cargo.toml
 "$PY" -c "import tpuc, sys; print('tpuc', tpuc.__version__, 'ready:', len(tpuc.supported_ops()), 'lowering rules')"

@@ -53,7 +53,8 @@ def test_repeated_calls_reuse_the_executable():
         for _ in range(3):
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
     s = tpuc.stats()
-    assert s["xla_compiles"] == 1
+    # One executable (compiled, or found in this process's cache from an earlier test).
+    assert s["xla_compiles"] + s["cache_hits_memory"] == 1
     assert s["executions"] == 3
 
 
@@ -79,5 +80,7 @@ def test_same_module_compiled_twice_hits_the_memory_cache():
         torch._dynamo.reset()
         torch.compile(model, backend="tpu")(x)
     s = tpuc.stats()
-    assert s["xla_compiles"] == 1
-    assert s["cache_hits_memory"] == 1
+    # The second trace lowers to the same module and finds it in memory (the first may too, if an
+    # earlier test compiled it).
+    assert s["xla_compiles"] + s["cache_hits_memory"] == 2
+    assert s["cache_hits_memory"] >= 1

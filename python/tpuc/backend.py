@@ -237,6 +237,22 @@ def _representable(val) -> bool:
     return True
 
 
+_STORAGE_OPS = frozenset({"aten.as_strided.default", "aten.as_strided_scatter.default"})
+
+
+def _owns_dense_storage(arg) -> bool:
+    """Whether `arg`'s storage is exactly its elements in row-major order. tpuc values are dense
+    row-major arrays, so ops that address the storage (as_strided) are only exact then."""
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    return (
+        val.is_contiguous()
+        and val.storage_offset() == 0
+        and val.untyped_storage().nbytes() == val.numel() * val.element_size()
+    )
+
+
 def _supported(n: torch.fx.Node) -> bool:
     if n.op != "call_function":
         return False
@@ -244,7 +260,10 @@ def _supported(n: torch.fx.Node) -> bool:
         return False
     if not _representable(n.meta.get("val")):
         return False
-    return str(n.target) in _supported_ops or n.target.__name__ == "getitem"
+    target = str(n.target)
+    if target in _STORAGE_OPS and not _owns_dense_storage(n.args[0]):
+        return False
+    return target in _supported_ops or n.target.__name__ == "getitem"
 
 
 def _unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

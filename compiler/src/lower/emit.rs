@@ -543,6 +543,77 @@ impl<'c, 'b> Emitter<'c, 'b> {
         Ok(region)
     }
 
+    /// A region `(x, y) -> y`: the update rule of a scatter that overwrites.
+    pub fn replace_region(&self, dtype: DType) -> R<Region<'c>> {
+        let scalar = tensor_type(self.ctx, &[], dtype);
+        let block = Block::new(&[(scalar, self.loc), (scalar, self.loc)]);
+        {
+            let y: Value = block
+                .argument(1)
+                .map_err(|e| LowerError::internal(e.to_string()))?
+                .into();
+            let ret = OperationBuilder::new("stablehlo.return", self.loc)
+                .add_operands(&[y])
+                .build()
+                .map_err(|e| LowerError::internal(e.to_string()))?;
+            block.append_operation(ret);
+        }
+        let region = Region::new();
+        region.append_block(block);
+        Ok(region)
+    }
+
+    /// `stablehlo.scatter` of `updates` into `operand` at `indices` (index vector in the last
+    /// dim of `indices`), adding when `add`, else overwriting.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scatter(
+        &self,
+        operand: &T<'c, 'b>,
+        indices: &T<'c, 'b>,
+        updates: &T<'c, 'b>,
+        update_window_dims: &[i64],
+        inserted_window_dims: &[i64],
+        scatter_dims_to_operand_dims: &[i64],
+        add: bool,
+    ) -> R<T<'c, 'b>> {
+        let list = |v: &[i64]| {
+            v.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let dnums = format!(
+            "#stablehlo.scatter<update_window_dims = [{}], inserted_window_dims = [{}], scatter_dims_to_operand_dims = [{}], index_vector_dim = {}>",
+            list(update_window_dims),
+            list(inserted_window_dims),
+            list(scatter_dims_to_operand_dims),
+            indices.rank() - 1
+        );
+        let region = if add {
+            if operand.dtype == DType::Bool {
+                self.scalar_region(ReduceKind::Or, operand.dtype)?
+            } else {
+                self.scalar_region(ReduceKind::Sum, operand.dtype)?
+            }
+        } else {
+            self.replace_region(operand.dtype)?
+        };
+        let updates = self.convert(updates, operand.dtype)?;
+        Ok(self
+            .op_n(
+                "stablehlo.scatter",
+                &[operand, indices, &updates],
+                &[
+                    ("scatter_dimension_numbers", dnums),
+                    ("indices_are_sorted", "false".into()),
+                    ("unique_indices", "false".into()),
+                ],
+                &[(operand.shape.clone(), operand.dtype)],
+                vec![region],
+            )?
+            .remove(0))
+    }
+
     /// The identity element of a reduction, for `dtype`.
     pub fn reduce_init(kind: ReduceKind, dtype: DType) -> Scalar {
         match kind {
@@ -612,6 +683,29 @@ impl<'c, 'b> Emitter<'c, 'b> {
         } else {
             Ok(r)
         }
+    }
+
+    /// Like [`Emitter::reduce`], but a max/min over floats is NaN when any reduced element is NaN,
+    /// as in PyTorch. (The CPU plugin's max/min reductions skip NaNs, although its elementwise
+    /// maximum/minimum propagate them.)
+    pub fn reduce_nan(
+        &self,
+        t: &T<'c, 'b>,
+        dims: &[i64],
+        kind: ReduceKind,
+        keepdim: bool,
+    ) -> R<T<'c, 'b>> {
+        let r = self.reduce(t, dims, kind, keepdim)?;
+        if !t.dtype.is_float()
+            || !matches!(kind, ReduceKind::Max | ReduceKind::Min)
+            || t.rank() == 0
+        {
+            return Ok(r);
+        }
+        let isnan = self.compare(t, t, "NE")?;
+        let any = self.reduce(&isnan, dims, ReduceKind::Or, keepdim)?;
+        let nan = self.splat(Scalar::Float(f64::NAN), &[], t.dtype)?;
+        self.select(&any, &nan, &r, t.dtype)
     }
 
     /// `stablehlo.dot_general` with the session's precision.

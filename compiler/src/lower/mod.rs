@@ -123,6 +123,22 @@ impl<'c, 'b> NodeCx<'_, 'c, 'b> {
         }
     }
 
+    /// A list of optional tensors (`Tensor?[]`, like the indices of `aten.index.Tensor`).
+    pub fn opt_tensors(&self, i: usize, name: &str) -> R<Vec<Option<T<'c, 'b>>>> {
+        match self.arg(i, name) {
+            Some(Arg::List(items)) => items
+                .iter()
+                .map(|a| match a {
+                    Arg::None => Ok(None),
+                    a => self.value(a, name).map(Some),
+                })
+                .collect(),
+            other => Err(self.err(format!(
+                "`{name}`: expected a list of optional tensors, got {other:?}"
+            ))),
+        }
+    }
+
     pub fn int(&self, i: usize, name: &str) -> R<i64> {
         match self.arg(i, name) {
             Some(Arg::Int(v)) => Ok(*v),

@@ -252,7 +252,7 @@ fn numel(shape: &[i64]) -> usize {
 fn run(g: &Graph, inputs: &[Buf]) -> Vec<Buf> {
     let e = engine();
     let compiled = e
-        .compile(g, &HashMap::new(), Precision::Highest)
+        .compile(g, &HashMap::new(), Precision::Highest, &Default::default())
         .unwrap_or_else(|err| panic!("compile failed: {err}"));
     let sig = compiled.lowered.clone();
     assert_eq!(inputs.len(), sig.inputs.len(), "number of inputs");
@@ -1903,4 +1903,693 @@ fn bug_gelu_float64() {
         t(&[1], "float64"),
     );
     lower(&g, &LowerOptions::default()).expect("gelu of float64 lowers");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops the model zoo needs (tests/zoo.py): indexing, cumulative sums, clamps
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn num_index_tensor_adjacent_broadcast_negative() {
+    // x[i[:, None], j[None, :]] on x[3, 4]: the indexed dims are adjacent, so the broadcast
+    // index shape [2, 3] replaces them; -1 counts from the end.
+    let g = op(
+        &[
+            ("x", &[3, 4], "float32"),
+            ("i", &[2, 1], "int64"),
+            ("j", &[1, 3], "int64"),
+        ],
+        "aten.index.Tensor",
+        json!([n("x"), [n("i"), n("j")]]),
+        nokw(),
+        f32t(&[2, 3]),
+    );
+    let x = ramp(12, 1.0, 0.0);
+    let out = run(
+        &g,
+        &[Buf::F32(x), Buf::I64(vec![2, -3]), Buf::I64(vec![0, -1, 1])],
+    );
+    assert_close(out[0].f32(), &[8.0, 11.0, 9.0, 0.0, 3.0, 1.0], 0.0);
+}
+
+#[test]
+fn num_index_tensor_none_and_non_adjacent() {
+    // x[:, i] on x[2, 3, 2] keeps dim 0 whole and puts the index dims in place of dim 1;
+    // x[i, :, k] (non-adjacent indexed dims) puts the broadcast index dims first.
+    let mid = op(
+        &[("x", &[2, 3, 2], "float32"), ("i", &[2], "int64")],
+        "aten.index.Tensor",
+        json!([n("x"), [null, n("i")]]),
+        nokw(),
+        f32t(&[2, 2, 2]),
+    );
+    let x = ramp(12, 1.0, 0.0);
+    let out = run(&mid, &[Buf::F32(x.clone()), Buf::I64(vec![2, 0])]);
+    assert_close(
+        out[0].f32(),
+        &[4.0, 5.0, 0.0, 1.0, 10.0, 11.0, 6.0, 7.0],
+        0.0,
+    );
+    let split = op(
+        &[
+            ("x", &[2, 3, 2], "float32"),
+            ("i", &[2], "int64"),
+            ("k", &[2], "int64"),
+        ],
+        "aten._unsafe_index.Tensor",
+        json!([n("x"), [n("i"), null, n("k")]]),
+        nokw(),
+        f32t(&[2, 3]),
+    );
+    let out = run(
+        &split,
+        &[Buf::F32(x), Buf::I64(vec![1, 0]), Buf::I64(vec![0, 1])],
+    );
+    // [x[1, :, 0], x[0, :, 1]]
+    assert_close(out[0].f32(), &[6.0, 8.0, 10.0, 1.0, 3.0, 5.0], 0.0);
+}
+
+#[test]
+fn err_index_tensor_boolean_mask_names_node() {
+    let g = op(
+        &[("x", &[3], "float32"), ("m", &[3], "bool")],
+        "aten.index.Tensor",
+        json!([n("x"), [n("m")]]),
+        nokw(),
+        f32t(&[2]),
+    );
+    let err = lower(&g, &LowerOptions::default()).unwrap_err();
+    assert!(
+        matches!(&err, LowerError::Node { op, message, .. }
+            if op == "aten.index.Tensor" && message.contains("boolean mask")),
+        "{err}"
+    );
+}
+
+#[test]
+fn num_gather_dim1() {
+    // torch.gather(x, 1, idx): out[i][j] = x[i][idx[i][j]], idx narrower than x.
+    let g = op(
+        &[("x", &[2, 4], "float32"), ("i", &[2, 3], "int64")],
+        "aten.gather.default",
+        json!([n("x"), 1, n("i")]),
+        nokw(),
+        f32t(&[2, 3]),
+    );
+    let x = ramp(8, 1.0, 10.0);
+    let out = run(&g, &[Buf::F32(x), Buf::I64(vec![3, 0, 0, 1, -1, 2])]);
+    assert_close(out[0].f32(), &[13.0, 10.0, 10.0, 15.0, 17.0, 16.0], 0.0);
+}
+
+#[test]
+fn num_as_strided_reshape_and_gather() {
+    // Swin's as_strided over a [2, 4, 1, 1] tensor: strides of size-1 dims are arbitrary, the
+    // rest walk the buffer in order -> a reshape.
+    let g = op(
+        &[("x", &[2, 4, 1, 1], "float32")],
+        "aten.as_strided.default",
+        json!([n("x"), [2, 4, 1, 1], [4, 1, 4, 4]]),
+        nokw(),
+        f32t(&[2, 4, 1, 1]),
+    );
+    assert!(!mlir(&g).contains("stablehlo.gather"));
+    let out = run(&g, &[Buf::F32(ramp(8, 1.0, 0.0))]);
+    assert_close(out[0].f32(), &to_f64(&ramp(8, 1.0, 0.0)), 0.0);
+    // Overlapping, transposed windows of a [6] buffer: size [3, 2], stride [1, 2], offset 1
+    // -> element (r, c) is x[1 + r + 2c].
+    let g = op(
+        &[("x", &[6], "float32")],
+        "aten.as_strided.default",
+        json!([n("x"), [3, 2], [1, 2], 1]),
+        nokw(),
+        f32t(&[3, 2]),
+    );
+    let out = run(&g, &[Buf::F32(ramp(6, 1.0, 0.0))]);
+    assert_close(out[0].f32(), &[1.0, 3.0, 2.0, 4.0, 3.0, 5.0], 0.0);
+}
+
+#[test]
+fn num_cumsum_bool_to_int64_and_float() {
+    // HF position ids: cumsum of a bool mask gives int64; a float cumsum along dim 0.
+    let g = Fx::new(&[("m", &[2, 4], "bool"), ("x", &[3, 2], "float32")])
+        .call(
+            "c",
+            "aten.cumsum.default",
+            json!([n("m"), -1]),
+            nokw(),
+            t(&[2, 4], "int64"),
+        )
+        .call(
+            "f",
+            "aten.cumsum.default",
+            json!([n("x"), 0]),
+            nokw(),
+            f32t(&[3, 2]),
+        )
+        .build(&["c", "f"]);
+    let out = run(
+        &g,
+        &[
+            Buf::Bool(vec![true, true, false, true, false, true, true, true]),
+            Buf::F32(vec![1.0, -1.0, 2.0, 0.5, 3.0, 0.25]),
+        ],
+    );
+    assert_eq!(out[0].i64(), &[1, 2, 2, 3, 0, 1, 2, 3]);
+    assert_close(out[1].f32(), &[1.0, -1.0, 3.0, -0.5, 6.0, -0.25], 0.0);
+}
+
+#[test]
+fn num_hardtanh_bounds_and_nan() {
+    // MobileNetV2's ReLU6 is hardtanh(x, 0, 6); NaN propagates like torch's clamp.
+    let g = op(
+        &[("x", &[5], "float32")],
+        "aten.hardtanh.default",
+        json!([n("x"), 0.0, 6.0]),
+        nokw(),
+        f32t(&[5]),
+    );
+    let out = run(&g, &[Buf::F32(vec![-2.0, 0.5, 6.5, 3.0, f32::NAN])]);
+    let got = out[0].f32();
+    assert_close(&got[..4], &[0.0, 0.5, 6.0, 3.0], 0.0);
+    assert!(got[4].is_nan(), "{got:?}");
+    let dflt = op(
+        &[("x", &[3], "float32")],
+        "aten.hardtanh.default",
+        json!([n("x")]),
+        nokw(),
+        f32t(&[3]),
+    );
+    let out = run(&dflt, &[Buf::F32(vec![-2.0, 0.5, 2.0])]);
+    assert_close(out[0].f32(), &[-1.0, 0.5, 1.0], 0.0);
+}
+
+#[test]
+fn num_max_min_argmax_propagate_nan() {
+    // The plugin's max reductions skip NaNs; PyTorch's return NaN (and its index).
+    let nan = f32::NAN;
+    let g = Fx::new(&[("x", &[2, 3], "float32")])
+        .call("m", "aten.max.default", json!([n("x")]), nokw(), f32t(&[]))
+        .call(
+            "a",
+            "aten.amin.default",
+            json!([n("x"), [1]]),
+            nokw(),
+            f32t(&[2]),
+        )
+        .call(
+            "d",
+            "aten.max.dim",
+            json!([n("x"), 1]),
+            nokw(),
+            tuple(vec![f32t(&[2]), t(&[2], "int64")]),
+        )
+        .item("dv", "d", 0, f32t(&[2]))
+        .item("di", "d", 1, t(&[2], "int64"))
+        .call(
+            "am",
+            "aten.argmin.default",
+            json!([n("x")]),
+            nokw(),
+            t(&[], "int64"),
+        )
+        .build(&["m", "a", "dv", "di", "am"]);
+    let out = run(&g, &[Buf::F32(vec![1.0, nan, 3.0, 5.0, 5.0, -2.0])]);
+    assert!(out[0].f32()[0].is_nan());
+    assert!(out[1].f32()[0].is_nan());
+    assert_eq!(out[1].f32()[1], -2.0);
+    assert!(out[2].f32()[0].is_nan());
+    assert_eq!(out[2].f32()[1], 5.0);
+    // First index of the maximum (5.0 at 0 and 1 -> 0); the NaN's index in row 0.
+    assert_eq!(out[3].i64(), &[1, 0]);
+    // argmin over the flattened tensor: the NaN at flat index 1.
+    assert_eq!(out[4].i64(), &[1]);
+}
+
+#[test]
+fn num_index_put_accumulate_and_replace() {
+    // The embedding gradient: zeros[4, 2].index_put_([ids], grads, accumulate=True) sums the
+    // rows of repeated ids.
+    let ins = [
+        ("z", &[4i64, 2][..], "float32"),
+        ("i", &[3][..], "int64"),
+        ("v", &[3, 2][..], "float32"),
+    ];
+    let acc = op(
+        &ins,
+        "aten.index_put.default",
+        json!([n("z"), [n("i")], n("v"), true]),
+        nokw(),
+        f32t(&[4, 2]),
+    );
+    let v = vec![1.0, 2.0, 10.0, 20.0, 100.0, 200.0];
+    let out = run(
+        &acc,
+        &[
+            Buf::F32(vec![0.5; 8]),
+            Buf::I64(vec![2, 0, -2]),
+            Buf::F32(v.clone()),
+        ],
+    );
+    assert_close(
+        out[0].f32(),
+        &[10.5, 20.5, 0.5, 0.5, 101.5, 202.5, 0.5, 0.5],
+        0.0,
+    );
+    let put = op(
+        &ins,
+        "aten.index_put.default",
+        json!([n("z"), [n("i")], n("v")]),
+        nokw(),
+        f32t(&[4, 2]),
+    );
+    let out = run(
+        &put,
+        &[Buf::F32(vec![0.5; 8]), Buf::I64(vec![3, 0, 1]), Buf::F32(v)],
+    );
+    assert_close(
+        out[0].f32(),
+        &[10.0, 20.0, 100.0, 200.0, 0.5, 0.5, 1.0, 2.0],
+        0.0,
+    );
+}
+
+#[test]
+fn num_slice_and_select_scatter() {
+    let g = Fx::new(&[
+        ("x", &[2, 5], "float32"),
+        ("s", &[2, 2], "float32"),
+        ("r", &[5], "float32"),
+    ])
+    .call(
+        "a",
+        "aten.slice_scatter.default",
+        json!([n("x"), n("s"), 1, 1, 5, 2]),
+        nokw(),
+        f32t(&[2, 5]),
+    )
+    .call(
+        "b",
+        "aten.select_scatter.default",
+        json!([n("x"), n("r"), 0, -1]),
+        nokw(),
+        f32t(&[2, 5]),
+    )
+    .build(&["a", "b"]);
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![0.0; 10]),
+            Buf::F32(vec![1.0, 2.0, 3.0, 4.0]),
+            Buf::F32(ramp(5, 1.0, 1.0)),
+        ],
+    );
+    // x[:, 1:5:2] = s
+    assert_close(
+        out[0].f32(),
+        &[0.0, 1.0, 0.0, 2.0, 0.0, 0.0, 3.0, 0.0, 4.0, 0.0],
+        0.0,
+    );
+    // x[-1] = r
+    assert_close(
+        out[1].f32(),
+        &[0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+        0.0,
+    );
+}
+
+#[test]
+fn num_scatter_value_src_add() {
+    // torch.scatter along dim 1 with a value (one-hot targets), a larger src, and scatter_add.
+    let ins = [
+        ("x", &[2i64, 3][..], "float32"),
+        ("i", &[2, 1][..], "int64"),
+        ("s", &[2, 2][..], "float32"),
+    ];
+    let g = Fx::new(&ins)
+        .call(
+            "v",
+            "aten.scatter.value",
+            json!([n("x"), 1, n("i"), 1.0]),
+            nokw(),
+            f32t(&[2, 3]),
+        )
+        .call(
+            "src",
+            "aten.scatter.src",
+            json!([n("x"), 1, n("i"), n("s")]),
+            nokw(),
+            f32t(&[2, 3]),
+        )
+        .call(
+            "add",
+            "aten.scatter_add.default",
+            json!([n("x"), 1, n("i"), n("s")]),
+            nokw(),
+            f32t(&[2, 3]),
+        )
+        .build(&["v", "src", "add"]);
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![0.5; 6]),
+            Buf::I64(vec![2, 0]),
+            Buf::F32(vec![7.0, 8.0, 9.0, 10.0]),
+        ],
+    );
+    assert_close(out[0].f32(), &[0.5, 0.5, 1.0, 1.0, 0.5, 0.5], 0.0);
+    assert_close(out[1].f32(), &[0.5, 0.5, 7.0, 9.0, 0.5, 0.5], 0.0);
+    assert_close(out[2].f32(), &[0.5, 0.5, 7.5, 9.5, 0.5, 0.5], 0.0);
+}
+
+#[test]
+fn num_as_strided_scatter_and_copy() {
+    let g = Fx::new(&[("x", &[6], "float32"), ("s", &[2, 2], "float32")])
+        .call(
+            "a",
+            "aten.as_strided_scatter.default",
+            json!([n("x"), n("s"), [2, 2], [1, 3], 1]),
+            nokw(),
+            f32t(&[6]),
+        )
+        .build(&["a"]);
+    // Element (r, c) of the view is x[1 + r + 3c]: positions 1, 4, 2, 5.
+    let out = run(
+        &g,
+        &[Buf::F32(vec![0.0; 6]), Buf::F32(vec![1.0, 2.0, 3.0, 4.0])],
+    );
+    assert_close(out[0].f32(), &[0.0, 1.0, 3.0, 0.0, 2.0, 4.0], 0.0);
+    let c = op(
+        &[("x", &[2, 3], "float32"), ("s", &[3], "int64")],
+        "aten.copy.default",
+        json!([n("x"), n("s")]),
+        nokw(),
+        f32t(&[2, 3]),
+    );
+    let out = run(&c, &[Buf::F32(vec![9.0; 6]), Buf::I64(vec![1, -2, 3])]);
+    assert_close(out[0].f32(), &[1.0, -2.0, 3.0, 1.0, -2.0, 3.0], 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training: BatchNorm with batch statistics, max pooling indices, gradients
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn num_batch_norm_functional_training() {
+    // x[2, 2, 1, 2]: channel 0 holds 1, 2, 5, 6 and channel 1 holds 3, 4, 7, 8... scaled.
+    let g = op(
+        &[
+            ("x", &[2, 2, 1, 2], "float32"),
+            ("w", &[2], "float32"),
+            ("b", &[2], "float32"),
+            ("m", &[2], "float32"),
+            ("v", &[2], "float32"),
+        ],
+        "aten._native_batch_norm_legit_functional.default",
+        json!([n("x"), n("w"), n("b"), n("m"), n("v"), true, 0.1, 1e-5]),
+        nokw(),
+        tuple(vec![
+            f32t(&[2, 2, 1, 2]),
+            f32t(&[2]),
+            f32t(&[2]),
+            f32t(&[2]),
+            f32t(&[2]),
+        ]),
+    );
+    let x = vec![1.0, 2.0, 3.0, 5.0, 5.0, 6.0, 7.0, 11.0];
+    let (w, b, m, v) = (
+        vec![2.0, 0.5],
+        vec![0.0, 1.0],
+        vec![1.0, -1.0],
+        vec![2.0, 0.5],
+    );
+    let ch = |c: usize| -> Vec<f64> { [0, 1, 4, 5].iter().map(|&i| x[i + 2 * c] as f64).collect() };
+    let mut mean = Vec::new();
+    let mut var = Vec::new();
+    for c in 0..2 {
+        let vals = ch(c);
+        let mu = vals.iter().sum::<f64>() / 4.0;
+        mean.push(mu);
+        var.push(vals.iter().map(|x| (x - mu) * (x - mu)).sum::<f64>() / 4.0);
+    }
+    let rstd: Vec<f64> = var.iter().map(|v| 1.0 / (v + 1e-5).sqrt()).collect();
+    let y: Vec<f64> = (0..8)
+        .map(|i| {
+            let c = (i / 2) % 2;
+            (x[i] as f64 - mean[c]) * rstd[c] * w[c] as f64 + b[c] as f64
+        })
+        .collect();
+    let rm: Vec<f64> = (0..2).map(|c| 0.9 * m[c] as f64 + 0.1 * mean[c]).collect();
+    let rv: Vec<f64> = (0..2)
+        .map(|c| 0.9 * v[c] as f64 + 0.1 * var[c] * 4.0 / 3.0)
+        .collect();
+    let out = run(
+        &g,
+        &[
+            Buf::F32(x.clone()),
+            Buf::F32(w),
+            Buf::F32(b),
+            Buf::F32(m),
+            Buf::F32(v),
+        ],
+    );
+    assert_close(out[0].f32(), &y, 1e-5);
+    assert_close(out[1].f32(), &mean, 1e-6);
+    assert_close(out[2].f32(), &rstd, 1e-5);
+    assert_close(out[3].f32(), &rm, 1e-6);
+    assert_close(out[4].f32(), &rv, 1e-6);
+
+    // no_stats: the same batch statistics, no weight or bias.
+    let g = op(
+        &[("x", &[2, 2, 1, 2], "float32")],
+        "aten._native_batch_norm_legit.no_stats",
+        json!([n("x"), null, null, true, 0.1, 1e-5]),
+        nokw(),
+        tuple(vec![f32t(&[2, 2, 1, 2]), f32t(&[2]), f32t(&[2])]),
+    );
+    let out = run(&g, &[Buf::F32(x.clone())]);
+    let y0: Vec<f64> = (0..8)
+        .map(|i| {
+            let c = (i / 2) % 2;
+            (x[i] as f64 - mean[c]) * rstd[c]
+        })
+        .collect();
+    assert_close(out[0].f32(), &y0, 1e-5);
+    assert_close(out[2].f32(), &rstd, 1e-5);
+}
+
+/// max_pool2d_with_indices over [1, 1, hw, hw] with both results read.
+fn max_pool_indices_graph(hw: i64, args: Value, out: i64) -> Graph {
+    op(
+        &[("x", &[1, 1, hw, hw], "float32")],
+        "aten.max_pool2d_with_indices.default",
+        args,
+        nokw(),
+        tuple(vec![f32t(&[1, 1, out, out]), t(&[1, 1, out, out], "int64")]),
+    )
+}
+
+#[test]
+fn num_max_pool2d_indices_like_pytorch() {
+    // 4x4, kernel 3, stride 2, padding 1 (ResNet's stem pooling). Ties keep the first index;
+    // a NaN wins its window; an all -inf window reports its first valid element.
+    let ninf = f32::NEG_INFINITY;
+    #[rustfmt::skip]
+    let x = vec![
+        1.0, 5.0, 5.0, 0.0,
+        ninf, ninf, 4.0, 9.0,
+        ninf, ninf, f32::NAN, 1.0,
+        ninf, ninf, 2.0, 7.0,
+    ];
+    let g = max_pool_indices_graph(4, json!([n("x"), [3, 3], [2, 2], [1, 1]]), 2);
+    let out = run(&g, &[Buf::F32(x)]);
+    let v = out[0].f32();
+    assert_eq!(&v[..3], &[5.0, 9.0, ninf]);
+    assert!(v[3].is_nan(), "{v:?}");
+    assert_eq!(out[1].i64(), &[1, 7, 4, 10]);
+
+    // ceil_mode: 5x5, kernel 2, stride 2 -> 3x3; the last windows hang over the edge.
+    let x: Vec<f32> = (0..25).map(|i| ((i * 7 % 11) as f32) - 5.0).collect();
+    let g = max_pool_indices_graph(5, json!([n("x"), [2, 2], [2, 2], [0, 0], [1, 1], true]), 3);
+    let out = run(&g, &[Buf::F32(x.clone())]);
+    let mut want_i = Vec::new();
+    for oy in 0..3 {
+        for ox in 0..3 {
+            let mut best = (f32::NEG_INFINITY, -1i64);
+            for ky in 0..2 {
+                for kx in 0..2 {
+                    let (iy, ix) = (oy * 2 + ky, ox * 2 + kx);
+                    if iy < 5 && ix < 5 {
+                        let val = x[iy * 5 + ix];
+                        if best.1 < 0 || val > best.0 {
+                            best = (val, (iy * 5 + ix) as i64);
+                        }
+                    }
+                }
+            }
+            want_i.push(best.1);
+        }
+    }
+    assert_eq!(out[1].i64(), &want_i[..]);
+    let want_v: Vec<f64> = want_i.iter().map(|&i| x[i as usize] as f64).collect();
+    assert_close(out[0].f32(), &want_v, 0.0);
+}
+
+#[test]
+fn num_max_pool2d_with_indices_backward() {
+    // Overlapping windows that pick the same element add their gradients there.
+    let g = op(
+        &[
+            ("g", &[1, 1, 2, 2], "float32"),
+            ("x", &[1, 1, 3, 3], "float32"),
+            ("i", &[1, 1, 2, 2], "int64"),
+        ],
+        "aten.max_pool2d_with_indices_backward.default",
+        json!([
+            n("g"),
+            n("x"),
+            [2, 2],
+            [1, 1],
+            [0, 0],
+            [1, 1],
+            false,
+            n("i")
+        ]),
+        nokw(),
+        f32t(&[1, 1, 3, 3]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![1.0, 2.0, 3.0, 4.0]),
+            Buf::F32(vec![0.0; 9]),
+            Buf::I64(vec![4, 4, 4, 8]),
+        ],
+    );
+    assert_close(
+        out[0].f32(),
+        &[0.0, 0.0, 0.0, 0.0, 6.0, 0.0, 0.0, 0.0, 4.0],
+        0.0,
+    );
+}
+
+/// Gradients of a grouped, strided, padded, dilated 2-D convolution, in f64:
+/// (grad_input, grad_weight) for `out = conv(x, w)` and upstream gradient `g`.
+#[allow(clippy::too_many_arguments)]
+fn conv2d_grads_ref(
+    x: &[f32],
+    xs: [usize; 4],
+    w: &[f32],
+    ws: [usize; 4],
+    g: &[f32],
+    (oh, ow): (usize, usize),
+    stride: usize,
+    pad: usize,
+    dil: usize,
+    groups: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let [nb, c, h, wd] = xs;
+    let [o, ci, kh, kw] = ws;
+    let opg = o / groups;
+    let mut gx = vec![0.0; x.len()];
+    let mut gw = vec![0.0; w.len()];
+    for bi in 0..nb {
+        for oc in 0..o {
+            let grp = oc / opg;
+            for y in 0..oh {
+                for xx in 0..ow {
+                    let gv = g[((bi * o + oc) * oh + y) * ow + xx] as f64;
+                    for ic in 0..ci {
+                        for ky in 0..kh {
+                            for kx in 0..kw {
+                                let iy = (y * stride + ky * dil) as i64 - pad as i64;
+                                let ix = (xx * stride + kx * dil) as i64 - pad as i64;
+                                if iy < 0 || ix < 0 || iy >= h as i64 || ix >= wd as i64 {
+                                    continue;
+                                }
+                                let xi =
+                                    ((bi * c + grp * ci + ic) * h + iy as usize) * wd + ix as usize;
+                                let wi = ((oc * ci + ic) * kh + ky) * kw + kx;
+                                gx[xi] += gv * w[wi] as f64;
+                                gw[wi] += gv * x[xi] as f64;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (gx, gw)
+}
+
+#[test]
+fn num_convolution_backward_groups_stride_dilation() {
+    // (input [2, 4, 6, 6], weight [6, 2, 3, 3], groups 2, stride 2, padding 1) -> [2, 6, 3, 3]:
+    // the stride leaves one input row unused, which the input gradient must still cover.
+    // Then dilation 2 with padding 2 and no bias gradient wanted.
+    for (xs, ws, os, stride, pad, dil, groups) in [
+        ([2, 4, 6, 6], [6, 2, 3, 3], (3, 3), 2, 1, 1, 2),
+        ([1, 2, 7, 7], [3, 2, 3, 3], (7, 7), 1, 2, 2, 1),
+    ] {
+        let nx: usize = xs.iter().product();
+        let nw: usize = ws.iter().product();
+        let ng = xs[0] * ws[0] * os.0 * os.1;
+        let x: Vec<f32> = (0..nx).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
+        let w: Vec<f32> = (0..nw).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.1).collect();
+        let gr: Vec<f32> = (0..ng).map(|i| ((i * 3 % 7) as f32 - 3.0) * 0.5).collect();
+        let out_shape = [xs[0] as i64, ws[0] as i64, os.0 as i64, os.1 as i64];
+        let xs_i: Vec<i64> = xs.iter().map(|&v| v as i64).collect();
+        let ws_i: Vec<i64> = ws.iter().map(|&v| v as i64).collect();
+        let with_bias = groups > 1;
+        let val = tuple(vec![
+            f32t(&xs_i),
+            f32t(&ws_i),
+            if with_bias {
+                f32t(&[ws[0] as i64])
+            } else {
+                Value::Null
+            },
+        ]);
+        let g = op(
+            &[
+                ("g", &out_shape, "float32"),
+                ("x", &xs_i, "float32"),
+                ("w", &ws_i, "float32"),
+            ],
+            "aten.convolution_backward.default",
+            json!([
+                n("g"),
+                n("x"),
+                n("w"),
+                [ws[0]],
+                [stride, stride],
+                [pad, pad],
+                [dil, dil],
+                false,
+                [0, 0],
+                groups,
+                [true, true, with_bias]
+            ]),
+            nokw(),
+            val,
+        );
+        let (gx, gw) = conv2d_grads_ref(&x, xs, &w, ws, &gr, os, stride, pad, dil, groups);
+        let out = run(&g, &[Buf::F32(gr.clone()), Buf::F32(x), Buf::F32(w)]);
+        assert_close(out[0].f32(), &gx, 1e-5);
+        assert_close(out[1].f32(), &gw, 1e-5);
+        if with_bias {
+            let per = os.0 * os.1;
+            let gb: Vec<f64> = (0..ws[0])
+                .map(|oc| {
+                    (0..xs[0])
+                        .flat_map(|b| {
+                            let base = (b * ws[0] + oc) * per;
+                            gr[base..base + per].to_vec()
+                        })
+                        .map(|v| v as f64)
+                        .sum()
+                })
+                .collect();
+            assert_close(out[2].f32(), &gb, 1e-6);
+        }
+    }
 }

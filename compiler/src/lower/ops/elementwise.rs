@@ -52,6 +52,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.clamp.default", clamp),
     ("aten.clamp.Tensor", clamp),
     ("aten.clamp_min.default", clamp_min),
+    ("aten.hardtanh.default", hardtanh),
     ("aten.clamp_max.default", clamp_max),
     ("aten.eq.Tensor", eq),
     ("aten.eq.Scalar", eq),
@@ -544,6 +545,29 @@ fn clamp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         r = cx.e.binary("stablehlo.minimum", &r, &hi, out)?;
     }
     Ok(vec![r])
+}
+
+/// `hardtanh(self, min_val=-1, max_val=1)`: a clamp with default bounds.
+fn hardtanh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let lo = cx.float_or(1, "min_val", -1.0)?;
+    let hi = cx.float_or(2, "max_val", 1.0)?;
+    let bound = |v: f64| {
+        let s = if out.is_float() {
+            Scalar::Float(v)
+        } else {
+            Scalar::Int(v as i64)
+        };
+        cx.e.splat(s, &[], out)
+    };
+    let r = cx.e.binary("stablehlo.maximum", &x, &bound(lo)?, out)?;
+    Ok(vec![cx.e.binary(
+        "stablehlo.minimum",
+        &r,
+        &bound(hi)?,
+        out,
+    )?])
 }
 
 fn clamp_min<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {

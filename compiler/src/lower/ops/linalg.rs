@@ -4,8 +4,8 @@
 use crate::lower::emit::array_i64;
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::registry::Rule;
-use crate::lower::{NodeCx, R, T};
-use tpuc_frontend_fx::Arg;
+use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
+use tpuc_frontend_fx::{Arg, DType};
 
 pub static RULES: &[(&str, Rule)] = &[
     ("aten.mm.default", mm),
@@ -13,6 +13,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.bmm.default", bmm),
     ("aten.baddbmm.default", baddbmm),
     ("aten.convolution.default", convolution),
+    ("aten.convolution_backward.default", convolution_backward),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -158,4 +159,184 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         None => r,
     };
     Ok(vec![cx.e.convert(&r, out)?])
+}
+
+/// `stablehlo.convolution` with explicit dimension numbers and window settings, accumulating in
+/// `acc`.
+#[allow(clippy::too_many_arguments)]
+fn conv_general<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    lhs: &T<'c, 'b>,
+    rhs: &T<'c, 'b>,
+    dnums: String,
+    window_strides: &[i64],
+    padding: &[(i64, i64)],
+    lhs_dilation: &[i64],
+    rhs_dilation: &[i64],
+    feature_groups: i64,
+    batch_groups: i64,
+    shape: &[i64],
+    acc: DType,
+) -> R<T<'c, 'b>> {
+    let nsp = padding.len();
+    let pads: Vec<String> = padding
+        .iter()
+        .map(|(lo, hi)| format!("[{lo}, {hi}]"))
+        .collect();
+    cx.e.op(
+        "stablehlo.convolution",
+        &[lhs, rhs],
+        &[
+            ("dimension_numbers", dnums),
+            ("window_strides", array_i64(window_strides)),
+            (
+                "padding",
+                format!("dense<[{}]> : tensor<{nsp}x2xi64>", pads.join(", ")),
+            ),
+            ("lhs_dilation", array_i64(lhs_dilation)),
+            ("rhs_dilation", array_i64(rhs_dilation)),
+            ("feature_group_count", format!("{feature_groups} : i64")),
+            ("batch_group_count", format!("{batch_groups} : i64")),
+            ("precision_config", cx.e.precision_config()),
+        ],
+        shape,
+        acc,
+    )
+}
+
+/// `convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
+/// transposed, output_padding, groups, output_mask) -> (grad_input, grad_weight, grad_bias)`,
+/// as the two transposed convolutions XLA uses (input gradient: the flipped kernel over the
+/// stride-dilated gradient; weight gradient: input and gradient with batch and feature dims
+/// swapped, one batch group per feature group).
+fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let g = cx.tensor(0, "grad_output")?;
+    let x = cx.tensor(1, "input")?;
+    let w = cx.tensor(2, "weight")?;
+    let nsp = x.rank() - 2;
+    let per_dim = |v: Vec<i64>| -> Vec<i64> {
+        if v.len() == 1 {
+            vec![v[0]; nsp]
+        } else {
+            v
+        }
+    };
+    let stride = per_dim(cx.ints(4, "stride")?);
+    let padding = per_dim(cx.ints(5, "padding")?);
+    let dilation = per_dim(cx.ints(6, "dilation")?);
+    if cx.bool_or(7, "transposed", false)? {
+        return Err(cx.err("the gradient of a transposed convolution is not supported yet"));
+    }
+    let groups = cx.int_or(9, "groups", 1)?;
+    let mask: Vec<bool> = match cx.arg(10, "output_mask") {
+        Some(Arg::List(items)) => items
+            .iter()
+            .map(|a| matches!(a, Arg::Bool(true) | Arg::Int(1)))
+            .collect(),
+        _ => vec![true; 3],
+    };
+    let e = cx.e;
+    let dtype = g.dtype;
+    let acc = acc_dtype(dtype);
+    let gc = e.convert(&g, dtype)?;
+    let sp: Vec<String> = (0..nsp).map(|i| i.to_string()).collect();
+    let sp = sp.join(", ");
+    let kernel: Vec<i64> = w.shape[2..].to_vec();
+    let in_sp: Vec<i64> = x.shape[2..].to_vec();
+    let out_sp: Vec<i64> = g.shape[2..].to_vec();
+    // A stand-in for a gradient that output_mask says nobody wants (FX records no tensor).
+    let placeholder = || e.splat(Scalar::Int(0), &[], DType::Float32);
+    let mut results = Vec::new();
+
+    if mask.first().copied().unwrap_or(true) {
+        let (shape, out) = cx.out(0)?;
+        let wc = e.convert(&w, dtype)?;
+        // [O, I/g, k..] -> [O/g, I, k..] with the group index leading the input features.
+        let (o, ig) = (w.shape[0], w.shape[1]);
+        let k = if groups > 1 {
+            let mut s5 = vec![groups, o / groups, ig];
+            s5.extend_from_slice(&kernel);
+            let mut perm: Vec<i64> = vec![1, 0, 2];
+            perm.extend((3..3 + nsp as i64).collect::<Vec<_>>());
+            let t = e.transpose(&e.reshape(&wc, &s5)?, &perm)?;
+            let mut s4 = vec![o / groups, groups * ig];
+            s4.extend_from_slice(&kernel);
+            e.reshape(&t, &s4)?
+        } else {
+            wc
+        };
+        let rev: Vec<i64> = (2..2 + nsp as i64).collect();
+        let k = e.op(
+            "stablehlo.reverse",
+            &[&k],
+            &[("dimensions", array_i64(&rev))],
+            &k.shape.clone(),
+            k.dtype,
+        )?;
+        let pads: Vec<(i64, i64)> = (0..nsp)
+            .map(|i| {
+                let span = dilation[i] * (kernel[i] - 1);
+                (
+                    span - padding[i],
+                    in_sp[i] - (out_sp[i] - 1) * stride[i] - 1 + padding[i],
+                )
+            })
+            .collect();
+        let r = conv_general(
+            cx,
+            &gc,
+            &k,
+            format!("#stablehlo.conv<[b, f, {sp}]x[i, o, {sp}]->[b, f, {sp}]>"),
+            &vec![1; nsp],
+            &pads,
+            &stride,
+            &dilation,
+            groups,
+            1,
+            &shape,
+            acc,
+        )?;
+        results.push(e.convert(&r, out)?);
+    } else {
+        results.push(placeholder()?);
+    }
+
+    if mask.get(1).copied().unwrap_or(true) {
+        let (shape, out) = cx.out(1)?;
+        let xc = e.convert(&x, dtype)?;
+        let pads: Vec<(i64, i64)> = (0..nsp)
+            .map(|i| {
+                let from_lhs = (out_sp[i] - 1) * stride[i] + 1 - in_sp[i];
+                let from_rhs = dilation[i] * (kernel[i] - 1) - padding[i];
+                (padding[i], from_lhs + from_rhs)
+            })
+            .collect();
+        let r = conv_general(
+            cx,
+            &xc,
+            &gc,
+            format!("#stablehlo.conv<[f, b, {sp}]x[i, o, {sp}]->[f, b, {sp}]>"),
+            &dilation,
+            &pads,
+            &vec![1; nsp],
+            &stride,
+            1,
+            groups,
+            &shape,
+            acc,
+        )?;
+        results.push(e.convert(&r, out)?);
+    } else {
+        results.push(placeholder()?);
+    }
+
+    if mask.get(2).copied().unwrap_or(true) {
+        let (_, out) = cx.out(2)?;
+        let dims: Vec<i64> = (0..g.rank() as i64).filter(|&d| d != 1).collect();
+        let s = e.reduce(&e.convert(&g, acc)?, &dims, ReduceKind::Sum, false)?;
+        results.push(e.convert(&s, out)?);
+    } else {
+        results.push(placeholder()?);
+    }
+    Ok(results)
 }

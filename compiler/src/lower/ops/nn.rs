@@ -2,8 +2,10 @@
 
 use crate::lower::emit::{array_i64, Emitter};
 use crate::lower::ops::reduce::acc_dtype;
+use crate::lower::ops::shape::along_dim_coords;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
+use tpuc_frontend_fx::DType;
 
 pub static RULES: &[(&str, Rule)] = &[
     ("aten.native_layer_norm.default", native_layer_norm),
@@ -16,6 +18,18 @@ pub static RULES: &[(&str, Rule)] = &[
         max_pool2d_with_indices,
     ),
     ("aten.avg_pool2d.default", avg_pool2d),
+    (
+        "aten._native_batch_norm_legit_functional.default",
+        batch_norm_functional,
+    ),
+    (
+        "aten._native_batch_norm_legit.no_stats",
+        batch_norm_no_stats,
+    ),
+    (
+        "aten.max_pool2d_with_indices_backward.default",
+        max_pool2d_with_indices_backward,
+    ),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -218,7 +232,21 @@ fn max_pool2d_with_indices<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let w = window(cx, Some(4))?;
     let (shape, _) = cx.out(0)?;
+    if cx.result_used(1) {
+        let (v, i) = max_pool_with_indices(cx, &x, &w, &shape)?;
+        return Ok(vec![v, i]);
+    }
     let y = pool(cx, &x, &w, ReduceKind::Max, &shape)?;
+    // The plugin's max reductions skip NaNs; PyTorch's max pooling returns NaN for a window
+    // holding one.
+    let y = if x.dtype.is_float() {
+        let isnan = cx.e.compare(&x, &x, "NE")?;
+        let any = pool(cx, &isnan, &w, ReduceKind::Or, &shape)?;
+        let nan = cx.e.splat(Scalar::Float(f64::NAN), &[], x.dtype)?;
+        cx.e.select(&any, &nan, &y, x.dtype)?
+    } else {
+        y
+    };
     Ok(vec![y, cx.unused(1)?])
 }
 
@@ -242,4 +270,304 @@ fn avg_pool2d<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         cx.e.splat(Scalar::Int(w.kernel.iter().product()), &[], acc)?;
     let r = cx.e.binary("stablehlo.divide", &s, &n, acc)?;
     Ok(vec![cx.e.convert(&r, out)?])
+}
+
+/// Max pooling that also returns, for each output, the flat index (`h * W + w`) of the chosen
+/// input element in its plane, chosen as PyTorch's CPU kernel does: windows are scanned in order,
+/// the first valid element starts, a later one wins when it is greater or NaN.
+fn max_pool_with_indices<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    w: &Window,
+    out_shape: &[i64],
+) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+    let e = cx.e;
+    let r = x.rank();
+    let (hd, wd) = (r - 2, r - 1);
+    let (ih, iw) = (x.shape[hd], x.shape[wd]);
+    let (oh, ow) = (out_shape[hd], out_shape[wd]);
+    // Pad with -inf so every window slice stays inside the padded tensor.
+    let mut lo = vec![0; r];
+    let mut hi = vec![0; r];
+    for (k, (d, n, o)) in [(hd, ih, oh), (wd, iw, ow)].into_iter().enumerate() {
+        lo[d] = w.padding[k];
+        let needed = (o - 1) * w.stride[k] + (w.kernel[k] - 1) * w.dilation[k] + 1;
+        hi[d] = (needed - n - w.padding[k]).max(0);
+    }
+    let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &[], x.dtype)?;
+    let mut padded_shape = x.shape.clone();
+    padded_shape[hd] += lo[hd] + hi[hd];
+    padded_shape[wd] += lo[wd] + hi[wd];
+    let xp = e.op(
+        "stablehlo.pad",
+        &[x, &ninf],
+        &[
+            ("edge_padding_low", array_i64(&lo)),
+            ("edge_padding_high", array_i64(&hi)),
+            ("interior_padding", array_i64(&vec![0; r])),
+        ],
+        &padded_shape,
+        x.dtype,
+    )?;
+    let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
+    let oy = e.iota(out_shape, hd as i64, DType::Int64)?;
+    let ox = e.iota(out_shape, wd as i64, DType::Int64)?;
+    let mut best: Option<(T, T)> = None;
+    for ky in 0..w.kernel[0] {
+        for kx in 0..w.kernel[1] {
+            let mut start = vec![0; r];
+            let mut limit = padded_shape.clone();
+            let mut strides = vec![1; r];
+            start[hd] = ky * w.dilation[0];
+            start[wd] = kx * w.dilation[1];
+            limit[hd] = start[hd] + (oh - 1) * w.stride[0] + 1;
+            limit[wd] = start[wd] + (ow - 1) * w.stride[1] + 1;
+            strides[hd] = w.stride[0];
+            strides[wd] = w.stride[1];
+            let cand = e.slice(&xp, &start, &limit, &strides)?;
+            // Input coordinates of this tap: o * stride + k * dilation - padding.
+            let coord = |o: &T<'c, 'b>, k: usize, tap: i64| -> R<T<'c, 'b>> {
+                let t = e.binary("stablehlo.multiply", o, &i64k(w.stride[k])?, DType::Int64)?;
+                e.binary(
+                    "stablehlo.add",
+                    &t,
+                    &i64k(tap * w.dilation[k] - w.padding[k])?,
+                    DType::Int64,
+                )
+            };
+            let iy = coord(&oy, 0, ky)?;
+            let ix = coord(&ox, 1, kx)?;
+            let in_range = |c: &T<'c, 'b>, n: i64| -> R<T<'c, 'b>> {
+                let ge = e.compare(c, &i64k(0)?, "GE")?;
+                let lt = e.compare(c, &i64k(n)?, "LT")?;
+                e.binary("stablehlo.and", &ge, &lt, DType::Bool)
+            };
+            let valid = e.binary(
+                "stablehlo.and",
+                &in_range(&iy, ih)?,
+                &in_range(&ix, iw)?,
+                DType::Bool,
+            )?;
+            let flat = e.binary(
+                "stablehlo.add",
+                &e.binary("stablehlo.multiply", &iy, &i64k(iw)?, DType::Int64)?,
+                &ix,
+                DType::Int64,
+            )?;
+            best = Some(match best {
+                None => (cand, flat),
+                Some((bv, bi)) => {
+                    let greater = e.compare(&cand, &bv, "GT")?;
+                    let nan = e.compare(&cand, &cand, "NE")?;
+                    let better = e.binary("stablehlo.or", &greater, &nan, DType::Bool)?;
+                    // A tap is taken when it is better, or when nothing valid was taken yet.
+                    let none_yet = e.compare(&bi, &i64k(0)?, "LT")?;
+                    let take = e.binary("stablehlo.or", &better, &none_yet, DType::Bool)?;
+                    let take = e.binary("stablehlo.and", &take, &valid, DType::Bool)?;
+                    (
+                        e.select(&take, &cand, &bv, x.dtype)?,
+                        e.select(&take, &flat, &bi, DType::Int64)?,
+                    )
+                }
+            });
+            // The first tap may fall into padding: mark its index invalid (-1).
+            if ky == 0 && kx == 0 {
+                let (bv, bi) = best.take().expect("set above");
+                let bi = e.select(&valid, &bi, &i64k(-1)?, DType::Int64)?;
+                best = Some((bv, bi));
+            }
+        }
+    }
+    best.ok_or_else(|| cx.err("max pooling with an empty window"))
+}
+
+/// Gradient of max pooling: each output gradient goes to the input element its index names
+/// (summed where windows overlap on the same maximum).
+fn max_pool2d_with_indices_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let g = cx.tensor(0, "grad_output")?;
+    let x = cx.tensor(1, "self")?;
+    let indices = cx.tensor(7, "indices")?;
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let r = x.rank();
+    let plane = x.shape[r - 2] * x.shape[r - 1];
+    let lead: Vec<i64> = x.shape[..r - 2].to_vec();
+    let mut flat_x = lead.clone();
+    flat_x.push(plane);
+    let mut flat_g = lead.clone();
+    flat_g.push(g.shape[r - 2] * g.shape[r - 1]);
+    let acc = acc_dtype(out);
+    let gf = e.reshape(&e.convert(&g, acc)?, &flat_g)?;
+    let idx = e.reshape(&indices, &flat_g)?;
+    let coords = along_dim_coords(e, &idx, r - 2, plane)?;
+    let zeros = e.splat(Scalar::Int(0), &flat_x, acc)?;
+    let all: Vec<i64> = (0..flat_x.len() as i64).collect();
+    let s = e.scatter(&zeros, &coords, &gf, &[], &all, &all, true)?;
+    Ok(vec![e.convert(&e.reshape(&s, &shape)?, out)?])
+}
+
+/// Batch statistics over every dim but the channel dim (1): (mean, biased variance), in `acc`.
+fn batch_stats<'c, 'b>(e: &Emitter<'c, 'b>, xf: &T<'c, 'b>) -> R<(T<'c, 'b>, T<'c, 'b>, i64)> {
+    let dims: Vec<i64> = (0..xf.rank() as i64).filter(|&d| d != 1).collect();
+    let n: i64 = dims.iter().map(|&d| xf.shape[d as usize]).product();
+    let acc = xf.dtype;
+    let count = e.splat(Scalar::Int(n), &[], acc)?;
+    let mean = e.binary(
+        "stablehlo.divide",
+        &e.reduce(xf, &dims, ReduceKind::Sum, false)?,
+        &count,
+        acc,
+    )?;
+    let d = e.binary(
+        "stablehlo.subtract",
+        xf,
+        &per_channel(e, &mean, &xf.shape)?,
+        acc,
+    )?;
+    let var = e.binary(
+        "stablehlo.divide",
+        &e.reduce(
+            &e.binary("stablehlo.multiply", &d, &d, acc)?,
+            &dims,
+            ReduceKind::Sum,
+            false,
+        )?,
+        &count,
+        acc,
+    )?;
+    Ok((mean, var, n))
+}
+
+/// `(x - mean) * rstd * weight + bias` with per-channel vectors, in the dtype of `xf`.
+fn normalize<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    xf: &T<'c, 'b>,
+    mean: &T<'c, 'b>,
+    rstd: &T<'c, 'b>,
+    w: Option<&T<'c, 'b>>,
+    b: Option<&T<'c, 'b>>,
+) -> R<T<'c, 'b>> {
+    let acc = xf.dtype;
+    let shape = xf.shape.clone();
+    let mut y = e.binary(
+        "stablehlo.subtract",
+        xf,
+        &per_channel(e, mean, &shape)?,
+        acc,
+    )?;
+    y = e.binary(
+        "stablehlo.multiply",
+        &y,
+        &per_channel(e, rstd, &shape)?,
+        acc,
+    )?;
+    if let Some(w) = w {
+        y = e.binary(
+            "stablehlo.multiply",
+            &y,
+            &per_channel(e, &e.convert(w, acc)?, &shape)?,
+            acc,
+        )?;
+    }
+    if let Some(b) = b {
+        y = e.binary(
+            "stablehlo.add",
+            &y,
+            &per_channel(e, &e.convert(b, acc)?, &shape)?,
+            acc,
+        )?;
+    }
+    Ok(y)
+}
+
+fn rsqrt_eps<'c, 'b>(e: &Emitter<'c, 'b>, var: &T<'c, 'b>, eps: f64) -> R<T<'c, 'b>> {
+    let acc = var.dtype;
+    e.unary(
+        "stablehlo.rsqrt",
+        &e.binary(
+            "stablehlo.add",
+            var,
+            &e.splat(Scalar::Float(eps), &[], acc)?,
+            acc,
+        )?,
+    )
+}
+
+/// Training-mode BatchNorm without side effects:
+/// `_native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var, training,
+/// momentum, eps) -> (out, save_mean, save_rstd, new_running_mean, new_running_var)`. The new
+/// running variance uses the unbiased batch variance, as PyTorch does.
+fn batch_norm_functional<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "input")?;
+    let w = cx.opt_tensor(1, "weight")?;
+    let b = cx.opt_tensor(2, "bias")?;
+    let rm = cx.tensor(3, "running_mean")?;
+    let rv = cx.tensor(4, "running_var")?;
+    let training = cx.bool_or(5, "training", true)?;
+    let momentum = cx.float_or(6, "momentum", 0.1)?;
+    let eps = cx.float_or(7, "eps", 1e-5)?;
+    let (_, out) = cx.out(0)?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let xf = e.convert(&x, acc)?;
+    if !training {
+        let mean = e.convert(&rm, acc)?;
+        let rstd = rsqrt_eps(e, &e.convert(&rv, acc)?, eps)?;
+        let y = normalize(e, &xf, &mean, &rstd, w.as_ref(), b.as_ref())?;
+        return Ok(vec![
+            e.convert(&y, out)?,
+            cx.unused(1)?,
+            cx.unused(2)?,
+            e.convert(&rm, cx.out(3)?.1)?,
+            e.convert(&rv, cx.out(4)?.1)?,
+        ]);
+    }
+    let (mean, var, n) = batch_stats(e, &xf)?;
+    let rstd = rsqrt_eps(e, &var, eps)?;
+    let y = normalize(e, &xf, &mean, &rstd, w.as_ref(), b.as_ref())?;
+    let k = |v: f64| e.splat(Scalar::Float(v), &[], acc);
+    let blend = |old: &T<'c, 'b>, new: &T<'c, 'b>, dtype: DType| -> R<T<'c, 'b>> {
+        let kept = e.binary(
+            "stablehlo.multiply",
+            &e.convert(old, acc)?,
+            &k(1.0 - momentum)?,
+            acc,
+        )?;
+        let added = e.binary("stablehlo.multiply", new, &k(momentum)?, acc)?;
+        e.convert(&e.binary("stablehlo.add", &kept, &added, acc)?, dtype)
+    };
+    let unbiased = e.binary(
+        "stablehlo.multiply",
+        &var,
+        &k(n as f64 / (n as f64 - 1.0))?,
+        acc,
+    )?;
+    Ok(vec![
+        e.convert(&y, out)?,
+        e.convert(&mean, cx.out(1)?.1)?,
+        e.convert(&rstd, cx.out(2)?.1)?,
+        blend(&rm, &mean, cx.out(3)?.1)?,
+        blend(&rv, &unbiased, cx.out(4)?.1)?,
+    ])
+}
+
+/// `_native_batch_norm_legit.no_stats(x, weight, bias, training, momentum, eps)`: batch
+/// statistics, no running statistics -> (out, save_mean, save_rstd).
+fn batch_norm_no_stats<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "input")?;
+    let w = cx.opt_tensor(1, "weight")?;
+    let b = cx.opt_tensor(2, "bias")?;
+    let eps = cx.float_or(5, "eps", 1e-5)?;
+    let (_, out) = cx.out(0)?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let xf = e.convert(&x, acc)?;
+    let (mean, var, _) = batch_stats(e, &xf)?;
+    let rstd = rsqrt_eps(e, &var, eps)?;
+    let y = normalize(e, &xf, &mean, &rstd, w.as_ref(), b.as_ref())?;
+    Ok(vec![
+        e.convert(&y, out)?,
+        e.convert(&mean, cx.out(1)?.1)?,
+        e.convert(&rstd, cx.out(2)?.1)?,
+    ])
 }

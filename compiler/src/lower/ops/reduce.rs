@@ -1,5 +1,6 @@
 //! Reductions and the normalizations built on them (softmax).
 
+use crate::lower::emit::{array_i64, Emitter};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -13,6 +14,12 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.prod.default", prod),
     ("aten.amax.default", amax),
     ("aten.amin.default", amin),
+    ("aten.max.default", max_all),
+    ("aten.min.default", min_all),
+    ("aten.max.dim", max_dim),
+    ("aten.min.dim", min_dim),
+    ("aten.argmax.default", argmax),
+    ("aten.argmin.default", argmin),
     ("aten.any.dim", any),
     ("aten.any.dims", any),
     ("aten.any.default", any),
@@ -22,6 +29,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.var.correction", var),
     ("aten._softmax.default", softmax),
     ("aten._log_softmax.default", log_softmax),
+    ("aten.cumsum.default", cumsum),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -98,7 +106,102 @@ fn minmax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, kind: ReduceKind) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let dims = reduce_dims(cx, 1, "dim", x.rank())?;
     let keep = cx.bool_or(2, "keepdim", false)?;
-    Ok(vec![cx.e.reduce(&x, &dims, kind, keep)?])
+    Ok(vec![cx.e.reduce_nan(&x, &dims, kind, keep)?])
+}
+
+/// `max(self)` / `min(self)`: the extreme of all elements, NaN if any is NaN.
+fn extreme_all<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, kind: ReduceKind) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let dims: Vec<i64> = (0..x.rank() as i64).collect();
+    Ok(vec![cx.e.reduce_nan(&x, &dims, kind, false)?])
+}
+
+fn max_all<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    extreme_all(cx, ReduceKind::Max)
+}
+
+fn min_all<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    extreme_all(cx, ReduceKind::Min)
+}
+
+/// The extreme along `dim` (NaN-propagating) and the first index where it occurs (a NaN's
+/// index when there is one), as `max.dim` / `argmax` return them.
+fn extreme_with_index<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    d: usize,
+    kind: ReduceKind,
+    keep: bool,
+) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+    let e = cx.e;
+    let v = e.reduce_nan(x, &[d as i64], kind, true)?;
+    let mut hit = e.compare(x, &v, "EQ")?;
+    if x.dtype.is_float() {
+        let both_nan = e.binary(
+            "stablehlo.and",
+            &e.compare(x, x, "NE")?,
+            &e.compare(&v, &v, "NE")?,
+            DType::Bool,
+        )?;
+        hit = e.binary("stablehlo.or", &hit, &both_nan, DType::Bool)?;
+    }
+    let iota = e.iota(&x.shape, d as i64, DType::Int64)?;
+    let past_end = e.splat(Scalar::Int(x.shape[d]), &[], DType::Int64)?;
+    let idx = e.select(&hit, &iota, &past_end, DType::Int64)?;
+    let i = e.reduce(&idx, &[d as i64], ReduceKind::Min, keep)?;
+    let v = if keep {
+        v
+    } else {
+        let mut s = x.shape.clone();
+        s.remove(d);
+        e.reshape(&v, &s)?
+    };
+    Ok((v, i))
+}
+
+fn extreme_dim<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, kind: ReduceKind) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let keep = cx.bool_or(2, "keepdim", false)?;
+    if x.rank() == 0 {
+        let zero = cx.e.splat(Scalar::Int(0), &[], DType::Int64)?;
+        return Ok(vec![x, zero]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let (v, i) = extreme_with_index(cx, &x, d, kind, keep)?;
+    Ok(vec![v, i])
+}
+
+fn max_dim<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    extreme_dim(cx, ReduceKind::Max)
+}
+
+fn min_dim<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    extreme_dim(cx, ReduceKind::Min)
+}
+
+/// `argmax(self, dim=None, keepdim=False)`; without `dim`, over the flattened tensor.
+fn arg_extreme<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, kind: ReduceKind) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let keep = cx.bool_or(2, "keepdim", false)?;
+    let out_shape = cx.out_shape()?;
+    let (x, d) = match cx.arg(1, "dim") {
+        None | Some(Arg::None) => (cx.e.reshape(&x, &[x.numel()])?, 0),
+        _ if x.rank() == 0 => (cx.e.reshape(&x, &[1])?, 0),
+        _ => {
+            let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+            (x, d)
+        }
+    };
+    let (_, i) = extreme_with_index(cx, &x, d, kind, keep)?;
+    Ok(vec![cx.e.reshape(&i, &out_shape)?])
+}
+
+fn argmax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    arg_extreme(cx, ReduceKind::Max)
+}
+
+fn argmin<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    arg_extreme(cx, ReduceKind::Min)
 }
 
 fn amax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
@@ -188,6 +291,52 @@ fn log_softmax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     )?;
     let r = cx.e.binary("stablehlo.subtract", &s, &z, s.dtype)?;
     Ok(vec![cx.e.convert(&r, cx.out_dtype()?)?])
+}
+
+/// `cumsum(self, dim, dtype)`: a sum over a window that covers everything up to each element
+/// (reduce_window with the window's length of low padding), in the accumulation dtype.
+fn cumsum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let acc = acc_dtype(out);
+    let xs = cx.e.convert(&x, acc)?;
+    if x.rank() == 0 {
+        return Ok(vec![cx.e.convert(&xs, out)?]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let r = x.rank();
+    let n = x.shape[d];
+    let mut window = vec![1; r];
+    window[d] = n.max(1);
+    let pads: Vec<String> = (0..r)
+        .map(|k| {
+            if k == d {
+                format!("[{}, 0]", (n - 1).max(0))
+            } else {
+                "[0, 0]".into()
+            }
+        })
+        .collect();
+    let init =
+        cx.e.splat(Emitter::reduce_init(ReduceKind::Sum, acc), &[], acc)?;
+    let region = cx.e.scalar_region(ReduceKind::Sum, acc)?;
+    let s =
+        cx.e.op_n(
+            "stablehlo.reduce_window",
+            &[&xs, &init],
+            &[
+                ("window_dimensions", array_i64(&window)),
+                ("window_strides", array_i64(&vec![1; r])),
+                (
+                    "padding",
+                    format!("dense<[{}]> : tensor<{r}x2xi64>", pads.join(", ")),
+                ),
+            ],
+            &[(x.shape.clone(), acc)],
+            vec![region],
+        )?
+        .remove(0);
+    Ok(vec![cx.e.convert(&s, out)?])
 }
 
 trait MaxFloat {

@@ -1,6 +1,6 @@
 //! Shape and layout ops: views, permutations, slicing, concatenation, padding, indexing.
 
-use crate::lower::emit::array_i64;
+use crate::lower::emit::{array_i64, broadcast_shapes, Emitter};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -27,6 +27,19 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.constant_pad_nd.default", constant_pad_nd),
     ("aten.index_select.default", index_select),
     ("aten.embedding.default", embedding),
+    ("aten.index.Tensor", index),
+    ("aten._unsafe_index.Tensor", index),
+    ("aten.gather.default", gather),
+    ("aten.as_strided.default", as_strided),
+    ("aten.as_strided_scatter.default", as_strided_scatter),
+    ("aten.copy.default", copy),
+    ("aten.scatter.src", scatter),
+    ("aten.scatter.value", scatter),
+    ("aten.scatter_add.default", scatter),
+    ("aten.index_put.default", index_put),
+    ("aten._unsafe_index_put.default", index_put),
+    ("aten.slice_scatter.default", slice_scatter),
+    ("aten.select_scatter.default", select_scatter),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -277,4 +290,449 @@ fn embedding<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let index = cx.tensor(1, "indices")?;
     let shape = out_shape_for(&w.shape, 0, &index.shape);
     Ok(vec![take_along(cx, &w, 0, &index, &shape)?])
+}
+
+fn list(v: &[i64]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Indices as int64 with negative values counted from the end of a dim of `size`, as PyTorch
+/// reads them.
+pub fn wrap_index<'c, 'b>(e: &Emitter<'c, 'b>, index: &T<'c, 'b>, size: i64) -> R<T<'c, 'b>> {
+    let idx = e.convert(index, DType::Int64)?;
+    let zero = e.splat(Scalar::Int(0), &[], DType::Int64)?;
+    let neg = e.compare(&idx, &zero, "LT")?;
+    let n = e.splat(Scalar::Int(size), &[], DType::Int64)?;
+    let wrapped = e.binary("stablehlo.add", &idx, &n, DType::Int64)?;
+    e.select(&neg, &wrapped, &idx, DType::Int64)
+}
+
+/// Index tensors (already int64, of one shape `b`) stacked along a new last dim: the
+/// `start_indices` of a gather or scatter, with `index_vector_dim = b.len()`.
+pub fn stack_indices<'c, 'b>(e: &Emitter<'c, 'b>, parts: &[T<'c, 'b>], b: &[i64]) -> R<T<'c, 'b>> {
+    let mut col = b.to_vec();
+    col.push(1);
+    let cols: Vec<T> = parts
+        .iter()
+        .map(|p| e.reshape(&e.broadcast_to(p, b)?, &col))
+        .collect::<R<_>>()?;
+    if cols.len() == 1 {
+        return Ok(cols.into_iter().next().expect("one part"));
+    }
+    let mut shape = b.to_vec();
+    shape.push(cols.len() as i64);
+    let refs: Vec<&T> = cols.iter().collect();
+    e.op(
+        "stablehlo.concatenate",
+        &refs,
+        &[("dimension", format!("{} : i64", b.len()))],
+        &shape,
+        DType::Int64,
+    )
+}
+
+/// Where `x[indices]` puts things: the broadcast shape of the index tensors, the indexed dims,
+/// and for each dim of `x` that is not indexed, its position in the result. PyTorch places the
+/// broadcast dims where the first indexed dim was when the indexed dims are adjacent, else first.
+pub struct AdvancedIndex<'c, 'b> {
+    pub batch: Vec<i64>,
+    pub dims: Vec<i64>,
+    pub indices: T<'c, 'b>,
+    pub offset_dims: Vec<i64>,
+    pub out_shape: Vec<i64>,
+}
+
+pub fn advanced_index<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    shape: &[i64],
+    indices: &[Option<T<'c, 'b>>],
+) -> R<AdvancedIndex<'c, 'b>> {
+    let e = cx.e;
+    let mut batch: Vec<i64> = Vec::new();
+    let mut dims = Vec::new();
+    let mut parts = Vec::new();
+    if indices.len() > shape.len() {
+        return Err(cx.err(format!(
+            "{} indices for a tensor of rank {}",
+            indices.len(),
+            shape.len()
+        )));
+    }
+    for (d, t) in indices.iter().enumerate() {
+        let Some(t) = t else { continue };
+        if matches!(t.dtype, DType::Bool | DType::Uint8) {
+            return Err(cx.err(
+                "indexing with a boolean mask has a data-dependent result shape; tpuc needs integer indices",
+            ));
+        }
+        batch = broadcast_shapes(&batch, &t.shape)
+            .ok_or_else(|| cx.err("index tensors do not broadcast"))?;
+        dims.push(d as i64);
+        parts.push(wrap_index(e, t, shape[d])?);
+    }
+    let stacked = stack_indices(e, &parts, &batch)?;
+    let adjacent = dims.windows(2).all(|w| w[1] == w[0] + 1);
+    let first = dims[0];
+    let mut offset_dims = Vec::new();
+    let mut out_shape = Vec::new();
+    if !adjacent {
+        out_shape.extend_from_slice(&batch);
+    }
+    for d in 0..shape.len() as i64 {
+        if dims.contains(&d) {
+            if adjacent && d == first {
+                out_shape.extend_from_slice(&batch);
+            }
+            continue;
+        }
+        offset_dims.push(out_shape.len() as i64);
+        out_shape.push(shape[d as usize]);
+    }
+    Ok(AdvancedIndex {
+        batch,
+        dims,
+        indices: stacked,
+        offset_dims,
+        out_shape,
+    })
+}
+
+/// `x[indices]` with a list of optional index tensors (`None` keeps a dim whole).
+fn index<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let indices = cx.opt_tensors(1, "indices")?;
+    if indices.iter().all(|t| t.is_none()) {
+        return Ok(vec![x]);
+    }
+    let ix = advanced_index(cx, &x.shape, &indices)?;
+    let mut slice_sizes = x.shape.clone();
+    for &d in &ix.dims {
+        slice_sizes[d as usize] = 1;
+    }
+    let dnums = format!(
+        "#stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{}], start_index_map = [{}], index_vector_dim = {}>",
+        list(&ix.offset_dims),
+        list(&ix.dims),
+        list(&ix.dims),
+        ix.batch.len()
+    );
+    Ok(vec![cx.e.op(
+        "stablehlo.gather",
+        &[&x, &ix.indices],
+        &[
+            ("dimension_numbers", dnums),
+            ("slice_sizes", array_i64(&slice_sizes)),
+            ("indices_are_sorted", "false".into()),
+        ],
+        &ix.out_shape,
+        x.dtype,
+    )?])
+}
+
+/// Full coordinates for an elementwise gather/scatter along `dim`: for each element of `index`,
+/// (i_0, ..., index[i], ..., i_{r-1}), stacked along a new last dim.
+pub fn along_dim_coords<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    index: &T<'c, 'b>,
+    dim: usize,
+    size: i64,
+) -> R<T<'c, 'b>> {
+    let idx = wrap_index(e, index, size)?;
+    let parts: Vec<T> = (0..index.rank())
+        .map(|k| {
+            if k == dim {
+                Ok(idx.clone())
+            } else {
+                e.iota(&index.shape, k as i64, DType::Int64)
+            }
+        })
+        .collect::<R<_>>()?;
+    stack_indices(e, &parts, &index.shape)
+}
+
+/// `gather(self, dim, index)`: `out[i][j] = self[i][index[i][j]]` (for dim 1).
+fn gather<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let index = cx.tensor(2, "index")?;
+    if x.rank() == 0 {
+        return Ok(vec![cx.e.reshape(&x, &cx.out_shape()?)?]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let r = x.rank() as i64;
+    let coords = along_dim_coords(cx.e, &index, d, x.shape[d])?;
+    let all: Vec<i64> = (0..r).collect();
+    let dnums = format!(
+        "#stablehlo.gather<collapsed_slice_dims = [{}], start_index_map = [{}], index_vector_dim = {r}>",
+        list(&all),
+        list(&all)
+    );
+    Ok(vec![cx.e.op(
+        "stablehlo.gather",
+        &[&x, &coords],
+        &[
+            ("dimension_numbers", dnums),
+            ("slice_sizes", array_i64(&vec![1; x.rank()])),
+            ("indices_are_sorted", "false".into()),
+        ],
+        &index.shape,
+        x.dtype,
+    )?])
+}
+
+/// The `size`, `stride` and `storage_offset` arguments of `as_strided` (at `i`, `i + 1`, `i + 2`),
+/// checked against a buffer of `numel` elements.
+fn strided_args(cx: &NodeCx, i: usize, numel: i64) -> R<(Vec<i64>, Vec<i64>, i64)> {
+    let size = cx.ints(i, "size")?;
+    let stride = cx.ints(i + 1, "stride")?;
+    let offset = cx.int_or(i + 2, "storage_offset", 0)?;
+    if size.len() != stride.len() {
+        return Err(cx.err("as_strided: size and stride differ in length"));
+    }
+    let last = offset
+        + size
+            .iter()
+            .zip(&stride)
+            .map(|(&n, &s)| (n - 1).max(0) * s)
+            .sum::<i64>();
+    if size.iter().product::<i64>() > 0 && (last >= numel || offset < 0) {
+        return Err(cx.err(format!(
+            "as_strided reaches element {last} of a tensor of {numel} elements"
+        )));
+    }
+    Ok((size, stride, offset))
+}
+
+/// Whether `(size, stride, offset)` walks a row-major buffer of `numel` elements in order, all of
+/// it (dims of size 1 may carry any stride): then as_strided is a reshape.
+fn walks_in_order(size: &[i64], stride: &[i64], offset: i64, numel: i64) -> bool {
+    let mut expect = 1;
+    for k in (0..size.len()).rev() {
+        if size[k] != 1 && stride[k] != expect {
+            return false;
+        }
+        expect *= size[k];
+    }
+    offset == 0 && size.iter().product::<i64>() == numel
+}
+
+/// For each element of an as_strided view, its position in the flat buffer, as the
+/// `[size..., 1]` start indices of a gather or scatter.
+fn strided_positions<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    size: &[i64],
+    stride: &[i64],
+    offset: i64,
+) -> R<T<'c, 'b>> {
+    let mut lin = e.splat(Scalar::Int(offset), size, DType::Int64)?;
+    for k in 0..size.len() {
+        if size[k] > 1 && stride[k] != 0 {
+            let i = e.iota(size, k as i64, DType::Int64)?;
+            let s = e.splat(Scalar::Int(stride[k]), &[], DType::Int64)?;
+            let term = e.binary("stablehlo.multiply", &i, &s, DType::Int64)?;
+            lin = e.binary("stablehlo.add", &lin, &term, DType::Int64)?;
+        }
+    }
+    stack_indices(e, &[lin], size)
+}
+
+/// `as_strided(self, size, stride, storage_offset)`, reading `self` as a row-major (contiguous)
+/// buffer, which is how tpuc holds every tensor: a reshape when the strides walk that buffer in
+/// order, else a gather of the addressed elements.
+fn as_strided<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let (size, stride, offset) = strided_args(cx, 1, x.numel())?;
+    if walks_in_order(&size, &stride, offset, x.numel()) {
+        return Ok(vec![cx.e.reshape(&x, &size)?]);
+    }
+    let e = cx.e;
+    let flat = e.reshape(&x, &[x.numel()])?;
+    let coords = strided_positions(e, &size, &stride, offset)?;
+    let dnums = format!(
+        "#stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = {}>",
+        size.len()
+    );
+    Ok(vec![e.op(
+        "stablehlo.gather",
+        &[&flat, &coords],
+        &[
+            ("dimension_numbers", dnums),
+            ("slice_sizes", "array<i64: 1>".into()),
+            ("indices_are_sorted", "false".into()),
+        ],
+        &size,
+        x.dtype,
+    )?])
+}
+
+/// `as_strided_scatter(self, src, size, stride, storage_offset)`: `self` (a row-major buffer)
+/// with the elements of the as_strided view replaced by `src`.
+fn as_strided_scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let src = cx.tensor(1, "src")?;
+    let (size, stride, offset) = strided_args(cx, 2, x.numel())?;
+    let e = cx.e;
+    let src = e.reshape(&e.convert(&src, x.dtype)?, &size)?;
+    if walks_in_order(&size, &stride, offset, x.numel()) {
+        return Ok(vec![e.reshape(&src, &x.shape)?]);
+    }
+    let flat = e.reshape(&x, &[x.numel()])?;
+    let coords = strided_positions(e, &size, &stride, offset)?;
+    let s = e.scatter(&flat, &coords, &src, &[], &[0], &[0], false)?;
+    Ok(vec![e.reshape(&s, &x.shape)?])
+}
+
+/// `copy(self, src)`: the values of `src`, broadcast to the shape and cast to the dtype of `self`.
+fn copy<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let src = cx.tensor(1, "src")?;
+    let v = cx.e.convert(&src, x.dtype)?;
+    Ok(vec![cx.e.broadcast_to(&v, &x.shape)?])
+}
+
+/// `index_put(self, indices, values, accumulate)`: `self[indices] = values` (or `+=` with
+/// `accumulate`, which adds every duplicate index's value, as the embedding gradient needs).
+fn index_put<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let indices = cx.opt_tensors(1, "indices")?;
+    let values = cx.tensor(2, "values")?;
+    let accumulate = cx.bool_or(3, "accumulate", false)?;
+    if indices.iter().all(|t| t.is_none()) {
+        let v =
+            cx.e.broadcast_to(&cx.e.convert(&values, x.dtype)?, &x.shape)?;
+        if accumulate {
+            return Ok(vec![cx.e.binary("stablehlo.add", &x, &v, x.dtype)?]);
+        }
+        return Ok(vec![v]);
+    }
+    let ix = advanced_index(cx, &x.shape, &indices)?;
+    let upd =
+        cx.e.broadcast_to(&cx.e.convert(&values, x.dtype)?, &ix.out_shape)?;
+    Ok(vec![cx.e.scatter(
+        &x,
+        &ix.indices,
+        &upd,
+        &ix.offset_dims,
+        &ix.dims,
+        &ix.dims,
+        accumulate,
+    )?])
+}
+
+/// Writes `src` into `x` at positions `start, start + step, ...` of dim `d`.
+fn scatter_along<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    src: &T<'c, 'b>,
+    d: usize,
+    start: i64,
+    step: i64,
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let m = src.shape[d];
+    if m == 0 {
+        return Ok(x.clone());
+    }
+    if start == 0 && step == 1 && src.shape == x.shape {
+        return e.convert(src, x.dtype);
+    }
+    let i = e.iota(&[m], 0, DType::Int64)?;
+    let k = e.splat(Scalar::Int(step), &[], DType::Int64)?;
+    let s0 = e.splat(Scalar::Int(start), &[], DType::Int64)?;
+    let pos = e.binary(
+        "stablehlo.add",
+        &e.binary("stablehlo.multiply", &i, &k, DType::Int64)?,
+        &s0,
+        DType::Int64,
+    )?;
+    let pos = e.reshape(&pos, &[m, 1])?;
+    let window: Vec<i64> = (0..x.rank() as i64).filter(|&k| k != d as i64).collect();
+    e.scatter(x, &pos, src, &window, &[d as i64], &[d as i64], false)
+}
+
+/// `slice_scatter(self, src, dim, start, end, step)`: `self` with `self[start:end:step]` along
+/// `dim` replaced by `src`.
+fn slice_scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let src = cx.tensor(1, "src")?;
+    let d = cx.dim(cx.int_or(2, "dim", 0)?, x.rank())? as usize;
+    let start = clamp_index(cx.int_or(3, "start", 0)?, x.shape[d]);
+    let step = cx.int_or(5, "step", 1)?;
+    if step <= 0 {
+        return Err(cx.err("slice_scatter step must be positive"));
+    }
+    Ok(vec![scatter_along(cx, &x, &src, d, start, step)?])
+}
+
+/// `select_scatter(self, src, dim, index)`: `self` with `self.select(dim, index)` replaced.
+fn select_scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let src = cx.tensor(1, "src")?;
+    let d = cx.dim(cx.int(2, "dim")?, x.rank())? as usize;
+    let mut i = cx.int(3, "index")?;
+    if i < 0 {
+        i += x.shape[d];
+    }
+    if i < 0 || i >= x.shape[d] {
+        return Err(cx.err(format!(
+            "index {} out of range for dim {d} of size {}",
+            cx.int(3, "index")?,
+            x.shape[d]
+        )));
+    }
+    let mut shape = x.shape.clone();
+    shape[d] = 1;
+    let src = cx.e.reshape(&src, &shape)?;
+    Ok(vec![scatter_along(cx, &x, &src, d, i, 1)?])
+}
+
+/// `scatter(self, dim, index, src | value)` and `scatter_add(self, dim, index, src)`: for each
+/// element of `index`, `self[i][index[i][j]] = src[i][j]` (for dim 1), or `+=` for scatter_add.
+/// `src` may be larger than `index`; only its leading part is read.
+fn scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let index = cx.tensor(2, "index")?;
+    let e = cx.e;
+    if x.rank() == 0 || index.numel() == 0 {
+        let src = match cx.arg(3, "src") {
+            Some(Arg::Value(_)) => cx.tensor(3, "src")?,
+            _ => e.splat(cx.scalar(3, "value")?, &[], x.dtype)?,
+        };
+        if index.numel() == 0 {
+            return Ok(vec![x]);
+        }
+        return Ok(vec![e.reshape(&e.convert(&src, x.dtype)?, &x.shape)?]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let updates = match cx.arg(3, "src") {
+        Some(Arg::Value(_)) => {
+            let src = cx.tensor(3, "src")?;
+            let src = if src.shape == index.shape {
+                src
+            } else {
+                e.slice(
+                    &src,
+                    &vec![0; src.rank()],
+                    &index.shape,
+                    &vec![1; src.rank()],
+                )?
+            };
+            e.convert(&src, x.dtype)?
+        }
+        _ => e.splat(cx.scalar(3, "value")?, &index.shape, x.dtype)?,
+    };
+    let coords = along_dim_coords(e, &index, d, x.shape[d])?;
+    let all: Vec<i64> = (0..x.rank() as i64).collect();
+    let add = cx.node.op == "aten.scatter_add.default";
+    Ok(vec![e.scatter(
+        &x,
+        &coords,
+        &updates,
+        &[],
+        &all,
+        &all,
+        add,
+    )?])
 }
