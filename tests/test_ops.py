@@ -147,3 +147,12 @@ def test_explicit_precision_option_overrides_torch(tmp_path):
     check(lambda a, b: a @ b, a, b, rtol=1e-2, atol=1e-2, precision="default", dump_dir=str(tmp_path))
     text = next(tmp_path.glob("*/stablehlo.mlir")).read_text()
     assert "#stablehlo<precision DEFAULT>" in text
+
+
+def test_dim_zero_of_a_0d_tensor():
+    # PyTorch accepts dim 0 / -1 on a 0-d tensor; these used to panic in the lowering.
+    x = torch.tensor(1.5)
+    check(
+        lambda x: (x.mean(dim=0, keepdim=True), x.mean(dim=-1), torch.index_select(x, 0, torch.tensor([0]))),
+        x,
+    )

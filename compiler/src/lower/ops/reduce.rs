@@ -34,6 +34,14 @@ pub static RULES: &[(&str, Rule)] = &[
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
 
+/// How many elements each output of a reduction over `dims` combines (1 for a 0-d tensor, whose
+/// only "dim" PyTorch accepts is the tensor itself).
+fn reduced_count(x: &T, dims: &[i64]) -> i64 {
+    dims.iter()
+        .filter_map(|&d| x.shape.get(d as usize))
+        .product()
+}
+
 /// Accumulation dtype: low-precision floats accumulate in f32, as PyTorch does.
 pub fn acc_dtype(d: DType) -> DType {
     match d {
@@ -83,7 +91,7 @@ fn mean<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let acc = acc_dtype(out);
     let r =
         cx.e.reduce(&cx.e.convert(&x, acc)?, &dims, ReduceKind::Sum, keep)?;
-    let count: i64 = dims.iter().map(|&d| x.shape[d as usize]).product();
+    let count = reduced_count(&x, &dims);
     let n = cx.e.splat(Scalar::Int(count), &[], acc)?;
     let r = cx.e.binary("stablehlo.divide", &r, &n, acc)?;
     Ok(vec![cx.e.convert(&r, out)?])
@@ -244,7 +252,7 @@ fn var<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         _ => false,
     };
     let xf = cx.e.convert(&x, acc)?;
-    let count: i64 = dims.iter().map(|&d| x.shape[d as usize]).product();
+    let count = reduced_count(&x, &dims);
     let n = cx.e.splat(Scalar::Int(count), &[], acc)?;
     let m = cx.e.binary(
         "stablehlo.divide",

@@ -272,6 +272,11 @@ fn index_select<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
     let index = cx.tensor(2, "index")?;
+    if x.rank() == 0 {
+        // A 0-d tensor indexed along "dim 0": every (valid) index selects the one element.
+        let (shape, _) = cx.out(0)?;
+        return Ok(vec![cx.e.broadcast_to(&x, &shape)?]);
+    }
     let g = take_along(cx, &x, d, &index, &out_shape_for(&x.shape, d, &index.shape))?;
     // A 0-d index keeps the dim as size 1 in index_select.
     Ok(vec![cx.e.reshape(&g, &cx.out_shape()?)?])
