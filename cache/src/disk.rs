@@ -35,6 +35,8 @@ pub enum CacheError {
     },
     #[error("refusing cache folder {dir}: it is writable by other users (mode {mode:o}); cache entries are native code. Use a folder only you can write (chmod 700), or another cache_dir")]
     Unsafe { dir: PathBuf, mode: u32 },
+    #[error("refusing cache folder {dir}: it belongs to another user (uid {owner}), who could replace its entries (native code). Use a folder you own, or another cache_dir")]
+    Foreign { dir: PathBuf, owner: u32 },
     #[error("corrupt cache entry {path}: {reason} (removed)")]
     Corrupt { path: PathBuf, reason: String },
 }
@@ -121,6 +123,7 @@ impl DiskCache {
         }
         #[cfg(unix)]
         {
+            use std::os::unix::fs::MetadataExt;
             use std::os::unix::fs::PermissionsExt;
             let mode = md.permissions().mode() & 0o7777;
             // Sticky world-writable folders (/tmp itself) are still writable by others.
@@ -128,6 +131,15 @@ impl DiskCache {
                 return Err(CacheError::Unsafe {
                     dir: dir.to_path_buf(),
                     mode,
+                });
+            }
+            // The owner can always write (or chmod) the folder: it must be us or root.
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            let me = unsafe { libc::geteuid() };
+            if md.uid() != me && md.uid() != 0 {
+                return Err(CacheError::Foreign {
+                    dir: dir.to_path_buf(),
+                    owner: md.uid(),
                 });
             }
         }
@@ -505,6 +517,23 @@ mod tests {
         let capped = DiskCache::open(&d, Some(2 * size)).unwrap();
         capped.put(&key("w"), b"", &[9u8; 1000]).unwrap();
         assert!(capped.get(&key("w")).unwrap().is_some());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn refuses_folders_owned_by_another_user() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return; // only root can give a folder away; CI runs as root
+        }
+        let d = tmpdir("foreign");
+        fs::create_dir_all(&d).unwrap();
+        let c_path = std::ffi::CString::new(d.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path; chown has no other preconditions.
+        assert_eq!(unsafe { libc::chown(c_path.as_ptr(), 65534, 65534) }, 0);
+        let err = DiskCache::open(&d, None).err().unwrap();
+        assert!(err.to_string().contains("belongs to another user"), "{err}");
         fs::remove_dir_all(&d).unwrap();
     }
 

@@ -77,7 +77,9 @@ fn compile_err(e: CompileError) -> PyErr {
 
 fn cache_err(e: CacheError) -> PyErr {
     match e {
-        CacheError::Unsafe { .. } => pyo3::exceptions::PyPermissionError::new_err(e.to_string()),
+        CacheError::Unsafe { .. } | CacheError::Foreign { .. } => {
+            pyo3::exceptions::PyPermissionError::new_err(e.to_string())
+        }
         other => TpucError::new_err(other.to_string()),
     }
 }

@@ -8,7 +8,6 @@ for `tpuc.stats()`, `tpuc.reset_stats()` and the error types.
 
 from ._native import GraphImportError, PjrtError, TpucError, UnsupportedOpError, supported_ops
 from .counters import reset_stats, stats
-from .precompile import precompile
 
 __all__ = [
     "GraphImportError",
@@ -21,3 +20,12 @@ __all__ = [
     "supported_ops",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `precompile` needs torch; importing it lazily keeps `import tpuc` (and the cache CLI) light.
+    if name == "precompile":
+        from .precompile import precompile
+
+        return precompile
+    raise AttributeError(f"module 'tpuc' has no attribute {name!r}")

@@ -409,7 +409,7 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=Non
     """Entry point of `torch.compile(model, backend="tpu")` (and `"tpuc"`)."""
     try:
         return _compile(gm, example_inputs, options, mode, kwargs)
-    except (ValueError, NotImplementedError, _native.TpucError) as e:
+    except (ValueError, NotImplementedError, PermissionError, _native.TpucError) as e:
         raise _surface(e) from e
 
 

@@ -1,0 +1,423 @@
+"""Measures what the persistent executable cache buys (issue 4, "Done when").
+
+(a) First call, cold vs warm: a new process compiles a model into an empty cache folder (cold),
+    then another new process compiles the same model with the same folder (warm). The time of
+    the first call of the compiled model (Dynamo + AOTAutograd tracing, tpuc lowering, PJRT
+    compile or cache load, one run) is compared, and broken down: Dynamo (bytecode trace and
+    guards), AOTAutograd (functionalization, decompositions), tpuc's FX export and import,
+    tpuc's lowering (specialize + StableHLO) and tpuc's compile (PJRT compile when cold, disk
+    read + verify + deserialize when warm), the run itself.
+(b) Precompile of 8 shape buckets, in parallel (rayon, default threads) vs serially
+    (RAYON_NUM_THREADS=1), each in a new process with a fresh cache folder. The whole
+    `tpuc.precompile` call is timed, and its parallel part (Runtime.compile_many) separately.
+
+Every measurement is a new process; --reps repetitions, medians reported (min too).
+
+    .venv/bin/python bench/bench_cache.py [--models zoo:gpt2 zoo:resnet18] [--reps 3]
+                                          [--precompile-model preln] [--out bench/results]
+
+Model names: `zoo:NAME` (tests/zoo.py) or `NAME` (tests/models.py). Writes OUT/cache.json (raw
+numbers, machine info) and OUT/cache.md (tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+BUCKETS = [2, 4, 6, 8, 10, 12, 14, 16]  # with max 16: 8 buckets
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes
+
+
+def _load_model(spec: str, batch: int | None = None):
+    sys.path.insert(0, str(TESTS))
+    if spec.startswith("zoo:"):
+        import zoo
+
+        return zoo.make(spec.removeprefix("zoo:"))
+    import models
+
+    return models.make(spec, batch=batch or 2)
+
+
+class _Timers:
+    """Wraps backend internals to time the parts of a first call."""
+
+    def __init__(self):
+        from tpuc import backend
+
+        self.backend_seconds = 0.0  # tpu_backend: AOTAutograd + tpuc (everything after Dynamo)
+        self.graph_seconds = 0.0  # CompiledGraph construction: FX export/import + static compile
+        self.executables = []
+        from tpuc import runtime
+
+        self.runtime_seconds = 0.0  # loading the plugin and creating the PJRT client (once)
+        inner_compile, inner_init = backend._compile, backend.CompiledGraph.__init__
+        inner_record, inner_runtime = backend.record_compile, runtime.get_runtime
+
+        def timed_runtime(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner_runtime(*a, **k)
+            finally:
+                self.runtime_seconds += time.perf_counter() - t
+
+        def timed_compile(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner_compile(*a, **k)
+            finally:
+                self.backend_seconds += time.perf_counter() - t
+
+        def timed_init(cg, *a, **k):
+            t = time.perf_counter()
+            try:
+                return inner_init(cg, *a, **k)
+            finally:
+                self.graph_seconds += time.perf_counter() - t
+
+        def record(exe):
+            self.executables.append(
+                {
+                    "key": exe.key,
+                    "cache": exe.cache,
+                    "lower_seconds": exe.lower_seconds,
+                    "compile_seconds": exe.compile_seconds,
+                }
+            )
+            inner_record(exe)
+
+        backend._compile = timed_compile
+        backend.CompiledGraph.__init__ = timed_init
+        backend.record_compile = record
+        runtime.get_runtime = timed_runtime
+
+
+def child_first_call(args) -> dict:
+    t_start = time.perf_counter()
+    import torch
+
+    import tpuc
+
+    t_imported = time.perf_counter()
+    timers = _Timers()
+    torch.set_num_threads(1)
+    model, inputs = _load_model(args.model)
+    compiled = torch.compile(
+        model, backend="tpu", dynamic=False, options={"cache_dir": args.cache_dir, "fallback": "error"}
+    )
+    tpuc.reset_stats()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = compiled(*inputs)
+        first = time.perf_counter() - t0
+        runs = []
+        for _ in range(5):
+            t1 = time.perf_counter()
+            compiled(*inputs)
+            runs.append(time.perf_counter() - t1)
+        expected = model(*inputs)
+    err = (out - expected).abs().max().item()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    lower = sum(e["lower_seconds"] for e in timers.executables)
+    compile_or_load = sum(e["compile_seconds"] for e in timers.executables)
+    run = statistics.median(runs)
+    return {
+        "import_seconds": t_imported - t_start,
+        "first_call_seconds": first,
+        "breakdown": {
+            "dynamo": first - timers.backend_seconds - run,
+            "aot_autograd": timers.backend_seconds - timers.graph_seconds - timers.runtime_seconds,
+            "pjrt_client_setup": timers.runtime_seconds,
+            "tpuc_fx_export_import": timers.graph_seconds - lower - compile_or_load,
+            "tpuc_lower": lower,
+            "tpuc_compile_or_load": compile_or_load,
+            "run": run,
+        },
+        "executables": timers.executables,
+        "stats": tpuc.stats(),
+        "max_abs_err": err,
+    }
+
+
+def child_precompile(args) -> dict:
+    import torch
+
+    import tpuc
+    from tpuc import runtime
+
+    torch.set_num_threads(1)
+    many = {"seconds": 0.0, "cpu_seconds": 0.0, "calls": 0}
+    get_runtime = runtime.get_runtime
+
+    class Timed:
+        """The runtime, with compile_many timed."""
+
+        def __init__(self, rt):
+            self._rt = rt
+
+        def __getattr__(self, name):
+            return getattr(self._rt, name)
+
+        def compile_many(self, *a, **k):
+            t, c = time.perf_counter(), time.process_time()
+            try:
+                return self._rt.compile_many(*a, **k)
+            finally:
+                many["seconds"] += time.perf_counter() - t
+                many["cpu_seconds"] += time.process_time() - c  # every thread of the process
+                many["calls"] += 1
+
+    runtime.get_runtime = lambda *a, **k: Timed(get_runtime(*a, **k))
+    model, (x,) = _load_model(args.model, batch=3)  # not a bucket: compile_many compiles all 8
+    report = tpuc.precompile(
+        model,
+        (x,),
+        dynamic={0: {0: max(BUCKETS)}},
+        buckets=BUCKETS,
+        options={"cache_dir": args.cache_dir, "fallback": "error"},
+    )
+    report["compile_many_seconds"] = many["seconds"]
+    report["compile_many_cpu_seconds"] = many["cpu_seconds"]
+    report["rayon_threads"] = os.environ.get("RAYON_NUM_THREADS", "default")
+    report["stats"] = tpuc.stats()
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def _child(kind: str, model: str, cache_dir: Path, **env: str) -> dict:
+    e = dict(os.environ)
+    for k in ("TPUC_CACHE_DIR", "TPUC_CACHE_MAX_SIZE", "TPUC_LOG", "TPUC_DUMP_DIR", "RAYON_NUM_THREADS"):
+        e.pop(k, None)
+    e.update(env)
+    cmd = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", str(cache_dir)]
+    load = os.getloadavg()[0]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    result["load_average_at_start"] = load
+    return result
+
+
+def _med(xs):
+    return statistics.median(xs)
+
+
+def measure_first_calls(models: list[str], reps: int, tmp: Path) -> dict:
+    out = {}
+    for m in models:
+        cold, warm = [], []
+        for r in range(reps):
+            d = tmp / f"{m.replace(':', '_')}-{r}"
+            c = _child("first-call", m, d)
+            w = _child("first-call", m, d)
+            assert c["stats"]["xla_compiles"] > 0 and c["stats"]["cache_hits_disk"] == 0, c["stats"]
+            assert w["stats"]["xla_compiles"] == 0 and w["stats"]["cache_hits_disk"] > 0, w["stats"]
+            cold.append(c)
+            warm.append(w)
+            print(
+                f"{m} rep {r}: cold {c['first_call_seconds']:.2f}s, warm {w['first_call_seconds']:.2f}s",
+                flush=True,
+            )
+        summary = {}
+        for name, runs in (("cold", cold), ("warm", warm)):
+            summary[name] = {
+                "first_call_seconds": _med([x["first_call_seconds"] for x in runs]),
+                "first_call_min_seconds": min(x["first_call_seconds"] for x in runs),
+                "breakdown": {k: _med([x["breakdown"][k] for x in runs]) for k in runs[0]["breakdown"]},
+                "import_seconds": _med([x["import_seconds"] for x in runs]),
+            }
+        summary["ratio"] = summary["cold"]["first_call_seconds"] / summary["warm"]["first_call_seconds"]
+        summary["ratio_tpuc_part"] = sum(
+            summary["cold"]["breakdown"][k] for k in ("tpuc_lower", "tpuc_compile_or_load")
+        ) / sum(summary["warm"]["breakdown"][k] for k in ("tpuc_lower", "tpuc_compile_or_load"))
+        summary["runs"] = {"cold": cold, "warm": warm}
+        out[m] = summary
+    return out
+
+
+def measure_precompile(model: str, reps: int, tmp: Path) -> dict:
+    par, ser = [], []
+    for r in range(reps):
+        # Alternate the order so that drifting load hits both alike.
+        order = [("parallel", {}), ("serial", {"RAYON_NUM_THREADS": "1"})]
+        for kind, env in order if r % 2 == 0 else order[::-1]:
+            rep = _child("precompile", model, tmp / f"pre-{kind}-{r}", **env)
+            assert rep["executables"] == len(BUCKETS) and rep["compiled"] == len(BUCKETS), rep
+            (par if kind == "parallel" else ser).append(rep)
+            print(
+                f"precompile {kind} rep {r}: {rep['seconds']:.2f}s total, "
+                f"{rep['compile_many_seconds']:.2f}s compile_many",
+                flush=True,
+            )
+    res = {}
+    for kind, runs in (("parallel", par), ("serial", ser)):
+        res[kind] = {
+            "seconds": _med([x["seconds"] for x in runs]),
+            "compile_many_seconds": _med([x["compile_many_seconds"] for x in runs]),
+            "compile_many_min_seconds": min(x["compile_many_seconds"] for x in runs),
+            "compile_many_cpu_seconds": _med([x["compile_many_cpu_seconds"] for x in runs]),
+            # CPU seconds per wall second during compile_many: the cores it kept busy.
+            "compile_many_cores_used": _med(
+                [x["compile_many_cpu_seconds"] / x["compile_many_seconds"] for x in runs]
+            ),
+            "runs": runs,
+        }
+    res["speedup_total"] = res["serial"]["seconds"] / res["parallel"]["seconds"]
+    res["speedup_compile_many"] = (
+        res["serial"]["compile_many_seconds"] / res["parallel"]["compile_many_seconds"]
+    )
+    res["speedup_compile_many_min"] = (
+        res["serial"]["compile_many_min_seconds"] / res["parallel"]["compile_many_min_seconds"]
+    )
+    return res
+
+
+def _markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [
+        f"# tpuc executable cache benchmark, {r['date']}",
+        "",
+        f"torch {m['torch']}, {m['cpus']} CPUs ({m['processor']}), load average {m['load_start']} at start, "
+        f"{m['load_end']} at end; {r['reps']} repetitions, medians; every number from a new process.",
+        "",
+        "## (a) First call, cold cache vs warm cache (new process, same cache folder)",
+        "",
+        "First call = Dynamo + AOTAutograd tracing + tpuc lowering + PJRT compile (cold) or cache "
+        "load (warm) + one run. Target: warm at least 5x faster than cold.",
+        "",
+        "| model | cold s | warm s | cold/warm | tpuc lower+compile cold s | tpuc lower+load warm s | "
+        "tpuc part cold/warm |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in r["first_call"].items():
+        c, w = s["cold"], s["warm"]
+        tc = c["breakdown"]["tpuc_lower"] + c["breakdown"]["tpuc_compile_or_load"]
+        tw = w["breakdown"]["tpuc_lower"] + w["breakdown"]["tpuc_compile_or_load"]
+        lines.append(
+            f"| {name} | {c['first_call_seconds']:.2f} | {w['first_call_seconds']:.2f} | {s['ratio']:.2f}x "
+            f"| {tc:.3f} | {tw:.3f} | {s['ratio_tpuc_part']:.1f}x |"
+        )
+    lines += [
+        "",
+        "Breakdown of the first call (seconds, medians):",
+        "",
+        "| model | cache | Dynamo | AOTAutograd | PJRT client setup | tpuc FX export+import | tpuc lower | "
+        "tpuc compile (cold) / load (warm) | run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in r["first_call"].items():
+        for kind in ("cold", "warm"):
+            b = s[kind]["breakdown"]
+            lines.append(
+                f"| {name} | {kind} | {b['dynamo']:.3f} | {b['aot_autograd']:.3f} | {b['pjrt_client_setup']:.3f} | "
+                f"{b['tpuc_fx_export_import']:.3f} | {b['tpuc_lower']:.3f} | {b['tpuc_compile_or_load']:.3f} "
+                f"| {b['run']:.4f} |"
+            )
+    p = r["precompile"]
+    lines += [
+        "",
+        f"## (b) tpuc.precompile of {len(BUCKETS)} buckets ({r['precompile_model']}, batch dim dynamic, "
+        f"buckets {BUCKETS}), parallel vs serial",
+        "",
+        "Parallel: rayon's default thread count; serial: RAYON_NUM_THREADS=1; fresh cache folders. "
+        "compile_many = the parallel part (specialize, lower and PJRT-compile every bucket); total = "
+        "the whole tpuc.precompile call (also Dynamo/AOTAutograd tracing and the example call). "
+        "Target: at least 1.6x on 2 cores.",
+        "",
+        "| | parallel s | serial s | speedup |",
+        "|---|---:|---:|---:|",
+        f"| compile_many (median) | {p['parallel']['compile_many_seconds']:.2f} | "
+        f"{p['serial']['compile_many_seconds']:.2f} | {p['speedup_compile_many']:.2f}x |",
+        f"| compile_many (fastest run) | {p['parallel']['compile_many_min_seconds']:.2f} | "
+        f"{p['serial']['compile_many_min_seconds']:.2f} | {p['speedup_compile_many_min']:.2f}x |",
+        f"| compile_many CPU seconds, all threads (median) | {p['parallel']['compile_many_cpu_seconds']:.2f} | "
+        f"{p['serial']['compile_many_cpu_seconds']:.2f} | |",
+        f"| cores kept busy during compile_many (CPU s / wall s) | "
+        f"{p['parallel']['compile_many_cores_used']:.2f} | {p['serial']['compile_many_cores_used']:.2f} | |",
+        f"| whole precompile (median) | {p['parallel']['seconds']:.2f} | {p['serial']['seconds']:.2f} | "
+        f"{p['speedup_total']:.2f}x |",
+        "",
+    ]
+    if p["parallel"]["compile_many_cores_used"] < 1.5:
+        lines += [
+            f"Note: with rayon's threads, compile_many kept only {p['parallel']['compile_many_cores_used']:.2f} "
+            "cores busy (serial: "
+            f"{p['serial']['compile_many_cores_used']:.2f}): the PJRT compiles did not overlap inside the "
+            "process. With the load average above 2, part of the machine was also taken by other processes.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["zoo:gpt2", "zoo:resnet18"])
+    p.add_argument("--precompile-model", default="preln")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--skip", choices=["first-call", "precompile"], default=None)
+    p.add_argument("--child", choices=["first-call", "precompile"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--render", action="store_true", help="only rewrite OUT/cache.md from OUT/cache.json")
+    args = p.parse_args(argv)
+    if args.render:
+        md = _markdown(json.loads((args.out / "cache.json").read_text()))
+        (args.out / "cache.md").write_text(md)
+        print(md)
+        return 0
+    if args.child:
+        fn = child_first_call if args.child == "first-call" else child_precompile
+        print(json.dumps(fn(args)), flush=True)
+        return 0
+
+    import torch
+
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "reps": args.reps,
+        "machine": {
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "load_start": round(os.getloadavg()[0], 2),
+        },
+        "precompile_model": args.precompile_model,
+        "first_call": {},
+        "precompile": None,
+    }
+    with tempfile.TemporaryDirectory(prefix="tpuc-bench-cache-") as tmp:
+        if args.skip != "first-call":
+            result["first_call"] = measure_first_calls(args.models, args.reps, Path(tmp))
+        if args.skip != "precompile":
+            result["precompile"] = measure_precompile(args.precompile_model, args.reps, Path(tmp))
+    result["machine"]["load_end"] = round(os.getloadavg()[0], 2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cache.json").write_text(json.dumps(result, indent=2) + "\n")
+    if result["first_call"] and result["precompile"]:
+        (args.out / "cache.md").write_text(_markdown(result))
+        print(_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

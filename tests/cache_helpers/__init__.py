@@ -1,0 +1,1 @@
+"""Subprocess entry points and factories for tests/test_cache.py and bench/bench_cache.py."""
