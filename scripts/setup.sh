@@ -43,14 +43,16 @@ if ! have "import importlib.metadata as m; m.distribution('xla-cpu-pjrt')"; then
     step "python: installing the CPU PJRT plugin (xla-cpu-pjrt)"
     "${PIP[@]}" --no-deps "xla-cpu-pjrt==0.0.1"
 fi
+# Test tools first: the verifier wheel below needs numpy. expecttest is what PyTorch's op database
+# (bench/op_sweep.py) imports.
+if ! have "import maturin, pytest, numpy, expecttest" || [ ! -x .venv/bin/ruff ]; then
+    step "python: installing build and test tools"
+    "${PIP[@]}" "maturin>=1.5,<2" pytest numpy ruff expecttest
+fi
 if ! have "import torch_mlir._mlir_libs._stablehlo"; then
     step "python: installing the StableHLO verifier (torch-mlir wheel)"
     "${PIP[@]}" --no-deps "torch-mlir==20261001"
     "${PIP[@]}" packaging
-fi
-if ! have "import maturin, pytest, numpy" || [ ! -x .venv/bin/ruff ]; then
-    step "python: installing build and test tools"
-    "${PIP[@]}" "maturin>=1.5,<2" pytest numpy ruff
 fi
 
 # The model zoo (tests/zoo.py) builds Hugging Face and torchvision models from configs (random
