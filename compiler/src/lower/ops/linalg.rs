@@ -109,44 +109,29 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let w = cx.tensor(1, "weight")?;
     let bias = cx.opt_tensor(2, "bias")?;
     let (shape, out) = cx.out(0)?;
-    let nsp = x.rank() - 2;
-    let per_dim = |v: Vec<i64>| -> Vec<i64> {
-        if v.len() == 1 {
-            vec![v[0]; nsp]
-        } else {
-            v
-        }
-    };
-    let stride = per_dim(cx.ints(3, "stride")?);
-    let padding = per_dim(cx.ints(4, "padding")?);
-    let dilation = per_dim(cx.ints(5, "dilation")?);
-    if cx.bool_or(6, "transposed", false)? {
-        return Err(cx.err("transposed convolution is not supported yet"));
-    }
-    let groups = cx.int_or(8, "groups", 1)?;
-    let spatial: Vec<String> = (0..nsp).map(|i| i.to_string()).collect();
-    let sp = spatial.join(", ");
-    let dnums = format!("#stablehlo.conv<[b, f, {sp}]x[o, i, {sp}]->[b, f, {sp}]>");
-    let pads: Vec<String> = padding.iter().map(|p| format!("[{p}, {p}]")).collect();
+    let ConvWindow {
+        nsp,
+        stride,
+        padding,
+        dilation,
+        groups,
+    } = ConvWindow::parse(cx, x.rank(), 3)?;
+    let sp = spatial_list(nsp);
     let acc = acc_dtype(out);
     let xc = cx.e.convert(&x, out)?;
     let wc = cx.e.convert(&w, out)?;
-    let r = cx.e.op(
-        "stablehlo.convolution",
-        &[&xc, &wc],
-        &[
-            ("dimension_numbers", dnums),
-            ("window_strides", array_i64(&stride)),
-            (
-                "padding",
-                format!("dense<[{}]> : tensor<{nsp}x2xi64>", pads.join(", ")),
-            ),
-            ("lhs_dilation", array_i64(&vec![1; nsp])),
-            ("rhs_dilation", array_i64(&dilation)),
-            ("feature_group_count", format!("{groups} : i64")),
-            ("batch_group_count", "1 : i64".into()),
-            ("precision_config", cx.e.precision_config()),
-        ],
+    let pads: Vec<(i64, i64)> = padding.iter().map(|&p| (p, p)).collect();
+    let r = conv_general(
+        cx,
+        &xc,
+        &wc,
+        format!("#stablehlo.conv<[b, f, {sp}]x[o, i, {sp}]->[b, f, {sp}]>"),
+        &stride,
+        &pads,
+        &vec![1; nsp],
+        &dilation,
+        groups,
+        1,
         &shape,
         acc,
     )?;
@@ -159,6 +144,42 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         None => r,
     };
     Ok(vec![cx.e.convert(&r, out)?])
+}
+
+/// The window arguments shared by `convolution` and `convolution_backward`: `stride, padding,
+/// dilation, transposed, output_padding, groups` from argument `first` on, one value per spatial
+/// dim (a single value applies to all).
+struct ConvWindow {
+    nsp: usize,
+    stride: Vec<i64>,
+    padding: Vec<i64>,
+    dilation: Vec<i64>,
+    groups: i64,
+}
+
+impl ConvWindow {
+    fn parse(cx: &NodeCx, rank: usize, first: usize) -> R<ConvWindow> {
+        let nsp = rank - 2;
+        let per_dim = |v: Vec<i64>| if v.len() == 1 { vec![v[0]; nsp] } else { v };
+        if cx.bool_or(first + 3, "transposed", false)? {
+            return Err(cx.err("transposed convolution is not supported yet"));
+        }
+        Ok(ConvWindow {
+            nsp,
+            stride: per_dim(cx.ints(first, "stride")?),
+            padding: per_dim(cx.ints(first + 1, "padding")?),
+            dilation: per_dim(cx.ints(first + 2, "dilation")?),
+            groups: cx.int_or(first + 5, "groups", 1)?,
+        })
+    }
+}
+
+/// `0, 1, ..., n-1` as the spatial dims of a `#stablehlo.conv` layout.
+fn spatial_list(nsp: usize) -> String {
+    (0..nsp)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `stablehlo.convolution` with explicit dimension numbers and window settings, accumulating in
@@ -213,21 +234,13 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let g = cx.tensor(0, "grad_output")?;
     let x = cx.tensor(1, "input")?;
     let w = cx.tensor(2, "weight")?;
-    let nsp = x.rank() - 2;
-    let per_dim = |v: Vec<i64>| -> Vec<i64> {
-        if v.len() == 1 {
-            vec![v[0]; nsp]
-        } else {
-            v
-        }
-    };
-    let stride = per_dim(cx.ints(4, "stride")?);
-    let padding = per_dim(cx.ints(5, "padding")?);
-    let dilation = per_dim(cx.ints(6, "dilation")?);
-    if cx.bool_or(7, "transposed", false)? {
-        return Err(cx.err("the gradient of a transposed convolution is not supported yet"));
-    }
-    let groups = cx.int_or(9, "groups", 1)?;
+    let ConvWindow {
+        nsp,
+        stride,
+        padding,
+        dilation,
+        groups,
+    } = ConvWindow::parse(cx, x.rank(), 4)?;
     let mask: Vec<bool> = match cx.arg(10, "output_mask") {
         Some(Arg::List(items)) => items
             .iter()
@@ -239,8 +252,7 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let dtype = g.dtype;
     let acc = acc_dtype(dtype);
     let gc = e.convert(&g, dtype)?;
-    let sp: Vec<String> = (0..nsp).map(|i| i.to_string()).collect();
-    let sp = sp.join(", ");
+    let sp = spatial_list(nsp);
     let kernel: Vec<i64> = w.shape[2..].to_vec();
     let in_sp: Vec<i64> = x.shape[2..].to_vec();
     let out_sp: Vec<i64> = g.shape[2..].to_vec();
