@@ -156,3 +156,9 @@ def test_dim_zero_of_a_0d_tensor():
         lambda x: (x.mean(dim=0, keepdim=True), x.mean(dim=-1), torch.index_select(x, 0, torch.tensor([0]))),
         x,
     )
+
+
+def test_tpuc_precompile_stays_the_function_after_the_backend_is_imported():
+    # A submodule named like the function would replace `tpuc.precompile` once imported.
+    check(lambda x: x + 1, torch.randn(3))
+    assert callable(tpuc.precompile) and tpuc.precompile.__name__ == "precompile"

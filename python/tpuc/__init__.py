@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # `precompile` needs torch; importing it lazily keeps `import tpuc` (and the cache CLI) light.
     if name == "precompile":
-        from .precompile import precompile
+        from .precompiler import precompile
 
         return precompile
     raise AttributeError(f"module 'tpuc' has no attribute {name!r}")

@@ -22,7 +22,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, counters, dump, fx_export, precompile, runtime
+from . import _native, counters, dump, fx_export, precompiler, runtime
 from . import options as options_mod
 
 log = logging.getLogger("tpuc")
@@ -114,7 +114,7 @@ class CompiledGraph:
         self.slots = [_Slot() for _ in self.inputs]
         self.lock = threading.Lock()
         counters.add(graphs_compiled=1)
-        precompile.record_graph(self)
+        precompiler.record_graph(self)
         if not self.symbolic:
             self.static = self._compile({}, None)
         else:

@@ -88,7 +88,7 @@ def _precompile(args) -> int:
     import json
     import os
 
-    from .precompile import precompile
+    from .precompiler import precompile
 
     module_name, _, factory_name = args.target.partition(":")
     if not factory_name:

@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from . import backend
 from . import options as options_mod
 
 _session = threading.local()
@@ -59,6 +58,8 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
     `dynamic`: {input index: {dim: declared maximum}}; `buckets`: list of sizes or "pow2"
     (default: the `buckets` option). Returns {"executables", "compiled", "from_cache", "seconds",
     "graphs", "buckets"}."""
+    from . import backend  # imports this module: import it lazily
+
     t0 = time.perf_counter()
     opts_dict = dict(options or {})
     if buckets is not None:
