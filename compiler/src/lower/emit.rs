@@ -177,6 +177,15 @@ fn literal(value: Scalar, dtype: DType) -> String {
     }
 }
 
+/// `1, 2, 3`: the inside of a StableHLO attribute's integer list.
+pub fn int_list(values: &[i64]) -> String {
+    values
+        .iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 pub fn array_i64(values: &[i64]) -> String {
     if values.is_empty() {
         return "array<i64>".into();
@@ -576,17 +585,11 @@ impl<'c, 'b> Emitter<'c, 'b> {
         scatter_dims_to_operand_dims: &[i64],
         add: bool,
     ) -> R<T<'c, 'b>> {
-        let list = |v: &[i64]| {
-            v.iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
         let dnums = format!(
             "#stablehlo.scatter<update_window_dims = [{}], inserted_window_dims = [{}], scatter_dims_to_operand_dims = [{}], index_vector_dim = {}>",
-            list(update_window_dims),
-            list(inserted_window_dims),
-            list(scatter_dims_to_operand_dims),
+            int_list(update_window_dims),
+            int_list(inserted_window_dims),
+            int_list(scatter_dims_to_operand_dims),
             indices.rank() - 1
         );
         let region = if add {
@@ -719,15 +722,9 @@ impl<'c, 'b> Emitter<'c, 'b> {
         out_shape: &[i64],
         out_dtype: DType,
     ) -> R<T<'c, 'b>> {
-        let list = |v: &[i64]| {
-            v.iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
         let dims = format!(
             "#stablehlo.dot<lhs_batching_dimensions = [{}], rhs_batching_dimensions = [{}], lhs_contracting_dimensions = [{}], rhs_contracting_dimensions = [{}]>",
-            list(batch.0), list(batch.1), list(contract.0), list(contract.1)
+            int_list(batch.0), int_list(batch.1), int_list(contract.0), int_list(contract.1)
         );
         self.op(
             "stablehlo.dot_general",

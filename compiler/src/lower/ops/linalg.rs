@@ -1,7 +1,7 @@
 //! Matrix products and convolution. Both honour the session precision (`precision_config`);
 //! low-precision operands accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
-use crate::lower::emit::array_i64;
+use crate::lower::emit::{array_i64, int_list};
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
@@ -176,10 +176,7 @@ impl ConvWindow {
 
 /// `0, 1, ..., n-1` as the spatial dims of a `#stablehlo.conv` layout.
 fn spatial_list(nsp: usize) -> String {
-    (0..nsp)
-        .map(|i| i.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
+    int_list(&(0..nsp as i64).collect::<Vec<_>>())
 }
 
 /// `stablehlo.convolution` with explicit dimension numbers and window settings, accumulating in

@@ -1,6 +1,6 @@
 //! Shape and layout ops: views, permutations, slicing, concatenation, padding, indexing.
 
-use crate::lower::emit::{array_i64, broadcast_shapes, Emitter};
+use crate::lower::emit::{array_i64, broadcast_shapes, int_list, Emitter};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -245,15 +245,9 @@ pub fn take_along<'c, 'b>(
         .collect();
     let mut slice_sizes = x.shape.clone();
     slice_sizes[dim] = 1;
-    let list = |v: &[i64]| {
-        v.iter()
-            .map(|x| x.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
     let dnums = format!(
         "#stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{dim}], start_index_map = [{dim}], index_vector_dim = {ib}>",
-        list(&offset_dims)
+        int_list(&offset_dims)
     );
     cx.e.op(
         "stablehlo.gather",
@@ -295,13 +289,6 @@ fn embedding<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let index = cx.tensor(1, "indices")?;
     let shape = out_shape_for(&w.shape, 0, &index.shape);
     Ok(vec![take_along(cx, &w, 0, &index, &shape)?])
-}
-
-fn list(v: &[i64]) -> String {
-    v.iter()
-        .map(|x| x.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// Indices as int64 with negative values counted from the end of a dim of `size`, as PyTorch
@@ -419,9 +406,9 @@ fn index<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     }
     let dnums = format!(
         "#stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{}], start_index_map = [{}], index_vector_dim = {}>",
-        list(&ix.offset_dims),
-        list(&ix.dims),
-        list(&ix.dims),
+        int_list(&ix.offset_dims),
+        int_list(&ix.dims),
+        int_list(&ix.dims),
         ix.batch.len()
     );
     Ok(vec![cx.e.op(
@@ -471,8 +458,8 @@ fn gather<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let all: Vec<i64> = (0..r).collect();
     let dnums = format!(
         "#stablehlo.gather<collapsed_slice_dims = [{}], start_index_map = [{}], index_vector_dim = {r}>",
-        list(&all),
-        list(&all)
+        int_list(&all),
+        int_list(&all)
     );
     Ok(vec![cx.e.op(
         "stablehlo.gather",
