@@ -512,8 +512,6 @@ impl<'c, 'b> Emitter<'c, 'b> {
 
     /// A region `(x, y) -> x <op> y` over scalars of `dtype`, as reduce / reduce_window need.
     pub fn scalar_region(&self, kind: ReduceKind, dtype: DType) -> R<Region<'c>> {
-        let scalar = tensor_type(self.ctx, &[], dtype);
-        let block = Block::new(&[(scalar, self.loc), (scalar, self.loc)]);
         let name = match kind {
             ReduceKind::Sum => "stablehlo.add",
             ReduceKind::Max => "stablehlo.maximum",
@@ -522,49 +520,37 @@ impl<'c, 'b> Emitter<'c, 'b> {
             ReduceKind::And => "stablehlo.and",
             ReduceKind::Or => "stablehlo.or",
         };
-        {
-            let x: Value = block
-                .argument(0)
-                .map_err(|e| LowerError::internal(e.to_string()))?
-                .into();
-            let y: Value = block
-                .argument(1)
-                .map_err(|e| LowerError::internal(e.to_string()))?
-                .into();
-            let op = OperationBuilder::new(name, self.loc)
-                .add_operands(&[x, y])
-                .add_results(&[scalar])
-                .build()
-                .map_err(|e| LowerError::internal(e.to_string()))?;
-            let r = block.append_operation(op);
-            let rv: Value = r
-                .result(0)
-                .map_err(|e| LowerError::internal(e.to_string()))?
-                .into();
-            let ret = OperationBuilder::new("stablehlo.return", self.loc)
-                .add_operands(&[rv])
-                .build()
-                .map_err(|e| LowerError::internal(e.to_string()))?;
-            block.append_operation(ret);
-        }
-        let region = Region::new();
-        region.append_block(block);
-        Ok(region)
+        self.two_scalar_region(dtype, Some(name))
     }
 
     /// A region `(x, y) -> y`: the update rule of a scatter that overwrites.
     pub fn replace_region(&self, dtype: DType) -> R<Region<'c>> {
+        self.two_scalar_region(dtype, None)
+    }
+
+    /// A region over two scalars `(x, y)` returning `op(x, y)`, or `y` when `op` is None.
+    fn two_scalar_region(&self, dtype: DType, op: Option<&str>) -> R<Region<'c>> {
+        let err = |e: melior::Error| LowerError::internal(e.to_string());
         let scalar = tensor_type(self.ctx, &[], dtype);
         let block = Block::new(&[(scalar, self.loc), (scalar, self.loc)]);
         {
-            let y: Value = block
-                .argument(1)
-                .map_err(|e| LowerError::internal(e.to_string()))?
-                .into();
+            let x: Value = block.argument(0).map_err(err)?.into();
+            let y: Value = block.argument(1).map_err(err)?.into();
+            let result: Value = match op {
+                Some(name) => {
+                    let op = OperationBuilder::new(name, self.loc)
+                        .add_operands(&[x, y])
+                        .add_results(&[scalar])
+                        .build()
+                        .map_err(err)?;
+                    block.append_operation(op).result(0).map_err(err)?.into()
+                }
+                None => y,
+            };
             let ret = OperationBuilder::new("stablehlo.return", self.loc)
-                .add_operands(&[y])
+                .add_operands(&[result])
                 .build()
-                .map_err(|e| LowerError::internal(e.to_string()))?;
+                .map_err(err)?;
             block.append_operation(ret);
         }
         let region = Region::new();
