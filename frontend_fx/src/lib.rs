@@ -5,6 +5,7 @@
 //! of ops with typed results and symbolic dims kept symbolic. Anything the importer does not
 //! understand becomes an [`ImportError`] that names the node and the op.
 
+pub mod dot;
 mod dtype;
 mod graph;
 mod import;

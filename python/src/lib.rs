@@ -162,6 +162,12 @@ impl FxGraph {
         self.graph.op_counts().into_iter().collect()
     }
 
+    /// The graph as Graphviz DOT text (see `tpuc_frontend_fx::dot`).
+    #[pyo3(signature = (title="", clusters=true, legend=true))]
+    fn to_dot(&self, title: &str, clusters: bool, legend: bool) -> String {
+        graph_dot(&self.graph, title, clusters, legend)
+    }
+
     /// Ops of this graph that have no lowering rule: `[(op, node name)]`.
     fn unsupported_ops(&self) -> Vec<(String, String)> {
         self.graph
@@ -222,6 +228,15 @@ impl FxGraph {
         tpuc_passes::bindings_from_inputs(&self.graph, &shapes, &ints)
             .map_err(|e| TpucError::new_err(e.to_string()))
     }
+}
+
+fn graph_dot(g: &Graph, title: &str, clusters: bool, legend: bool) -> String {
+    let opts = tpuc_frontend_fx::dot::DotOptions {
+        title: title.to_string(),
+        clusters,
+        legend,
+    };
+    tpuc_frontend_fx::dot::to_dot(g, &opts)
 }
 
 /// One entry per graph output: `("tensor", k)` (the k-th executable output), `("sym", expr)`,
@@ -487,6 +502,13 @@ impl Executable {
     #[getter]
     fn graph_text(&self) -> String {
         self.compiled.specialized.to_string()
+    }
+
+    /// The specialized graph as Graphviz DOT text, and its node count (inputs included).
+    #[pyo3(signature = (title="", clusters=true, legend=true))]
+    fn graph_dot(&self, title: &str, clusters: bool, legend: bool) -> (String, usize) {
+        let g = &self.compiled.specialized;
+        (graph_dot(g, title, clusters, legend), g.dag.node_count())
     }
 
     /// How to assemble the graph's outputs, with sizes of this specialization filled in.

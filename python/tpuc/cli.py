@@ -110,6 +110,27 @@ def _precompile(args) -> int:
     return 0
 
 
+def _dump(args) -> int:
+    from . import dump
+
+    try:
+        if args.diff:
+            if len(args.dirs) != 2:
+                print("tpuc dump --diff: give two dump folders (or two graph folders): A B", file=sys.stderr)
+                return 2
+            lines, _ = dump.diff(*args.dirs)
+        else:
+            if len(args.dirs) != 1:
+                print("tpuc dump: give one dump folder (or --diff A B)", file=sys.stderr)
+                return 2
+            lines = dump.summarize(args.dirs[0], top=args.top)
+    except dump.NotADump as e:
+        print(f"tpuc dump: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tpuc", description="tpuc: torch.compile backend (Rust, StableHLO, PJRT)"
@@ -133,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     pre.add_argument("--cache-dir", required=True)
     pre.add_argument("--buckets", default=None, help="comma-separated sizes (default: powers of two)")
     pre.set_defaults(func=_precompile)
+
+    dmp = sub.add_parser("dump", help="summarize a dump folder (dump_dir), or diff two")
+    dmp.add_argument("dirs", nargs="+", metavar="DIR", help="a dump folder or one graph folder in it")
+    dmp.add_argument("--diff", action="store_true", help="compare two dumps: tpuc dump --diff A B")
+    dmp.add_argument("--top", type=int, default=5, help="op kinds shown per graph (default 5)")
+    dmp.set_defaults(func=_dump)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,9 +1,21 @@
-"""Debugging dumps (`dump_dir`): one folder per compiled graph and static shape."""
+"""Debugging dumps (`dump_dir`): one folder per compiled graph and static shape.
+
+Each folder holds `fx_graph.txt`, `ir_*.txt` (the IR imported, after each pass, specialized),
+`stablehlo.mlir`, `optimized_hlo.txt` (when the plugin gives the optimized program), `graph.dot`
+and `graph.svg` (rendered by Graphviz `dot` when installed) and `meta.json`. `tpuc dump DIR`
+(`tpuc.cli`) reads them back: `summarize` and `diff` below.
+"""
 
 from __future__ import annotations
 
+import collections
+import difflib
 import itertools
 import json
+import os
+import re
+import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -11,9 +23,69 @@ from pathlib import Path
 _seq = itertools.count()
 _lock = threading.Lock()
 
+#: meta.json's `format`; `tpuc dump` recognizes a dump folder by it.
+FORMAT = "tpuc-dump/1"
+
+#: Graphs with more nodes than this get `graph.dot` only (a note in meta.json says why).
+SVG_MAX_NODES = int(os.environ.get("TPUC_DUMP_SVG_MAX_NODES", "4000"))
+#: Above this many nodes the picture is drawn without region clusters (much faster layout).
+SVG_CLUSTER_MAX_NODES = 1500
+#: Seconds `dot` may take before the SVG is skipped.
+SVG_TIMEOUT = float(os.environ.get("TPUC_DUMP_SVG_TIMEOUT", "20"))
+
+# One op per line in the generic MLIR form tpuc prints: `%3 = "stablehlo.add"(...)`, also
+# `%0:2 = ...` and ops without results (`"stablehlo.return"(...)`).
+_MLIR_OP = re.compile(r'^\s*(?:%[\w#:]+(?:\s*,\s*%[\w#:]+)*\s*=\s*)?"([A-Za-z_][\w$]*\.[\w.$]+)"', re.M)
+
+
+def stablehlo_op_counts(mlir: str) -> dict[str, int]:
+    """Ops of a module in generic form, by name (`stablehlo.add`: 3), module and func included."""
+    return dict(sorted(collections.Counter(_MLIR_OP.findall(mlir)).items()))
+
+
+def _render_svg(folder: Path, dot_text: str, n_nodes: int, exe, title: str) -> dict:
+    """Writes graph.dot and, when Graphviz is installed and the graph small enough, graph.svg."""
+    (folder / "graph.dot").write_text(dot_text)
+    info: dict = {"dot": "graph.dot", "svg": None, "nodes": n_nodes, "clusters": True}
+    dot_bin = shutil.which("dot")
+    if dot_bin is None:
+        info["note"] = (
+            "graph.svg not written: Graphviz `dot` is not installed (apt-get install graphviz); "
+            "render graph.dot with `dot -Tsvg graph.dot -o graph.svg`"
+        )
+        return info
+    if n_nodes > SVG_MAX_NODES:
+        info["note"] = (
+            f"graph.svg not written: {n_nodes} nodes is above the limit of {SVG_MAX_NODES} "
+            "(TPUC_DUMP_SVG_MAX_NODES); render graph.dot yourself"
+        )
+        return info
+    if n_nodes > SVG_CLUSTER_MAX_NODES:
+        dot_text, _ = exe.graph_dot(title, clusters=False)
+        info["clusters"] = False
+        info["note"] = f"regions not drawn as clusters: {n_nodes} nodes (> {SVG_CLUSTER_MAX_NODES})"
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [dot_bin, "-Tsvg"], input=dot_text, capture_output=True, text=True, timeout=SVG_TIMEOUT
+        )
+    except subprocess.TimeoutExpired:
+        info["note"] = (
+            f"graph.svg not written: dot took longer than {SVG_TIMEOUT:g} s (TPUC_DUMP_SVG_TIMEOUT)"
+        )
+        return info
+    info["render_seconds"] = round(time.perf_counter() - t0, 4)
+    if proc.returncode != 0:
+        info["note"] = f"graph.svg not written: dot failed: {proc.stderr.strip()[:500]}"
+        return info
+    (folder / "graph.svg").write_text(proc.stdout)
+    info["svg"] = "graph.svg"
+    return info
+
 
 def write(compiled, exe, bindings: dict) -> Path:
     """Writes what tpuc saw and produced for one executable; returns the folder."""
+    t_start = time.perf_counter()
     with _lock:
         n = next(_seq)
     shape_tag = "_".join(f"{k}{v}" for k, v in sorted(bindings.items())) or "static"
@@ -26,21 +98,242 @@ def write(compiled, exe, bindings: dict) -> Path:
     for i, (name, _before, _after, text) in enumerate(compiled.pass_report, start=1):
         (folder / f"ir_{i}_after_{name}.txt").write_text(text)
     (folder / "ir_specialized.txt").write_text(exe.graph_text)
-    (folder / "stablehlo.mlir").write_text(exe.mlir)
+    mlir = exe.mlir
+    (folder / "stablehlo.mlir").write_text(mlir)
     hlo = exe.optimized_hlo()
     if hlo is not None:
         (folder / "optimized_hlo.txt").write_text(hlo)
+    title = f"{compiled.name} {bindings or 'static'}"
+    dot_text, n_nodes = exe.graph_dot(title)
+    picture = _render_svg(folder, dot_text, n_nodes, exe, title)
+    shlo = stablehlo_op_counts(mlir)
+    cache = exe.cache
     meta = {
+        "format": FORMAT,
         "cache_key": exe.key,
-        "cache": exe.cache,
+        # miss: PJRT compiled it; memory / disk: found in the in-memory / persistent cache
+        "cache": cache,
         "graph": compiled.name,
+        "folder_index": n,
         "bindings": bindings,
         "inputs": [{"shape": s, "dtype": d} for s, d in exe.input_types],
         "outputs": [{"shape": s, "dtype": d} for s, d in exe.output_types],
         "options": {k: str(v) for k, v in compiled.opts.__dict__.items()},
-        "timings": {"lower_seconds": exe.lower_seconds, "compile_seconds": exe.compile_seconds},
+        "timings": {
+            # specialize + lower to StableHLO
+            "lower_seconds": exe.lower_seconds,
+            # cache lookup plus the XLA compile (miss) or the executable load (disk)
+            "compile_seconds": exe.compile_seconds,
+            "xla_compile_seconds": exe.compile_seconds if cache == "miss" else None,
+        },
         "passes": [{"pass": name, "ops_before": b, "ops_after": a} for name, b, a, _ in compiled.pass_report],
         "op_counts": compiled.graph.op_counts(),
+        "ops": compiled.graph.op_count(),
+        "stablehlo_op_counts": shlo,
+        "stablehlo_ops": sum(v for k, v in shlo.items() if k not in ("builtin.module", "func.func")),
+        "optimized_hlo": "optimized_hlo.txt" if hlo is not None else None,
+        "graph_picture": picture,
     }
+    meta["timings"]["dump_seconds"] = round(time.perf_counter() - t_start, 4)
     (folder / "meta.json").write_text(json.dumps(meta, indent=2))
     return folder
+
+
+# ---------------------------------------------------------------- reading dumps back (tpuc dump)
+
+
+class NotADump(ValueError):
+    """A folder that holds no tpuc dump."""
+
+
+def _is_graph_folder(p: Path) -> bool:
+    return (p / "meta.json").is_file() and (p / "stablehlo.mlir").is_file()
+
+
+def load(path) -> list[tuple[Path, dict]]:
+    """The graph folders of a dump, in compile order, with their meta.json. `path` is a dump
+    folder (`dump_dir`) or one graph folder inside it. Raises NotADump."""
+    p = Path(path)
+    if not p.exists():
+        raise NotADump(f"{p}: no such folder")
+    if not p.is_dir():
+        raise NotADump(f"{p}: not a folder")
+    folders = (
+        [p] if _is_graph_folder(p) else sorted(c for c in p.iterdir() if c.is_dir() and _is_graph_folder(c))
+    )
+    out = []
+    for f in folders:
+        try:
+            meta = json.loads((f / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise NotADump(f"{f / 'meta.json'}: unreadable ({e})") from e
+        if not isinstance(meta, dict) or "cache_key" not in meta or "graph" not in meta:
+            raise NotADump(f"{f / 'meta.json'}: not a tpuc dump meta.json (no cache_key/graph)")
+        if "stablehlo_op_counts" not in meta:  # dumps written before these counts existed
+            meta["stablehlo_op_counts"] = stablehlo_op_counts((f / "stablehlo.mlir").read_text())
+        out.append((f, meta))
+    if not out:
+        raise NotADump(
+            f"{p}: not a tpuc dump (no graph folders with meta.json and stablehlo.mlir; "
+            "dumps are written with options={'dump_dir': ...} or TPUC_DUMP_DIR)"
+        )
+    return out
+
+
+def _hlo_counts(meta: dict) -> dict[str, int]:
+    return {
+        k.removeprefix("stablehlo."): v
+        for k, v in meta["stablehlo_op_counts"].items()
+        if k not in ("builtin.module", "func.func", "func.return")
+    }
+
+
+def _shapes(items: list[dict]) -> str:
+    short = {
+        "float32": "f32",
+        "float64": "f64",
+        "float16": "f16",
+        "bfloat16": "bf16",
+        "int64": "i64",
+        "int32": "i32",
+    }
+    return " ".join(
+        f"{short.get(i['dtype'], i['dtype'])}[{','.join(str(d) for d in i['shape'])}]" for i in items
+    )
+
+
+def _bindings(meta: dict) -> str:
+    b = meta.get("bindings") or {}
+    return ",".join(f"{k}={v}" for k, v in sorted(b.items())) or "static"
+
+
+def _secs(x) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
+def summarize(path, top: int = 5) -> list[str]:
+    """One line per graph folder: name, bindings, StableHLO op count, top op kinds, times, cache."""
+    lines = []
+    graphs = load(path)
+    total_ops = 0
+    for folder, m in graphs:
+        counts = _hlo_counts(m)
+        n_ops = sum(counts.values())
+        total_ops += n_ops
+        tops = ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top])
+        t = m.get("timings", {})
+        picture = m.get("graph_picture") or {}
+        svg = "svg" if picture.get("svg") else "no svg"
+        lines.append(
+            f"{folder.name}: graph {m['graph']} [{_bindings(m)}] in {_shapes(m.get('inputs', []))} -> "
+            f"{_shapes(m.get('outputs', []))} | {n_ops} stablehlo ops ({tops}) | aten ops {m.get('ops', '-')} | "
+            f"lower {_secs(t.get('lower_seconds'))} compile {_secs(t.get('compile_seconds'))} | "
+            f"cache {m.get('cache', '?')} {m['cache_key'][:16]} | {svg}"
+        )
+    lines.append(f"{len(graphs)} graph folder(s), {total_ops} stablehlo ops in {path}")
+    return lines
+
+
+def _key(folder: Path, meta: dict) -> str:
+    """How graphs of two dumps are matched: graph name and bindings (folder names carry times)."""
+    return f"{meta['graph']}[{_bindings(meta)}]"
+
+
+def _keyed(graphs: list[tuple[Path, dict]]) -> dict[str, tuple[Path, dict]]:
+    """Graphs by `_key`, in order; a key seen again (a recompile) gets `#2`, `#3`, ..."""
+    out: dict[str, tuple[Path, dict]] = {}
+    seen: collections.Counter = collections.Counter()
+    for f, m in graphs:
+        k = _key(f, m)
+        seen[k] += 1
+        out[k if seen[k] == 1 else f"{k}#{seen[k]}"] = (f, m)
+    return out
+
+
+def diff(a, b, max_mlir_lines: int = 400) -> tuple[list[str], bool]:
+    """Compares two dumps (or two graph folders): returns the report lines and whether they differ."""
+    ga, gb = load(a), load(b)
+    single = len(ga) == 1 and len(gb) == 1 and (_is_graph_folder(Path(a)) or _is_graph_folder(Path(b)))
+    if single:
+        pairs = [(_key(*ga[0]), ga[0], gb[0])]
+        only_a, only_b = [], []
+    else:
+        ma, mb = _keyed(ga), _keyed(gb)
+        pairs = [(k, ma[k], mb[k]) for k in ma if k in mb]
+        only_a = [k for k in ma if k not in mb]
+        only_b = [k for k in mb if k not in ma]
+    lines = [f"--- {a}", f"+++ {b}"]
+    any_diff = bool(only_a or only_b)
+    for k in only_a:
+        lines.append(f"only in A: {k} ({ma[k][0].name})")
+    for k in only_b:
+        lines.append(f"only in B: {k} ({mb[k][0].name})")
+    n_same = 0
+    for k, (fa, ma_), (fb, mb_) in pairs:
+        out = []
+        mlir_a = (fa / "stablehlo.mlir").read_text()
+        mlir_b = (fb / "stablehlo.mlir").read_text()
+        if ma_["cache_key"] != mb_["cache_key"]:
+            out.append(f"  cache key: {ma_['cache_key'][:16]} -> {mb_['cache_key'][:16]}")
+        if ma_["graph"] != mb_["graph"] or _bindings(ma_) != _bindings(mb_):
+            out.append(f"  graph: {_key(fa, ma_)} -> {_key(fb, mb_)}")
+        for side in ("inputs", "outputs"):
+            sa, sb = _shapes(ma_.get(side, [])), _shapes(mb_.get(side, []))
+            if sa != sb:
+                out.append(f"  {side}: {sa} -> {sb}")
+        ca, cb = _hlo_counts(ma_), _hlo_counts(mb_)
+        changes = [
+            (op, ca.get(op, 0), cb.get(op, 0))
+            for op in sorted(set(ca) | set(cb))
+            if ca.get(op, 0) != cb.get(op, 0)
+        ]
+        if changes:
+            out.append(f"  stablehlo ops: {sum(ca.values())} -> {sum(cb.values())}")
+            out.extend(f"    {op}: {x} -> {y} ({y - x:+d})" for op, x, y in changes)
+        aa, ab = ma_.get("op_counts", {}), mb_.get("op_counts", {})
+        aten = [
+            (op, aa.get(op, 0), ab.get(op, 0))
+            for op in sorted(set(aa) | set(ab))
+            if aa.get(op, 0) != ab.get(op, 0)
+        ]
+        if aten:
+            out.append(f"  aten ops: {sum(aa.values())} -> {sum(ab.values())}")
+            out.extend(f"    {op}: {x} -> {y} ({y - x:+d})" for op, x, y in aten)
+        differs = bool(out) or mlir_a != mlir_b
+        ta, tb = ma_.get("timings", {}), mb_.get("timings", {})
+        times = []
+        for t in ("lower_seconds", "compile_seconds"):
+            x, y = ta.get(t), tb.get(t)
+            if x is not None and y is not None:
+                times.append(f"{t.removesuffix('_seconds')} {x:.3f}s -> {y:.3f}s ({y - x:+.3f}s)")
+        if ma_.get("cache") != mb_.get("cache"):
+            times.append(f"cache {ma_.get('cache')} -> {mb_.get('cache')}")
+        if mlir_a != mlir_b:
+            ud = list(
+                difflib.unified_diff(
+                    mlir_a.splitlines(),
+                    mlir_b.splitlines(),
+                    f"{fa.name}/stablehlo.mlir",
+                    f"{fb.name}/stablehlo.mlir",
+                    lineterm="",
+                    n=2,
+                )
+            )
+            if len(ud) <= max_mlir_lines:
+                out.append("  stablehlo.mlir diff:")
+                out.extend("    " + line for line in ud)
+            else:
+                out.append(f"  stablehlo.mlir differs ({len(ud)} diff lines, not shown; diff the files)")
+        if differs:
+            any_diff = True
+            lines.append(f"{k}: DIFFERENT ({fa.name} vs {fb.name})")
+            lines.extend(out)
+            lines.append("  timings: " + "; ".join(times))
+        else:
+            n_same += 1
+            lines.append(f"{k}: same module ({'; '.join(times)})")
+    lines.append(
+        f"{len(pairs)} graph(s) compared: {len(pairs) - n_same} different, {n_same} same; "
+        f"{len(only_a)} only in A, {len(only_b)} only in B"
+    )
+    return lines, any_diff

@@ -360,13 +360,16 @@ impl LoadedExecutable {
         Ok((format, code))
     }
 
-    /// Optimized HLO as text, when the plugin offers a text format. The CPU
-    /// plugin only returns a serialized HloModuleProto, so this is `None`
-    /// there (printing HLO would need XLA itself).
+    /// Optimized HLO as text: the plugin's own text when it offers a text
+    /// format, else printed by tpuc from the serialized HloModuleProto (the CPU
+    /// plugin's `hlo_with_config`; see `hlo_text`). `None` for other formats.
     pub fn optimized_hlo_text(&self) -> Result<Option<String>, PjrtError> {
         let (format, code) = self.optimized_program()?;
         Ok(match format.as_str() {
             "hlo_text" | "text" | "mlir_text" => Some(String::from_utf8_lossy(&code).into_owned()),
+            "hlo_with_config" | "hlo" => {
+                super::hlo_text::hlo_text_from_proto(&code, format == "hlo_with_config").ok()
+            }
             _ => None,
         })
     }

@@ -15,6 +15,7 @@ mod api;
 mod buffer;
 mod client;
 mod executable;
+mod hlo_text;
 mod plugin;
 mod sys;
 #[cfg(test)]
