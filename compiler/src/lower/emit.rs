@@ -464,6 +464,47 @@ impl<'c, 'b> Emitter<'c, 'b> {
         self.op(name, &[a], &[], &a.shape, a.dtype)
     }
 
+    // Arithmetic shorthands for formulas: computed in the dtype of the first operand, with
+    // broadcasting (a 0-d operand, like a constant from `k`, broadcasts to the other's shape).
+
+    /// A 0-d float constant of `dtype`.
+    pub fn k(&self, v: f64, dtype: DType) -> R<T<'c, 'b>> {
+        self.splat(Scalar::Float(v), &[], dtype)
+    }
+    pub fn add(&self, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        self.binary("stablehlo.add", a, b, a.dtype)
+    }
+    pub fn sub(&self, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        self.binary("stablehlo.subtract", a, b, a.dtype)
+    }
+    pub fn mul(&self, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        self.binary("stablehlo.multiply", a, b, a.dtype)
+    }
+    pub fn div(&self, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        self.binary("stablehlo.divide", a, b, a.dtype)
+    }
+    pub fn and(&self, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        self.binary("stablehlo.and", a, b, DType::Bool)
+    }
+    pub fn or(&self, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        self.binary("stablehlo.or", a, b, DType::Bool)
+    }
+    /// `x != x`: true where a float is NaN.
+    pub fn isnan(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        self.compare(x, x, "NE")
+    }
+
+    /// Reinterprets the bits of `t` as `dtype` (same width).
+    pub fn bitcast(&self, t: &T<'c, 'b>, dtype: DType) -> R<T<'c, 'b>> {
+        if t.dtype.byte_size() != dtype.byte_size() {
+            return Err(LowerError::internal(format!(
+                "bitcast of {} to {dtype} changes the width",
+                t.dtype
+            )));
+        }
+        self.op("stablehlo.bitcast_convert", &[t], &[], &t.shape, dtype)
+    }
+
     /// `a <dir> b` (EQ, NE, LT, LE, GT, GE) computed in the promoted type; result is bool.
     pub fn compare(&self, a: &T<'c, 'b>, b: &T<'c, 'b>, dir: &str) -> R<T<'c, 'b>> {
         let dtype = promote(a.dtype, b.dtype);

@@ -1,7 +1,7 @@
 //! The one table from ATen op name to lowering rule. A new op = one entry here + its rule in
 //! `ops/` + a test.
 
-use super::ops::{creation, elementwise, linalg, nn, reduce, shape};
+use super::ops::{creation, elementwise, linalg, nn, reduce, shape, special};
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -19,6 +19,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(linalg::RULES)
             .chain(nn::RULES)
             .chain(creation::RULES)
+            .chain(special::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");

@@ -2593,3 +2593,475 @@ fn num_convolution_backward_groups_stride_dilation() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Op coverage: functions StableHLO lacks, built from formulas (expected values from Rust's f64
+// std functions, closed forms, or series computed here)
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `target(x, *extra)` over a float32 vector and returns the float32 result.
+#[track_caller]
+fn unary_f32(target: &str, extra: Value, xs: &[f32]) -> Vec<f32> {
+    let len = xs.len() as i64;
+    let mut args = vec![n("x")];
+    if let Value::Array(more) = extra {
+        args.extend(more);
+    }
+    let g = op(
+        &[("x", &[len], "float32")],
+        target,
+        Value::Array(args),
+        nokw(),
+        f32t(&[len]),
+    );
+    run(&g, &[Buf::F32(xs.to_vec())])[0].f32().to_vec()
+}
+
+/// `|got - want| <= tol * |want|` (relative only), with NaN matching NaN and infinities exact.
+#[track_caller]
+fn assert_rel(got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len());
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() || w == 0.0 {
+            g as f64 == w
+        } else {
+            ((g as f64 - w) / w).abs() <= tol
+        };
+        assert!(
+            ok,
+            "element {i}: got {g}, want {w}\n got {got:?}\nwant {want:?}"
+        );
+    }
+}
+
+#[test]
+fn num_inverse_trig_and_hyperbolic() {
+    let xs = [
+        -1.0f32,
+        -0.75,
+        -1e-6,
+        0.0,
+        0.3,
+        0.999_999,
+        1.0,
+        1.5,
+        f32::NAN,
+    ];
+    let check = |target: &str, f: fn(f64) -> f64| {
+        let want: Vec<f64> = xs.iter().map(|&x| f(x as f64) as f32 as f64).collect();
+        assert_rel(&unary_f32(target, json!([]), &xs), &want, 1e-7);
+    };
+    check("aten.acos.default", f64::acos);
+    check("aten.asin.default", f64::asin);
+    check("aten.atan.default", f64::atan);
+    check("aten.atanh.default", f64::atanh);
+    check("aten.sinh.default", f64::sinh);
+    check("aten.cosh.default", f64::cosh);
+    check("aten.tan.default", f64::tan);
+    check("aten.asinh.default", f64::asinh);
+    let big = [1.0f32, 1.0 + 1e-6, 2.0, 1e30, f32::INFINITY, 0.5];
+    let want: Vec<f64> = big.iter().map(|&x| (x as f64).acosh()).collect();
+    assert_rel(
+        &unary_f32("aten.acosh.default", json!([]), &big),
+        &want,
+        1e-7,
+    );
+    let want: Vec<f64> = big.iter().map(|&x| (x as f64).asinh()).collect();
+    assert_rel(
+        &unary_f32("aten.asinh.default", json!([]), &big),
+        &want,
+        1e-7,
+    );
+    // Tiny arguments keep full relative precision (no 1 + x cancellation).
+    let tiny = [1e-30f32, -3e-20];
+    assert_rel(
+        &unary_f32("aten.sinh.default", json!([]), &tiny),
+        &to_f64(&tiny),
+        1e-7,
+    );
+    assert_rel(
+        &unary_f32("aten.asinh.default", json!([]), &tiny),
+        &to_f64(&tiny),
+        1e-7,
+    );
+}
+
+#[test]
+fn num_exp2_log10_hypot_ldexp_atan2() {
+    let xs = [-3.0f32, 0.0, 0.5, 10.0, 127.5];
+    let want: Vec<f64> = xs.iter().map(|&x| (x as f64).exp2()).collect();
+    assert_rel(&unary_f32("aten.exp2.default", json!([]), &xs), &want, 1e-7);
+    let ys = [1e-3f32, 1.0, 1000.0, 0.0, -1.0];
+    let want: Vec<f64> = ys.iter().map(|&x| (x as f64).log10()).collect();
+    assert_rel(
+        &unary_f32("aten.log10.default", json!([]), &ys),
+        &want,
+        1e-7,
+    );
+    let two = [("a", &[4i64][..], "float32"), ("b", &[4][..], "float32")];
+    let a = vec![3.0f32, 1e30, f32::INFINITY, -1.0];
+    let b = vec![4.0f32, 1e30, f32::NAN, 0.0];
+    let g = op(
+        &two,
+        "aten.hypot.default",
+        json!([n("a"), n("b")]),
+        nokw(),
+        f32t(&[4]),
+    );
+    let out = run(&g, &[Buf::F32(a.clone()), Buf::F32(b.clone())]);
+    assert_rel(
+        out[0].f32(),
+        &[5.0, 1e30 * 2f64.sqrt(), f64::INFINITY, 1.0],
+        1e-7,
+    );
+    let g = op(
+        &two,
+        "aten.atan2.default",
+        json!([n("a"), n("b")]),
+        nokw(),
+        f32t(&[4]),
+    );
+    let out = run(&g, &[Buf::F32(a), Buf::F32(b)]);
+    assert_rel(
+        out[0].f32(),
+        &[
+            (3f64).atan2(4.0),
+            std::f64::consts::FRAC_PI_4,
+            f64::NAN,
+            -std::f64::consts::FRAC_PI_2,
+        ],
+        1e-7,
+    );
+    let g = op(
+        &[("x", &[3], "float32"), ("e", &[3], "int64")],
+        "aten.ldexp.Tensor",
+        json!([n("x"), n("e")]),
+        nokw(),
+        f32t(&[3]),
+    );
+    let out = run(
+        &g,
+        &[Buf::F32(vec![1.5, -3.0, 1.0]), Buf::I64(vec![3, -2, 130])],
+    );
+    assert_rel(out[0].f32(), &[12.0, -0.75, f64::INFINITY], 0.0);
+}
+
+#[test]
+fn num_sign_bits_copysign_nextafter_frexp() {
+    let xs = [-0.0f32, 0.0, -2.5, 3.0, f32::NAN, -f32::NAN];
+    let g = op(
+        &[("x", &[6], "float32")],
+        "aten.signbit.default",
+        json!([n("x")]),
+        nokw(),
+        t(&[6], "bool"),
+    );
+    let out = run(&g, &[Buf::F32(xs.to_vec())]);
+    assert_eq!(out[0].bool(), &[true, false, true, false, false, true]);
+    // copysign takes the sign bit of `other`, -0.0 included.
+    let two = [("a", &[4i64][..], "float32"), ("b", &[4][..], "float32")];
+    let g = op(
+        &two,
+        "aten.copysign.Tensor",
+        json!([n("a"), n("b")]),
+        nokw(),
+        f32t(&[4]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![1.0, -2.0, 3.0, f32::INFINITY]),
+            Buf::F32(vec![-0.0, 5.0, -1.0, -1.0]),
+        ],
+    );
+    assert_eq!(out[0].f32(), &[-1.0, 2.0, -3.0, f32::NEG_INFINITY]);
+    let g = op(
+        &two,
+        "aten.nextafter.default",
+        json!([n("a"), n("b")]),
+        nokw(),
+        f32t(&[4]),
+    );
+    let a = vec![1.0f32, 0.0, -1.0, 2.0];
+    let b = vec![2.0f32, -1.0, 0.0, 2.0];
+    let out = run(&g, &[Buf::F32(a), Buf::F32(b)]);
+    let got: Vec<u32> = out[0].f32().iter().map(|x| x.to_bits()).collect();
+    assert_eq!(
+        got,
+        vec![
+            1.0f32.to_bits() + 1,
+            0x8000_0001,
+            (-1.0f32).to_bits() - 1,
+            2.0f32.to_bits()
+        ]
+    );
+    let g = op(
+        &[("x", &[5], "float32")],
+        "aten.frexp.Tensor",
+        json!([n("x")]),
+        nokw(),
+        tuple(vec![f32t(&[5]), t(&[5], "int32")]),
+    );
+    let out = run(&g, &[Buf::F32(vec![8.0, -0.375, 0.0, 1e-30, 3.0])]);
+    assert_eq!(
+        out[0].f32(),
+        &[0.5, -0.75, 0.0, 1e-30 / 2f32.powi(-99), 0.75]
+    );
+    let exps: Vec<i32> = match &out[1] {
+        Buf::Raw(DType::Int32, b) => b
+            .chunks(4)
+            .map(|c| i32::from_ne_bytes(c.try_into().unwrap()))
+            .collect(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(exps, vec![4, -1, 0, -99, 2]);
+}
+
+#[test]
+fn num_fmax_round_decimals_activations() {
+    let two = [("a", &[3i64][..], "float32"), ("b", &[3][..], "float32")];
+    let a = vec![1.0f32, f32::NAN, f32::NAN];
+    let b = vec![f32::NAN, 2.0, f32::NAN];
+    let g = op(
+        &two,
+        "aten.fmax.default",
+        json!([n("a"), n("b")]),
+        nokw(),
+        f32t(&[3]),
+    );
+    let out = run(&g, &[Buf::F32(a.clone()), Buf::F32(b.clone())]);
+    assert_rel(out[0].f32(), &[1.0, 2.0, f64::NAN], 0.0);
+    let g = op(
+        &two,
+        "aten.fmin.default",
+        json!([n("a"), n("b")]),
+        nokw(),
+        f32t(&[3]),
+    );
+    let out = run(&g, &[Buf::F32(a), Buf::F32(b)]);
+    assert_rel(out[0].f32(), &[1.0, 2.0, f64::NAN], 0.0);
+    // round(x, 2) and round(x, -2): half to even on the scaled value.
+    let xs = [1.235f32, -2.5, 1234.5678, 250.0];
+    let got = unary_f32("aten.round.decimals", json!([2]), &xs);
+    let want: Vec<f64> = xs
+        .iter()
+        .map(|&x| ((x * 100.0).round_ties_even() / 100.0) as f64)
+        .collect();
+    assert_rel(&got, &want, 0.0);
+    let got = unary_f32("aten.round.decimals", json!([-2]), &xs);
+    assert_rel(&got, &[0.0, -0.0, 1200.0, 200.0], 0.0);
+    let xs = [-2.0f32, -0.5, 0.0, 3.0, f32::NAN];
+    let got = unary_f32("aten.leaky_relu.default", json!([0.2]), &xs);
+    assert_rel(
+        &got,
+        &[-0.4f32 as f64, -0.1f32 as f64, 0.0, 3.0, f64::NAN],
+        1e-7,
+    );
+    // elu(x, alpha=2, scale=1.5): 1.5 x for x > 0, 3 (e^x - 1) below.
+    let got = unary_f32("aten.elu.default", json!([2.0, 1.5]), &xs);
+    let want: Vec<f64> = xs
+        .iter()
+        .map(|&x| {
+            let x = x as f64;
+            if x > 0.0 {
+                1.5 * x
+            } else {
+                3.0 * x.exp_m1()
+            }
+        })
+        .collect();
+    assert_rel(&got, &want, 1e-6);
+    let got = unary_f32("aten.angle.default", json!([]), &xs);
+    assert_rel(
+        &got,
+        &[
+            std::f64::consts::PI,
+            std::f64::consts::PI,
+            0.0,
+            0.0,
+            f64::NAN,
+        ],
+        1e-7,
+    );
+}
+
+#[test]
+fn num_error_function_family() {
+    // (The CPU plugin flushes subnormal results to zero: erfc(10) = 2.1e-45 would read 0.)
+    let xs = [-2.0f32, -0.5, 0.0, 0.3, 1.0, 2.5, 5.0, 9.0];
+    let want: Vec<f64> = xs
+        .iter()
+        .map(|&x| match x {
+            5.0 => 1.537_459_794_428_035e-12,
+            9.0 => 4.137_031_746_513_81e-37,
+            x => 1.0 - erf(x as f64),
+        })
+        .collect();
+    assert_rel(&unary_f32("aten.erfc.default", json!([]), &xs), &want, 3e-7);
+    // erfcx(x) = exp(x^2) erfc(x), finite for huge x where both factors are not.
+    let want: Vec<f64> = xs
+        .iter()
+        .zip(&want)
+        .map(|(&x, &c)| (x as f64 * x as f64).exp() * c)
+        .collect();
+    assert_rel(
+        &unary_f32("aten.special_erfcx.default", json!([]), &xs),
+        &want,
+        3e-7,
+    );
+    let big = unary_f32("aten.special_erfcx.default", json!([]), &[1e10]);
+    assert_rel(&big, &[1.0 / (1e10 * std::f64::consts::PI.sqrt())], 1e-6);
+    // erfinv inverts erf; the ends are +-inf, outside [-1, 1] NaN.
+    let ys = [-0.999f32, -0.5, 0.0, 0.1, 0.9, 0.999_99];
+    let got = unary_f32("aten.erfinv.default", json!([]), &ys);
+    for (&g, &y) in got.iter().zip(&ys) {
+        assert!(
+            (erf(g as f64) - y as f64).abs()
+                <= 2e-7
+                    * (1.0 - (y as f64).abs())
+                        .max(y.abs() as f64 * 1e-3)
+                        .max(1e-7)
+                    * 10.0,
+            "erf(erfinv({y})) = {}",
+            erf(g as f64)
+        );
+    }
+    assert_rel(
+        &unary_f32("aten.erfinv.default", json!([]), &[1.0, -1.0, 1.5]),
+        &[f64::INFINITY, f64::NEG_INFINITY, f64::NAN],
+        0.0,
+    );
+    // ndtri(Phi(x)) = x: Phi(1) = 0.841344746068543, Phi(-2) = 0.0227501319481792.
+    let got = unary_f32(
+        "aten.special_ndtri.default",
+        json!([]),
+        &[0.841_344_7, 0.022_750_13, 0.5],
+    );
+    assert_close(&got, &[1.0, -2.0, 0.0], 1e-6);
+}
+
+#[test]
+fn num_gamma_family() {
+    let pi = std::f64::consts::PI;
+    let euler = 0.577_215_664_901_532_9;
+    let xs = [
+        0.5f32,
+        3.0,
+        -0.5,
+        10.0,
+        1e-30,
+        0.0,
+        -2.0,
+        -2.5,
+        f32::INFINITY,
+        1e30,
+    ];
+    let want = [
+        0.5 * pi.ln(),
+        2f64.ln(),
+        (2.0 * pi.sqrt()).ln(),
+        362_880f64.ln(),
+        69.077_552_789_821_37,
+        f64::INFINITY,
+        f64::INFINITY,
+        // Gamma(-2.5) = -8 sqrt(pi) / 15.
+        (8.0 * pi.sqrt() / 15.0).ln(),
+        f64::INFINITY,
+        // Stirling: (x - 1/2) ln x - x + ln(2 pi)/2.
+        (1e30f32 as f64 - 0.5) * (1e30f32 as f64).ln() - 1e30f32 as f64,
+    ];
+    assert_rel(
+        &unary_f32("aten.lgamma.default", json!([]), &xs),
+        &want,
+        2e-7,
+    );
+    let xs = [1.0f32, 0.5, -0.5, 10.0, 0.0, -0.0, -3.0, 1e-3];
+    let want = [
+        -euler,
+        -euler - 2.0 * 2f64.ln(),
+        0.036_489_973_978_576_52,
+        // psi(10) = H_9 - gamma.
+        (1..10).map(|k| 1.0 / k as f64).sum::<f64>() - euler,
+        f64::NEG_INFINITY,
+        f64::INFINITY,
+        f64::NAN,
+        -1_000.575_610_869_918_8,
+    ];
+    assert_rel(
+        &unary_f32("aten.digamma.default", json!([]), &xs),
+        &want,
+        2e-7,
+    );
+    // polygamma(n, x) = (-1)^(n+1) n! zeta(n+1, x).
+    let g = |order: i64, xs: &[f32]| {
+        let len = xs.len() as i64;
+        let g = op(
+            &[("x", &[len], "float32")],
+            "aten.polygamma.default",
+            json!([order, n("x")]),
+            nokw(),
+            f32t(&[len]),
+        );
+        run(&g, &[Buf::F32(xs.to_vec())])[0].f32().to_vec()
+    };
+    let zeta3 = 1.202_056_903_159_594_3;
+    assert_rel(
+        &g(1, &[1.0, 0.5, 2.0]),
+        &[pi * pi / 6.0, pi * pi / 2.0, pi * pi / 6.0 - 1.0],
+        2e-7,
+    );
+    assert_rel(
+        &g(2, &[1.0, -0.5]),
+        &[
+            -2.0 * zeta3,
+            // zeta(3, -1/2) = (-1/2)^-3 + zeta(3, 1/2) = -8 + 7 zeta(3).
+            16.0 - 14.0 * zeta3,
+        ],
+        2e-7,
+    );
+    assert_rel(&g(3, &[1.0]), &[pi.powi(4) / 15.0], 2e-7);
+    assert_rel(&g(0, &[1.0]), &[-euler], 2e-7);
+}
+
+#[test]
+fn num_modified_bessel_i0_i1() {
+    /// I_nu(x) by its power series in f64 with enough terms for |x| <= 40.
+    fn series(x: f64, nu: i32) -> f64 {
+        let q = x * x / 4.0;
+        let mut term = if nu == 0 { 1.0 } else { x / 2.0 };
+        let mut sum = term;
+        for k in 1..200 {
+            term *= q / (k as f64 * (k + nu) as f64);
+            sum += term;
+        }
+        sum
+    }
+    let xs = [0.0f32, 0.5, -1.0, 7.5, -19.0, 25.0, 38.0];
+    for (target, nu, scaled) in [
+        ("aten.i0.default", 0, false),
+        ("aten.special_i0e.default", 0, true),
+        ("aten.special_i1.default", 1, false),
+        ("aten.special_i1e.default", 1, true),
+        ("aten.special_modified_bessel_i1.default", 1, false),
+    ] {
+        let want: Vec<f64> = xs
+            .iter()
+            .map(|&x| {
+                let v = series(x as f64, nu);
+                if scaled {
+                    v * (-(x as f64).abs()).exp()
+                } else {
+                    v
+                }
+            })
+            .collect();
+        assert_rel(&unary_f32(target, json!([]), &xs), &want, 2e-7);
+    }
+    assert_rel(
+        &unary_f32("aten.i0.default", json!([]), &[f32::INFINITY, f32::NAN]),
+        &[f64::INFINITY, f64::NAN],
+        0.0,
+    );
+}

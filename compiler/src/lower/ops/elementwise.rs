@@ -1,5 +1,6 @@
 //! Elementwise ops: arithmetic, comparisons, logic, activations, casts.
 
+use crate::lower::emit::Emitter;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -83,6 +84,31 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.lift_fresh_copy.default", identity),
     ("aten.detach.default", identity),
     ("aten.contiguous.default", identity),
+    ("aten.acos.default", acos),
+    ("aten.asin.default", asin),
+    ("aten.atan.default", atan),
+    ("aten.atan2.default", atan2),
+    ("aten.acosh.default", acosh),
+    ("aten.asinh.default", asinh),
+    ("aten.atanh.default", atanh),
+    ("aten.cosh.default", cosh),
+    ("aten.sinh.default", sinh),
+    ("aten.tan.default", tan),
+    ("aten.log10.default", log10),
+    ("aten.exp2.default", exp2),
+    ("aten.hypot.default", hypot),
+    ("aten.ldexp.Tensor", ldexp),
+    ("aten.signbit.default", signbit),
+    ("aten.copysign.Tensor", copysign),
+    ("aten.copysign.Scalar", copysign),
+    ("aten.fmax.default", fmax),
+    ("aten.fmin.default", fmin),
+    ("aten.nextafter.default", nextafter),
+    ("aten.round.decimals", round_decimals),
+    ("aten.angle.default", angle),
+    ("aten.frexp.Tensor", frexp),
+    ("aten.leaky_relu.default", leaky_relu),
+    ("aten.elu.default", elu),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -671,4 +697,395 @@ fn to_copy<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 fn identity<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     Ok(vec![cx.e.convert(&x, cx.out_dtype()?)?])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Functions StableHLO lacks, as formulas evaluated in f64 and rounded once to the result dtype,
+// so that float32 results are (nearly always) correctly rounded whatever the formula's
+// cancellation. The formulas avoid the usual cancellations too, so float64 inputs stay close.
+// ---------------------------------------------------------------------------------------------
+
+const F64: DType = DType::Float64;
+
+/// `f(self)` evaluated in f64 and rounded to the result dtype.
+pub fn unary_f64<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    f: impl FnOnce(&Emitter<'c, 'b>, &T<'c, 'b>) -> R<T<'c, 'b>>,
+) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let r = f(cx.e, &cx.e.convert(&x, F64)?)?;
+    Ok(vec![cx.e.convert(&r, out)?])
+}
+
+/// `f(self, other)` (either may be a Python scalar) evaluated in f64, rounded to the result dtype.
+fn binary_f64<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    f: impl FnOnce(&Emitter<'c, 'b>, &T<'c, 'b>, &T<'c, 'b>) -> R<T<'c, 'b>>,
+) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    let (a, b) = cx.e.coerce(&a, &b, F64)?;
+    let r = f(cx.e, &a, &b)?;
+    Ok(vec![cx.e.convert(&r, out)?])
+}
+
+/// sqrt((1 - x)(1 + x)): 1 - x^2 without cancellation near |x| = 1 (NaN for |x| > 1).
+fn sqrt_one_minus_sq<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    let one = e.k(1.0, x.dtype)?;
+    let p = e.mul(
+        &e.binary("stablehlo.subtract", &one, x, x.dtype)?,
+        &e.add(&one, x)?,
+    )?;
+    e.unary("stablehlo.sqrt", &p)
+}
+
+fn atan2_of<'c, 'b>(e: &Emitter<'c, 'b>, y: &T<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    e.binary("stablehlo.atan2", y, x, y.dtype)
+}
+
+fn acos<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| atan2_of(e, &sqrt_one_minus_sq(e, x)?, x))
+}
+
+fn asin<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| atan2_of(e, x, &sqrt_one_minus_sq(e, x)?))
+}
+
+fn atan<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| atan2_of(e, x, &e.k(1.0, F64)?))
+}
+
+fn atan2<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_f64(cx, |e, y, x| atan2_of(e, y, x))
+}
+
+/// asinh(|x|) = log1p(|x| + x^2 / (1 + sqrt(1 + x^2))) (exact near 0), log(|x|) + ln 2 where x^2
+/// would overflow; odd.
+fn asinh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        let a = e.unary("stablehlo.abs", x)?;
+        let one = e.k(1.0, F64)?;
+        let a2 = e.mul(&a, &a)?;
+        let q = e.div(
+            &a2,
+            &e.add(&one, &e.unary("stablehlo.sqrt", &e.add(&one, &a2)?)?)?,
+        )?;
+        let small = e.unary("stablehlo.log_plus_one", &e.add(&a, &q)?)?;
+        let big = e.add(
+            &e.unary("stablehlo.log", &a)?,
+            &e.k(std::f64::consts::LN_2, F64)?,
+        )?;
+        let r = e.select(&e.compare(&a, &e.k(1e150, F64)?, "GT")?, &big, &small, F64)?;
+        let neg = e.unary("stablehlo.negate", &r)?;
+        e.select(&e.compare(x, &e.k(0.0, F64)?, "LT")?, &neg, &r, F64)
+    })
+}
+
+/// acosh(x) = log1p(t + sqrt(t (x + 1))) with t = x - 1 (exact near 1), log(x) + ln 2 for huge x.
+fn acosh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        let one = e.k(1.0, F64)?;
+        let t = e.sub(x, &one)?;
+        let s = e.unary("stablehlo.sqrt", &e.mul(&t, &e.add(x, &one)?)?)?;
+        let small = e.unary("stablehlo.log_plus_one", &e.add(&t, &s)?)?;
+        let big = e.add(
+            &e.unary("stablehlo.log", x)?,
+            &e.k(std::f64::consts::LN_2, F64)?,
+        )?;
+        e.select(&e.compare(x, &e.k(1e150, F64)?, "GT")?, &big, &small, F64)
+    })
+}
+
+/// atanh(x) = log1p(2x / (1 - x)) / 2.
+fn atanh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        let one = e.k(1.0, F64)?;
+        let q = e.div(
+            &e.add(x, x)?,
+            &e.binary("stablehlo.subtract", &one, x, F64)?,
+        )?;
+        e.mul(&e.unary("stablehlo.log_plus_one", &q)?, &e.k(0.5, F64)?)
+    })
+}
+
+fn cosh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        let p = e.unary("stablehlo.exponential", x)?;
+        let m = e.unary("stablehlo.exponential", &e.unary("stablehlo.negate", x)?)?;
+        e.mul(&e.add(&p, &m)?, &e.k(0.5, F64)?)
+    })
+}
+
+/// sinh(x) = (expm1(x) - expm1(-x)) / 2, exact near 0.
+fn sinh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        let p = e.unary("stablehlo.exponential_minus_one", x)?;
+        let m = e.unary(
+            "stablehlo.exponential_minus_one",
+            &e.unary("stablehlo.negate", x)?,
+        )?;
+        e.mul(&e.sub(&p, &m)?, &e.k(0.5, F64)?)
+    })
+}
+
+fn tan<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        e.div(
+            &e.unary("stablehlo.sine", x)?,
+            &e.unary("stablehlo.cosine", x)?,
+        )
+    })
+}
+
+fn log10<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        e.div(
+            &e.unary("stablehlo.log", x)?,
+            &e.k(std::f64::consts::LN_10, F64)?,
+        )
+    })
+}
+
+fn exp2<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        e.binary("stablehlo.power", &e.k(2.0, F64)?, x, F64)
+    })
+}
+
+/// sqrt(a^2 + b^2), and +inf when either is infinite (even with a NaN), as C's hypot.
+fn hypot<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_f64(cx, |e, a, b| {
+        let s = e.unary("stablehlo.sqrt", &e.add(&e.mul(a, a)?, &e.mul(b, b)?)?)?;
+        let inf = e.k(f64::INFINITY, F64)?;
+        let is_inf = |t: &T<'c, 'b>| e.compare(&e.unary("stablehlo.abs", t)?, &inf, "EQ");
+        e.select(&e.or(&is_inf(a)?, &is_inf(b)?)?, &inf, &s, F64)
+    })
+}
+
+/// `ldexp(self, other)` = self * 2^other.
+fn ldexp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    binary_f64(cx, |e, x, n| {
+        e.mul(x, &e.binary("stablehlo.power", &e.k(2.0, F64)?, n, F64)?)
+    })
+}
+
+/// The signed integer type as wide as float `d`.
+fn bits_dtype(d: DType) -> DType {
+    match d {
+        DType::Float64 => DType::Int64,
+        DType::Float32 => DType::Int32,
+        _ => DType::Int16,
+    }
+}
+
+/// True where the sign bit is set (also for -0.0 and negative NaNs).
+fn signbit_of<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    match x.dtype {
+        DType::Bool | DType::Uint8 => e.splat(Scalar::Bool(false), &x.shape, DType::Bool),
+        d if d.is_float() => {
+            let bits = e.bitcast(x, bits_dtype(d))?;
+            e.compare(&bits, &e.splat(Scalar::Int(0), &[], bits.dtype)?, "LT")
+        }
+        d => e.compare(x, &e.splat(Scalar::Int(0), &[], d)?, "LT"),
+    }
+}
+
+fn signbit<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    Ok(vec![signbit_of(cx.e, &cx.tensor(0, "self")?)?])
+}
+
+/// |self| with the sign bit of `other`.
+fn copysign<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    let e = cx.e;
+    let a = e.unary("stablehlo.abs", &e.convert(&a, out)?)?;
+    let neg = signbit_of(e, &e.convert(&b, out)?)?;
+    Ok(vec![e.select(
+        &neg,
+        &e.unary("stablehlo.negate", &a)?,
+        &a,
+        out,
+    )?])
+}
+
+/// fmax / fmin: like maximum / minimum, but a NaN loses to a number.
+fn nan_ignoring<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
+    let (a, b) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    let e = cx.e;
+    let (a, b) = e.coerce(&a, &b, out)?;
+    let m = e.binary(name, &a, &b, out)?;
+    if !out.is_float() {
+        return Ok(vec![m]);
+    }
+    let m = e.select(&e.isnan(&b)?, &a, &m, out)?;
+    Ok(vec![e.select(&e.isnan(&a)?, &b, &m, out)?])
+}
+
+fn fmax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    nan_ignoring(cx, "stablehlo.maximum")
+}
+
+fn fmin<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    nan_ignoring(cx, "stablehlo.minimum")
+}
+
+/// The next float after `self` towards `other`, by stepping the bit pattern: away from zero is
+/// +1 on the magnitude bits, towards zero -1; from zero, the smallest subnormal with the sign of
+/// `other`.
+fn nextafter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (x, y) = operands(cx)?;
+    let out = cx.out_dtype()?;
+    if !out.is_float() {
+        return Err(cx.err(format!("nextafter of {out} is not defined")));
+    }
+    let e = cx.e;
+    let (x, y) = e.coerce(&x, &y, out)?;
+    let bd = bits_dtype(out);
+    let int = |v: i64| e.splat(Scalar::Int(v), &[], bd);
+    let xb = e.bitcast(&x, bd)?;
+    let yb = e.bitcast(&y, bd)?;
+    let zero = e.splat(Scalar::Int(0), &[], out)?;
+    let away = e.compare(
+        &e.compare(&y, &x, "GT")?,
+        &e.compare(&x, &zero, "GT")?,
+        "EQ",
+    )?;
+    let stepped = e.select(&away, &e.add(&xb, &int(1)?)?, &e.sub(&xb, &int(1)?)?, bd)?;
+    let sign_mask = int(match bd {
+        DType::Int64 => i64::MIN,
+        DType::Int32 => i32::MIN as i64,
+        _ => i16::MIN as i64,
+    })?;
+    let tiny = e.binary(
+        "stablehlo.or",
+        &e.binary("stablehlo.and", &yb, &sign_mask, bd)?,
+        &int(1)?,
+        bd,
+    )?;
+    let from_zero = e.compare(&x, &zero, "EQ")?;
+    let r = e.bitcast(&e.select(&from_zero, &tiny, &stepped, bd)?, out)?;
+    let r = e.select(&e.compare(&x, &y, "EQ")?, &y, &r, out)?;
+    let either_nan = e.or(&e.isnan(&x)?, &e.isnan(&y)?)?;
+    let nan = e.splat(Scalar::Float(f64::NAN), &[], out)?;
+    Ok(vec![e.select(&either_nan, &nan, &r, out)?])
+}
+
+/// `round(self, decimals)` as PyTorch's kernel computes it, in the tensor's dtype:
+/// `rint(x * 10^d) / 10^d`, or `rint(x / 10^-d) * 10^-d` for negative `d`.
+fn round_decimals<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    if !out.is_float() {
+        return identity(cx);
+    }
+    let d = cx.int_or(1, "decimals", 0)?;
+    let e = cx.e;
+    let x = e.convert(&x, out)?;
+    let p = e.k(10f64.powi(d.unsigned_abs().min(400) as i32), out)?;
+    let rint = |t: &T<'c, 'b>| e.unary("stablehlo.round_nearest_even", t);
+    let r = if d >= 0 {
+        e.div(&rint(&e.mul(&x, &p)?)?, &p)?
+    } else {
+        e.mul(&rint(&e.div(&x, &p)?)?, &p)?
+    };
+    Ok(vec![r])
+}
+
+/// The argument of a real number: pi for negatives, 0 otherwise, NaN for NaN.
+fn angle<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let e = cx.e;
+    let xf = e.convert(&x, out)?;
+    let neg = e.compare(&xf, &e.k(0.0, out)?, "LT")?;
+    let r = e.select(&neg, &e.k(std::f64::consts::PI, out)?, &e.k(0.0, out)?, out)?;
+    if !out.is_float() {
+        return Ok(vec![r]);
+    }
+    Ok(vec![e.select(&e.isnan(&xf)?, &xf, &r, out)?])
+}
+
+/// `frexp(self) -> (mantissa, exponent)` with |mantissa| in [0.5, 1) and self = m * 2^e, read off
+/// the bits of the value in f64 (where every f32/f16/bf16 value, subnormals too, is normal);
+/// zero, infinities and NaN give (self, 0).
+fn frexp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let (_, mt) = cx.out(0)?;
+    let (_, et) = cx.out(1)?;
+    let e = cx.e;
+    let xf = e.convert(&x, F64)?;
+    let int = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
+    let bits = e.bitcast(&xf, DType::Int64)?;
+    let field = e.binary(
+        "stablehlo.and",
+        &e.binary(
+            "stablehlo.shift_right_logical",
+            &bits,
+            &int(52)?,
+            DType::Int64,
+        )?,
+        &int(0x7ff)?,
+        DType::Int64,
+    )?;
+    let exponent = e.sub(&field, &int(1022)?)?;
+    let mant_bits = e.binary(
+        "stablehlo.or",
+        &e.binary(
+            "stablehlo.and",
+            &bits,
+            &int(!(0x7ff_i64 << 52))?,
+            DType::Int64,
+        )?,
+        &int(1022 << 52)?,
+        DType::Int64,
+    )?;
+    let mant = e.bitcast(&mant_bits, F64)?;
+    let zero = e.k(0.0, F64)?;
+    let inf = e.k(f64::INFINITY, F64)?;
+    let special = e.or(
+        &e.compare(&xf, &zero, "EQ")?,
+        &e.or(
+            &e.isnan(&xf)?,
+            &e.compare(&e.unary("stablehlo.abs", &xf)?, &inf, "EQ")?,
+        )?,
+    )?;
+    let mant = e.select(&special, &xf, &mant, F64)?;
+    let exponent = e.select(&special, &int(0)?, &exponent, DType::Int64)?;
+    Ok(vec![e.convert(&mant, mt)?, e.convert(&exponent, et)?])
+}
+
+/// `leaky_relu(x, negative_slope=0.01)`: x where x > 0, else x * slope.
+fn leaky_relu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let slope = cx.float_or(1, "negative_slope", 0.01)?;
+    let e = cx.e;
+    let x = e.convert(&x, out)?;
+    let pos = e.compare(&x, &e.k(0.0, out)?, "GT")?;
+    let scaled = e.mul(&x, &e.k(slope, out)?)?;
+    Ok(vec![e.select(&pos, &x, &scaled, out)?])
+}
+
+/// `elu(x, alpha=1, scale=1, input_scale=1)`: scale * x where x > 0, else
+/// scale * alpha * expm1(x * input_scale) (SELU is ELU with fixed constants).
+fn elu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let alpha = cx.float_or(1, "alpha", 1.0)?;
+    let scale = cx.float_or(2, "scale", 1.0)?;
+    let input_scale = cx.float_or(3, "input_scale", 1.0)?;
+    let c = compute_dtype(out);
+    let e = cx.e;
+    let x = e.convert(&x, c)?;
+    let neg = e.unary(
+        "stablehlo.exponential_minus_one",
+        &e.mul(&x, &e.k(input_scale, c)?)?,
+    )?;
+    let neg = e.mul(&neg, &e.k(alpha * scale, c)?)?;
+    let pos = e.mul(&x, &e.k(scale, c)?)?;
+    let r = e.select(&e.compare(&x, &e.k(0.0, c)?, "GT")?, &pos, &neg, c)?;
+    Ok(vec![e.convert(&r, out)?])
 }
