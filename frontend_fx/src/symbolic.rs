@@ -99,6 +99,27 @@ impl SymExpr {
         }
     }
 
+    /// `(c, [s1, s2, ...])` when the expression is a product of an integer and symbols
+    /// (`s0`, `2*s0`, `s0*s1`): the shape of a dim that merges whole dims.
+    pub fn as_product(&self) -> Option<(i64, Vec<String>)> {
+        fn walk(e: &Expr, c: &mut i64, syms: &mut Vec<String>) -> bool {
+            match e {
+                Expr::Int(n) => {
+                    *c *= n;
+                    true
+                }
+                Expr::Sym(s) => {
+                    syms.push(s.clone());
+                    true
+                }
+                Expr::Bin(Op::Mul, a, b) => walk(a, c, syms) && walk(b, c, syms),
+                _ => false,
+            }
+        }
+        let (mut c, mut syms) = (1, Vec::new());
+        walk(&self.tree, &mut c, &mut syms).then_some((c, syms))
+    }
+
     pub fn symbols(&self) -> Vec<String> {
         fn walk(e: &Expr, out: &mut Vec<String>) {
             match e {

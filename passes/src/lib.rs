@@ -1,9 +1,11 @@
 //! Passes over the IR. Each pass is a function `Graph -> Graph` (or in place) with a name, so the
 //! pipeline can report op counts before and after each one and users can switch them off.
 
+mod bucket;
 mod dce;
 mod specialize;
 
+pub use bucket::{bucket, Atom, BucketError, Bucketed, DimLayout, Layout};
 pub use dce::dead_code_elimination;
 pub use specialize::{bindings_from_inputs, specialize, SpecializeError};
 

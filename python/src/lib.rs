@@ -2,6 +2,8 @@
 //! values and the core's types, releases the GIL around long work, and turns every error into a
 //! Python exception carrying the core's message.
 
+mod bucket;
+
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -616,6 +618,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Runtime>()?;
     m.add_class::<Executable>()?;
     m.add_class::<DeviceBuffer>()?;
+    m.add_class::<bucket::BucketedGraph>()?;
+    m.add_function(wrap_pyfunction!(bucket::bucket_graph, m)?)?;
+    m.add_function(wrap_pyfunction!(bucket::eval_sym, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
     m.add_function(wrap_pyfunction!(cache_list, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;

@@ -22,7 +22,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, counters, dump, fx_export, precompiler, runtime
+from . import _native, buckets, counters, dump, fx_export, precompiler, runtime
 from . import options as options_mod
 
 log = logging.getLogger("tpuc")
@@ -49,6 +49,23 @@ _DECOMPOSITIONS = {
     op: fn
     for op, fn in core_aten_decompositions().items()
     if op is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+}
+# With bucketing, compound ops that reduce over a (possibly padded) batch or sequence dim are
+# decomposed into primitive reductions, which the bucketing pass knows how to mask.
+_BUCKET_DECOMPOSITIONS = {
+    **_DECOMPOSITIONS,
+    **torch._decomp.get_decompositions(
+        [
+            torch.ops.aten.native_layer_norm_backward,
+            torch.ops.aten.native_batch_norm_backward,
+            torch.ops.aten._native_batch_norm_legit_functional,
+            torch.ops.aten._native_batch_norm_legit,
+            torch.ops.aten.native_batch_norm,
+            torch.ops.aten.native_group_norm_backward,
+            torch.ops.aten.nll_loss_forward,
+            torch.ops.aten.nll_loss_backward,
+        ]
+    ),
 }
 _warned_fallback: set[str] = set()
 _warn_lock = threading.Lock()
@@ -94,7 +111,7 @@ class CompiledGraph:
 
     _boxed_call = True
 
-    def __init__(self, gm: torch.fx.GraphModule, opts: options_mod.Options, name: str):
+    def __init__(self, gm: torch.fx.GraphModule, opts: options_mod.Options, name: str, maxima=None):
         self.opts = opts
         # With fallback="eager", a shape tpuc cannot lower runs this graph in PyTorch instead.
         self.eager = gm if opts.fallback == "eager" else None
@@ -113,6 +130,14 @@ class CompiledGraph:
         self.executables: dict = {}
         self.slots = [_Slot() for _ in self.inputs]
         self.lock = threading.Lock()
+        # Symbols with a declared maximum are bucketed: {symbol: (maximum, source, bucket sizes)}.
+        self.maxima = {
+            sym: (mx, src, buckets.bucket_sizes(opts.buckets, mx))
+            for sym, (mx, src) in (maxima or {}).items()
+        }
+        self.bucketing = self.symbolic and bool(self.maxima)
+        self.bucket_exes: dict = {}
+        self.output_kinds = self.graph.outputs()
         counters.add(graphs_compiled=1)
         precompiler.record_graph(self)
         if not self.symbolic:
@@ -142,6 +167,11 @@ class CompiledGraph:
                         [list(a.shape) if isinstance(a, torch.Tensor) else None for a in args],
                         [int(a) if not isinstance(a, torch.Tensor) else None for a in args],
                     )
+                    if self.bucketing:
+                        entry = self._bucket_plan(bindings)
+                        if entry is not None:
+                            self.executables[shapes] = entry
+                            return entry
                     try:
                         entry = self._compile(bindings, shapes)
                     except _native.TpucError as e:
@@ -151,6 +181,100 @@ class CompiledGraph:
                         entry = _EAGER
                     self.executables[shapes] = entry
         return entry
+
+    def bucket_of(self, bindings: dict) -> dict:
+        """The bucket sizes for real `bindings`; raises ValueError above a declared maximum."""
+        chosen = {}
+        for sym, (mx, src, sizes) in self.maxima.items():
+            if sym not in bindings:
+                continue
+            n = bindings[sym]
+            if n > mx:
+                raise ValueError(
+                    f"tpuc: {buckets.describe(src)} has size {n}, above its declared maximum {mx} "
+                    "(torch._dynamo.mark_dynamic(..., max=...))"
+                )
+            chosen[sym] = buckets.choose(n, sizes)
+        return chosen
+
+    def bucket_executable(self, chosen: dict, bindings: dict):
+        """(executable, bucketed graph) for one bucket, compiled once; None when the bucketing
+        pass cannot make this graph exact (the graph is then compiled per shape)."""
+        others = tuple(sorted((k, v) for k, v in bindings.items() if k not in chosen))
+        key = (tuple(sorted(chosen.items())), others)
+        hit = self.bucket_exes.get(key)
+        if hit is not None:
+            return hit
+        sizes = {**bindings, **chosen}
+        try:
+            bg = _native.bucket_graph(self.graph, [s for s, b in chosen.items() if b > 1], sizes)
+            exe = self.runtime.compile(bg.graph, {}, self.opts.precision, *cache_args(self.opts))
+        except _native.TpucError as e:
+            self.bucketing = False
+            warnings.warn(
+                f"tpuc: graph {self.name} is compiled per shape instead of per bucket: {e}", stacklevel=5
+            )
+            return None
+        record_compile(exe)
+        if self.opts.dump_dir is not None:
+            dump.write(self, exe, {**sizes, "bucket": 1})
+        log.debug("tpuc: compiled %s for bucket %s (%s)", self.name, chosen, exe.cache)
+        self.bucket_exes[key] = (exe, bg)
+        return exe, bg
+
+    def _bucket_plan(self, bindings: dict):
+        chosen = self.bucket_of(bindings)
+        hit = self.bucket_executable(chosen, bindings)
+        if hit is None:
+            return None
+        exe, bg = hit
+        pads = [s if s is not None and buckets.needs_padding(s) else None for s in bg.input_sizes(bindings)]
+        unpads = [s if buckets.needs_padding(s) else None for s in bg.output_sizes(bindings)]
+        scalars = [torch.tensor(v, dtype=torch.int64) for v in bg.scalar_values(bindings)]
+        results = []
+        for kind, value in self.output_kinds:
+            if kind == "tensor":
+                results.append(("tensor", int(value)))
+            elif kind == "sym":
+                results.append(("value", _native.eval_sym(value, bindings)))
+            elif kind == "int":
+                results.append(("value", int(value)))
+            else:
+                results.append(("value", None))
+        out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
+        return buckets.Plan(exe, out_types, pads, scalars, results, unpads)
+
+    def _run_bucketed(self, plan, args):
+        specs = []
+        keep = []
+        for i in self.tensor_slots:
+            t = args[i]
+            if t.device.type != "cpu":
+                t = t.cpu()
+            pad = plan.pads[i]
+            if pad is not None:
+                t = buckets.pad(t, pad)
+            elif not t.is_contiguous():
+                t = t.contiguous()
+            buf = self._device_arg(i, t) if t is args[i] else None
+            if buf is not None:
+                specs.append(buf)
+            else:
+                keep.append(t)
+                specs.append(_host_array(t))
+        specs.extend(plan.scalar_arrays)
+        outs = [torch.empty(s, dtype=d) for s, d in plan.out_types]
+        plan.exe.run(specs, [_host_array(o) for o in outs])
+        counters.count_execution()
+        result = []
+        for kind, value in plan.results:
+            if kind == "tensor":
+                spec = plan.unpads[value]
+                o = outs[value]
+                result.append(o if spec is None else buckets.unpad(o, spec))
+            else:
+                result.append(value)
+        return result
 
     def _device_arg(self, i: int, t: torch.Tensor):
         slot = self.slots[i]
@@ -171,6 +295,8 @@ class CompiledGraph:
         entry = self.static or self._entry_for(args)
         if entry is _EAGER:
             return list(self.eager(*args[: len(args) - len(self.attr_tensors)]))
+        if type(entry) is buckets.Plan:
+            return self._run_bucketed(entry, args)
         exe, out_types, plan = entry
         specs = []
         keep = []
@@ -299,7 +425,7 @@ def _warn_fallback(ops: list[str]) -> None:
         )
 
 
-def _partitioned(gm: torch.fx.GraphModule, opts, name: str):
+def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None):
     """Splits `gm` into tpuc partitions (supported ops) and eager ops."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
@@ -321,7 +447,7 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str):
             out_node = next(n for n in sub.graph.nodes if n.op == "output")
             out_node.args = ((out_arg,),)
             sub.recompile()
-        compiled = _compile_or_fallback(sub, opts, f"{name}.{node.target}")
+        compiled = _compile_or_fallback(sub, opts, f"{name}.{node.target}", maxima)
         if compiled is not None:
             setattr(fused, node.target, _PartitionModule(compiled, single))
         elif single:
@@ -331,11 +457,11 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str):
     return fused
 
 
-def _compile_or_fallback(gm: torch.fx.GraphModule, opts, name: str) -> CompiledGraph | None:
+def _compile_or_fallback(gm: torch.fx.GraphModule, opts, name: str, maxima=None) -> CompiledGraph | None:
     """A CompiledGraph, or None (run `gm` eagerly) when lowering fails and fallback="eager".
     Plugin errors always raise: they are not a matter of op coverage."""
     try:
-        return CompiledGraph(gm, opts, name)
+        return CompiledGraph(gm, opts, name, maxima)
     except _native.TpucError as e:
         if opts.fallback == "error" or isinstance(e, _native.PjrtError):
             raise
@@ -343,13 +469,15 @@ def _compile_or_fallback(gm: torch.fx.GraphModule, opts, name: str) -> CompiledG
         return None
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, opts, name: str, traces: dict | None = None):
+def compile_graph(
+    gm: torch.fx.GraphModule, example_inputs, opts, name: str, traces: dict | None = None, maxima=None
+):
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
     Dynamo node names to their stack traces, for error messages."""
     traces = traces or {}
     bad = _unsupported_nodes(gm)
     if not bad:
-        compiled = _compile_or_fallback(gm, opts, name)
+        compiled = _compile_or_fallback(gm, opts, name, maxima)
         return compiled if compiled is not None else make_boxed_func(gm.forward)
     if opts.fallback == "error":
         n = bad[0]
@@ -365,7 +493,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, opts, name: str, tra
     for op in ops:
         counters.count_fallback(op)
     _warn_fallback(ops)
-    fused = _partitioned(gm, opts, name)
+    fused = _partitioned(gm, opts, name, maxima)
     return make_boxed_func(fused.forward)
 
 
@@ -428,19 +556,25 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     t0 = time.perf_counter()
 
     traces = {n.name: n.meta.get("stack_trace") for n in gm.graph.nodes}
+    maxima = buckets.declared_maxima(example_inputs)
+    buckets.check_declared(gm, example_inputs, maxima)
 
     def fw(g, ins):
-        return compile_graph(g, ins, opts, f"g{gid}_forward", traces)
+        return compile_graph(g, ins, opts, f"g{gid}_forward", traces, maxima)
 
     def bw(g, ins):
-        return compile_graph(g, ins, opts, f"g{gid}_backward", traces)
+        return compile_graph(g, ins, opts, f"g{gid}_backward", traces, maxima)
 
     # Trace attention through the math path: otherwise the forward decomposes to math while the
     # backward keeps the CPU flash kernel, whose saved-tensor contract the decomposed forward does
     # not meet (gradients come out wrong, even with aot_eager).
     with sdpa_kernel(SDPBackend.MATH):
         out = aot_module_simplified(
-            gm, example_inputs, fw_compiler=fw, bw_compiler=bw, decompositions=_DECOMPOSITIONS
+            gm,
+            example_inputs,
+            fw_compiler=fw,
+            bw_compiler=bw,
+            decompositions=_BUCKET_DECOMPOSITIONS if maxima else _DECOMPOSITIONS,
         )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
     return out

@@ -1,0 +1,148 @@
+"""Bounded dynamism at run time: declared maxima, bucket choice, padding inputs and slicing
+outputs around the executable that the bucketing pass (Rust, `tpuc_passes::bucket`) built.
+
+A dim marked with `torch._dynamo.mark_dynamic(x, dim, max=M)` is padded up to the smallest
+bucket that fits (buckets: `options["buckets"]`, "pow2" by default, always ending at M); one
+executable per bucket serves every real size in it, and its results are exact for the real sizes.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import torch
+
+_SOURCE = re.compile(r"^L\['(\w+)'\](.*)\.size\(\)\[(\d+)\]$")
+_LARGE = 2**62
+
+
+def describe(source: str) -> str:
+    """`L['ids'].size()[1]` -> "input `ids` dim 1"; `L['args'][0].size()[0]` -> "input
+    `args[0]` dim 0"."""
+    m = _SOURCE.match(source)
+    return f"input `{m.group(1)}{m.group(2)}` dim {m.group(3)}" if m else source
+
+
+def declared_maxima(example_inputs) -> dict[str, tuple[int, str]]:
+    """{symbol: (declared maximum, source)} for every size symbol of this trace that has a finite
+    upper bound (`mark_dynamic(..., max=M)`)."""
+    fake = torch._guards.detect_fake_mode(example_inputs)
+    env = getattr(fake, "shape_env", None)
+    if env is None:
+        return {}
+    out = {}
+    for sym, rng in env.var_to_range.items():
+        try:
+            upper = int(rng.upper)
+        except Exception:  # int_oo: no declared maximum
+            continue
+        if upper >= _LARGE:
+            continue
+        sources = env.var_to_sources.get(sym) or []
+        out[str(sym)] = (upper, sources[0].name if sources else str(sym))
+    return out
+
+
+def bucket_sizes(buckets, maximum: int) -> list[int]:
+    """The bucket sizes for a dim with declared `maximum`: the buckets below it, and the
+    maximum itself so that every size up to it has a bucket; "pow2" = 2, 4, 8, ... ."""
+    if buckets == "pow2":
+        sizes, b = [], 2
+        while b < maximum:
+            sizes.append(b)
+            b *= 2
+    else:
+        sizes = [b for b in buckets if b < maximum]
+    return sorted(set(sizes + [maximum]))
+
+
+def choose(size: int, sizes: list[int]) -> int:
+    return next(b for b in sizes if b >= size)
+
+
+# Declared maxima per Dynamo frame: when a size above one comes, Dynamo's guard fails and it
+# traces again; the new trace is where we can tell the user.
+_frame_maxima: dict[int, dict[str, int]] = {}
+_frame_lock = threading.Lock()
+
+
+def _hint(size) -> int | None:
+    if isinstance(size, int):
+        return size
+    try:
+        return int(size.node.hint)
+    except Exception:
+        return None
+
+
+def check_declared(gm: torch.fx.GraphModule, example_inputs, maxima: dict) -> None:
+    """Raises ValueError when an input of this trace is larger than the maximum declared for it
+    by an earlier trace of the same frame; then records this trace's maxima."""
+    cid = torch._guards.CompileContext.current_compile_id()
+    frame = getattr(cid, "frame_id", None)
+    if frame is None:
+        return
+    with _frame_lock:
+        declared = dict(_frame_maxima.get(frame, {}))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, ex in zip(placeholders, example_inputs, strict=False):
+        source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+        if source is None or not isinstance(ex, torch.Tensor):
+            continue
+        for d, size in enumerate(ex.shape):
+            key = f"{source}.size()[{d}]"
+            n = _hint(size)
+            if key in declared and n is not None and n > declared[key]:
+                raise ValueError(
+                    f"tpuc: {describe(key)} has size {n}, above its declared maximum {declared[key]} "
+                    "(torch._dynamo.mark_dynamic(..., max=...))"
+                )
+    with _frame_lock:
+        mine = _frame_maxima.setdefault(frame, {})
+        for upper, source in maxima.values():
+            mine[source] = upper
+
+
+def pad(t: torch.Tensor, sizes) -> torch.Tensor:
+    """`t` (real shape) padded with zeros at the end of each padded atom: `sizes` is, per dim,
+    `[(padded, real), ...]` for its atoms (outer to inner)."""
+    padded = [p for dim in sizes for p, _ in dim]
+    real = [r for dim in sizes for _, r in dim]
+    z = t.new_zeros(padded)
+    z[tuple(slice(0, r) for r in real)] = t.reshape(real)
+    return z.view([_prod(p for p, _ in dim) for dim in sizes])
+
+
+def unpad(t: torch.Tensor, sizes) -> torch.Tensor:
+    """The real elements of a padded output, in its real shape."""
+    padded = [p for dim in sizes for p, _ in dim]
+    real = [r for dim in sizes for _, r in dim]
+    shape = [_prod(r for _, r in dim) for dim in sizes]
+    return t.view(padded)[tuple(slice(0, r) for r in real)].reshape(shape)
+
+
+def needs_padding(sizes) -> bool:
+    return any(p != r for dim in sizes for p, r in dim)
+
+
+def _prod(it) -> int:
+    n = 1
+    for x in it:
+        n *= x
+    return n
+
+
+class Plan:
+    """Everything one real shape needs to run on its bucket's executable, computed once."""
+
+    __slots__ = ("exe", "out_types", "pads", "scalars", "scalar_arrays", "results", "unpads")
+
+    def __init__(self, exe, out_types, pads, scalars, results, unpads):
+        self.exe = exe
+        self.out_types = out_types
+        self.pads = pads  # per graph input: None or the atoms to pad it to
+        self.scalars = scalars  # 0-d int64 tensors, kept alive while the plan is
+        self.scalar_arrays = [(s.data_ptr(), s.nbytes, "int64", []) for s in scalars]
+        self.results = results  # per graph output: ("tensor", k) | ("value", v)
+        self.unpads = unpads  # per executable output: None or the atoms to slice it by
