@@ -564,6 +564,52 @@ impl<'c, 'b> Emitter<'c, 'b> {
         self.two_scalar_region(dtype, Some(name))
     }
 
+    /// A region over 0-d tensors of `args` whose body `body` builds with an emitter of its own
+    /// (any helper works inside) and returns the values the region yields: the comparator of a
+    /// sort, or the combiner of a reduce / reduce_window / scatter that no single op expresses.
+    pub fn region(
+        &self,
+        args: &[DType],
+        body: impl for<'r> FnOnce(&Emitter<'c, 'r>, Vec<T<'c, 'r>>) -> R<Vec<T<'c, 'r>>>,
+    ) -> R<Region<'c>> {
+        let err = |e: melior::Error| LowerError::internal(e.to_string());
+        let types: Vec<(Type<'c>, Location<'c>)> = args
+            .iter()
+            .map(|&d| (tensor_type(self.ctx, &[], d), self.loc))
+            .collect();
+        let block = Block::new(&types);
+        {
+            let inner = Emitter::new(
+                self.ctx,
+                &block,
+                self.loc,
+                self.precision,
+                self.diagnostics.clone(),
+            );
+            let params = args
+                .iter()
+                .enumerate()
+                .map(|(i, &d)| {
+                    Ok(T {
+                        v: block.argument(i).map_err(err)?.into(),
+                        shape: vec![],
+                        dtype: d,
+                    })
+                })
+                .collect::<R<Vec<_>>>()?;
+            let results = body(&inner, params)?;
+            let vals: Vec<Value> = results.iter().map(|t| t.v).collect();
+            let ret = OperationBuilder::new("stablehlo.return", self.loc)
+                .add_operands(&vals)
+                .build()
+                .map_err(err)?;
+            block.append_operation(ret);
+        }
+        let region = Region::new();
+        region.append_block(block);
+        Ok(region)
+    }
+
     /// A region `(x, y) -> y`: the update rule of a scatter that overwrites.
     pub fn replace_region(&self, dtype: DType) -> R<Region<'c>> {
         self.two_scalar_region(dtype, None)

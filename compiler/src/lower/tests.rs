@@ -3065,3 +3065,286 @@ fn num_modified_bessel_i0_i1() {
         0.0,
     );
 }
+
+#[test]
+fn num_flip_diagonal_repeat_unfold() {
+    let x: Vec<f32> = ramp(12, 1.0, 0.0); // [[0..4], [4..8], [8..12]] as 3x4
+    let ins = [("x", &[3i64, 4][..], "float32")];
+    let g = op(
+        &ins,
+        "aten.flip.default",
+        json!([n("x"), [0, -1]]),
+        nokw(),
+        f32t(&[3, 4]),
+    );
+    let want: Vec<f64> = (0..12).rev().map(|v| v as f64).collect();
+    assert_close(run(&g, &[Buf::F32(x.clone())])[0].f32(), &want, 0.0);
+    // diagonal: offset 1 -> (0,1), (1,2), (2,3); offset -1 -> (1,0), (2,1); offset 4 -> empty.
+    let diag = |offset: i64, len: i64| {
+        let g = op(
+            &ins,
+            "aten.diagonal.default",
+            json!([n("x"), offset]),
+            nokw(),
+            f32t(&[len]),
+        );
+        run(&g, &[Buf::F32(x.clone())])[0].f32().to_vec()
+    };
+    assert_eq!(diag(0, 3), vec![0.0, 5.0, 10.0]);
+    assert_eq!(diag(1, 3), vec![1.0, 6.0, 11.0]);
+    assert_eq!(diag(-1, 2), vec![4.0, 9.0]);
+    assert_eq!(diag(4, 0), Vec::<f32>::new());
+    // dims (1, 0) of a 2x2x2: the batch dim stays first... here dim1=2, dim2=0 of [2, 3, 2].
+    let y: Vec<f32> = ramp(12, 1.0, 0.0);
+    let g = op(
+        &[("y", &[2, 3, 2], "float32")],
+        "aten.diagonal.default",
+        json!([n("y"), 0, 2, 0]),
+        nokw(),
+        f32t(&[3, 2]),
+    );
+    // out[j][i] = y[i][j][i]
+    let want: Vec<f64> = (0..3)
+        .flat_map(|j| (0..2).map(move |i| (i * 6 + j * 2 + i) as f64))
+        .collect();
+    assert_close(run(&g, &[Buf::F32(y)])[0].f32(), &want, 0.0);
+    let g = op(
+        &[("x", &[3, 4], "float32"), ("s", &[2], "float32")],
+        "aten.diagonal_scatter.default",
+        json!([n("x"), n("s"), -1]),
+        nokw(),
+        f32t(&[3, 4]),
+    );
+    let out = run(&g, &[Buf::F32(x.clone()), Buf::F32(vec![-1.0, -2.0])]);
+    let mut want = to_f64(&x);
+    want[4] = -1.0;
+    want[9] = -2.0;
+    assert_close(out[0].f32(), &want, 0.0);
+    // repeat([2, 1, 2]) of a [2, 2]: a new leading dim of 2, columns tiled twice.
+    let g = op(
+        &[("x", &[2, 2], "float32")],
+        "aten.repeat.default",
+        json!([n("x"), [2, 1, 2]]),
+        nokw(),
+        f32t(&[2, 2, 4]),
+    );
+    let out = run(&g, &[Buf::F32(vec![1.0, 2.0, 3.0, 4.0])]);
+    let block = [1.0, 2.0, 1.0, 2.0, 3.0, 4.0, 3.0, 4.0];
+    let want: Vec<f64> = block.iter().chain(&block).copied().collect();
+    assert_close(out[0].f32(), &want, 0.0);
+    // unfold(dim 1, size 2, step 2) of a 3x4: [3, 2, 2], windows along the last dim.
+    let g = op(
+        &ins,
+        "aten.unfold.default",
+        json!([n("x"), 1, 2, 2]),
+        nokw(),
+        f32t(&[3, 2, 2]),
+    );
+    assert_close(run(&g, &[Buf::F32(x.clone())])[0].f32(), &to_f64(&x), 0.0);
+    // unfold(dim 0, size 2, step 1): [2, 4, 2], out[w][c][k] = x[w + k][c].
+    let g = op(
+        &ins,
+        "aten.unfold.default",
+        json!([n("x"), 0, 2, 1]),
+        nokw(),
+        f32t(&[2, 4, 2]),
+    );
+    let want: Vec<f64> = (0..2)
+        .flat_map(|w| (0..4).flat_map(move |c| (0..2).map(move |k| ((w + k) * 4 + c) as f64)))
+        .collect();
+    assert_close(run(&g, &[Buf::F32(x.clone())])[0].f32(), &want, 0.0);
+    // narrow_copy and unbind_copy.
+    let g = op(
+        &ins,
+        "aten.narrow_copy.default",
+        json!([n("x"), 1, -3, 2]),
+        nokw(),
+        f32t(&[3, 2]),
+    );
+    assert_close(
+        run(&g, &[Buf::F32(x.clone())])[0].f32(),
+        &[1.0, 2.0, 5.0, 6.0, 9.0, 10.0],
+        0.0,
+    );
+    let g = op(
+        &ins,
+        "aten.unbind_copy.int",
+        json!([n("x"), 1]),
+        nokw(),
+        tuple(vec![f32t(&[3]), f32t(&[3]), f32t(&[3]), f32t(&[3])]),
+    );
+    let out = run(&g, &[Buf::F32(x)]);
+    assert_close(out[3].f32(), &[3.0, 7.0, 11.0], 0.0);
+}
+
+#[test]
+fn num_var_mean_cumulative_scans() {
+    let x = vec![1.0f32, 2.0, 4.0, -1.0, 0.5, 3.0];
+    let ins = [("x", &[2i64, 3][..], "float32")];
+    let g = op(
+        &ins,
+        "aten.var_mean.correction",
+        json!([n("x"), [1]]),
+        json!({"correction": 1, "keepdim": true}),
+        tuple(vec![f32t(&[2, 1]), f32t(&[2, 1])]),
+    );
+    let out = run(&g, &[Buf::F32(x.clone())]);
+    // Row 0: mean 7/3, squared deviations 16/9 + 1/9 + 25/9 = 42/9, / 2.
+    // Row 1: mean 5/6, deviations (-11/6)^2 + (-1/3)^2 + (13/6)^2 = 121/36 + 4/36 + 169/36.
+    assert_close(out[0].f32(), &[42.0 / 18.0, 294.0 / 72.0], 1e-6);
+    assert_close(out[1].f32(), &[7.0 / 3.0, 5.0 / 6.0], 1e-6);
+    let g = op(
+        &ins,
+        "aten.cumprod.default",
+        json!([n("x"), 1]),
+        nokw(),
+        f32t(&[2, 3]),
+    );
+    let out = run(&g, &[Buf::F32(x.clone())]);
+    assert_close(out[0].f32(), &[1.0, 2.0, 8.0, -1.0, -0.5, -1.5], 1e-6);
+    let g = op(
+        &ins,
+        "aten.logcumsumexp.default",
+        json!([n("x"), 1]),
+        nokw(),
+        f32t(&[2, 3]),
+    );
+    let out = run(
+        &g,
+        &[Buf::F32(vec![
+            1.0,
+            2.0,
+            f32::NEG_INFINITY,
+            -1000.0,
+            0.0,
+            f32::INFINITY,
+        ])],
+    );
+    let l12 = (1f64.exp() + 2f64.exp()).ln();
+    assert_close(
+        out[0].f32(),
+        &[1.0, l12, l12, -1000.0, 0.0, f64::INFINITY],
+        1e-6,
+    );
+    // cummax: ties take the later index, a NaN sticks (with the latest NaN's index).
+    let nan = f32::NAN;
+    let g = op(
+        &[("x", &[6], "float32")],
+        "aten.cummax.default",
+        json!([n("x"), 0]),
+        nokw(),
+        tuple(vec![f32t(&[6]), t(&[6], "int64")]),
+    );
+    let out = run(&g, &[Buf::F32(vec![1.0, 3.0, 3.0, 2.0, nan, 5.0])]);
+    let v = out[0].f32();
+    assert_eq!(&v[..4], &[1.0, 3.0, 3.0, 3.0]);
+    assert!(v[4].is_nan() && v[5].is_nan(), "{v:?}");
+    assert_eq!(out[1].i64(), &[0, 1, 2, 2, 4, 4]);
+    let g = op(
+        &[("x", &[5], "int64")],
+        "aten.cummin.default",
+        json!([n("x"), 0]),
+        nokw(),
+        tuple(vec![t(&[5], "int64"), t(&[5], "int64")]),
+    );
+    let out = run(&g, &[Buf::I64(vec![3, 1, 2, 1, 0])]);
+    assert_eq!(out[0].i64(), &[3, 1, 1, 1, 0]);
+    assert_eq!(out[1].i64(), &[0, 1, 1, 3, 4]);
+}
+
+#[test]
+fn num_sort_topk_median_searchsorted() {
+    let nan = f32::NAN;
+    let x = vec![3.0f32, nan, -1.0, 3.0, 0.0, -0.0];
+    let ins = [("x", &[6i64][..], "float32")];
+    let sort = |descending: bool| {
+        let g = op(
+            &ins,
+            "aten.sort.stable",
+            json!([n("x")]),
+            json!({"stable": true, "dim": 0, "descending": descending}),
+            tuple(vec![f32t(&[6]), t(&[6], "int64")]),
+        );
+        run(&g, &[Buf::F32(x.clone())])
+    };
+    // Ascending: NaN last; stable on ties (3.0 at 0 before 3.0 at 3; 0.0 before -0.0).
+    let out = sort(false);
+    assert_eq!(out[1].i64(), &[2, 4, 5, 0, 3, 1]);
+    let out = sort(true);
+    assert_eq!(out[1].i64(), &[1, 0, 3, 4, 5, 2]);
+    assert!(out[0].f32()[0].is_nan());
+    let g = op(
+        &[("x", &[2, 4], "float32")],
+        "aten.topk.default",
+        json!([n("x"), 2]),
+        nokw(),
+        tuple(vec![f32t(&[2, 2]), t(&[2, 2], "int64")]),
+    );
+    let out = run(
+        &g,
+        &[Buf::F32(vec![1.0, 5.0, 2.0, 4.0, -1.0, -3.0, -2.0, 0.0])],
+    );
+    assert_eq!(out[0].f32(), &[5.0, 4.0, 0.0, -1.0]);
+    assert_eq!(out[1].i64(), &[1, 3, 3, 0]);
+    let g = op(
+        &[("x", &[2, 4], "float32")],
+        "aten.kthvalue.default",
+        json!([n("x"), 2, 1, true]),
+        nokw(),
+        tuple(vec![f32t(&[2, 1]), t(&[2, 1], "int64")]),
+    );
+    let out = run(
+        &g,
+        &[Buf::F32(vec![1.0, 5.0, 2.0, 4.0, -1.0, -3.0, -2.0, 0.0])],
+    );
+    assert_eq!(out[0].f32(), &[2.0, -2.0]);
+    assert_eq!(out[1].i64(), &[2, 2]);
+    // median.dim: lower median, or NaN with the first NaN's index; nanmedian skips NaNs.
+    let rows = vec![4.0f32, 1.0, 3.0, 2.0, 1.0, nan, 7.0, nan];
+    for (target, want_v, want_i) in [
+        ("aten.median.dim", [2.0, f32::NAN], [3i64, 1]),
+        ("aten.nanmedian.dim", [2.0, 1.0], [3, 0]),
+    ] {
+        let g = op(
+            &[("x", &[2, 4], "float32")],
+            target,
+            json!([n("x"), 1]),
+            nokw(),
+            tuple(vec![f32t(&[2]), t(&[2], "int64")]),
+        );
+        let out = run(&g, &[Buf::F32(rows.clone())]);
+        assert_eq!(out[0].f32()[0], want_v[0], "{target}");
+        assert!(out[0].f32()[1] == want_v[1] || (want_v[1].is_nan() && out[0].f32()[1].is_nan()));
+        assert_eq!(out[1].i64(), &want_i, "{target}");
+    }
+    let g = op(
+        &[("s", &[4], "float32"), ("v", &[2, 3], "float32")],
+        "aten.searchsorted.Tensor",
+        json!([n("s"), n("v")]),
+        json!({"right": true}),
+        t(&[2, 3], "int64"),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![1.0, 2.0, 2.0, 5.0]),
+            Buf::F32(vec![0.0, 2.0, 3.0, 5.0, 9.0, nan]),
+        ],
+    );
+    assert_eq!(out[0].i64(), &[0, 3, 3, 4, 4, 4]);
+    let g = op(
+        &[("v", &[3], "float32"), ("s", &[4], "float32")],
+        "aten.bucketize.Tensor",
+        json!([n("v"), n("s")]),
+        nokw(),
+        t(&[3], "int64"),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![0.0, 2.0, 3.0]),
+            Buf::F32(vec![1.0, 2.0, 2.0, 5.0]),
+        ],
+    );
+    assert_eq!(out[0].i64(), &[0, 1, 3]);
+}

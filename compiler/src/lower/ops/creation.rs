@@ -14,6 +14,8 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.empty_like.default", zeros),
     ("aten.new_zeros.default", zeros),
     ("aten.new_empty.default", zeros),
+    ("aten.empty_permuted.default", zeros),
+    ("aten.empty_strided.default", zeros),
     ("aten.ones.default", ones),
     ("aten.ones_like.default", ones),
     ("aten.new_ones.default", ones),

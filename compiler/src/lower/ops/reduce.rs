@@ -1,8 +1,10 @@
 //! Reductions and the normalizations built on them (softmax).
 
-use crate::lower::emit::{array_i64, Emitter};
+use crate::lower::emit::{array_i64, int_list, Emitter};
+use crate::lower::ops::shape::along_dim_coords;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
+use melior::ir::Region;
 use tpuc_frontend_fx::{Arg, DType};
 
 pub static RULES: &[(&str, Rule)] = &[
@@ -30,6 +32,21 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten._softmax.default", softmax),
     ("aten._log_softmax.default", log_softmax),
     ("aten.cumsum.default", cumsum),
+    ("aten.var_mean.correction", var_mean),
+    ("aten.cumprod.default", cumprod),
+    ("aten.logcumsumexp.default", logcumsumexp),
+    ("aten.cummax.default", cummax),
+    ("aten.cummin.default", cummin),
+    ("aten.sort.default", sort),
+    ("aten.sort.stable", sort),
+    ("aten.topk.default", topk),
+    ("aten.kthvalue.default", kthvalue),
+    ("aten.median.default", median_all),
+    ("aten.nanmedian.default", median_all),
+    ("aten.median.dim", median_dim),
+    ("aten.nanmedian.dim", median_dim),
+    ("aten.searchsorted.Tensor", searchsorted),
+    ("aten.bucketize.Tensor", bucketize),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -236,8 +253,9 @@ fn all<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     boolean(cx, ReduceKind::And)
 }
 
-/// `var(self, dim, correction, keepdim)`: two-pass (mean, then squared deviations).
-fn var<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+/// `(var, mean)` of `var(self, dim, correction, keepdim)`: two-pass (mean, then squared
+/// deviations), in the accumulation dtype.
+fn var_and_mean<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> R<(T<'c, 'b>, T<'c, 'b>)> {
     let x = cx.tensor(0, "self")?;
     let out = cx.out_dtype()?;
     let acc = acc_dtype(out);
@@ -269,7 +287,26 @@ fn var<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         acc,
     )?;
     let r = cx.e.binary("stablehlo.divide", &s, &denom, acc)?;
-    Ok(vec![cx.e.convert(&r, out)?])
+    let mean_shape = if keep {
+        m.shape.clone()
+    } else {
+        r.shape.clone()
+    };
+    Ok((r, cx.e.reshape(&m, &mean_shape)?))
+}
+
+fn var<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (v, _) = var_and_mean(cx)?;
+    Ok(vec![cx.e.convert(&v, cx.out_dtype()?)?])
+}
+
+/// `var_mean(self, dim, correction, keepdim) -> (var, mean)`.
+fn var_mean<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (v, m) = var_and_mean(cx)?;
+    Ok(vec![
+        cx.e.convert(&v, cx.out(0)?.1)?,
+        cx.e.convert(&m, cx.out(1)?.1)?,
+    ])
 }
 
 /// `x - max(x)` along `dim`, in the accumulation dtype: the stable start of (log-)softmax.
@@ -301,17 +338,17 @@ fn log_softmax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     Ok(vec![cx.e.convert(&r, cx.out_dtype()?)?])
 }
 
-/// `cumsum(self, dim, dtype)`: a sum over a window that covers everything up to each element
-/// (reduce_window with the window's length of low padding), in the accumulation dtype.
-fn cumsum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let x = cx.tensor(0, "self")?;
-    let out = cx.out_dtype()?;
-    let acc = acc_dtype(out);
-    let xs = cx.e.convert(&x, acc)?;
-    if x.rank() == 0 {
-        return Ok(vec![cx.e.convert(&xs, out)?]);
-    }
-    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+/// An inclusive scan of `operands` along `d` (all of one shape): a reduce_window whose window
+/// covers everything up to each element (the window's length of low padding, filled with
+/// `inits`), combined by `region`.
+fn scan<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    operands: &[&T<'c, 'b>],
+    inits: &[&T<'c, 'b>],
+    d: usize,
+    region: Region<'c>,
+) -> R<Vec<T<'c, 'b>>> {
+    let x = operands[0];
     let r = x.rank();
     let n = x.shape[d];
     let mut window = vec![1; r];
@@ -325,26 +362,407 @@ fn cumsum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             }
         })
         .collect();
-    let init =
-        cx.e.splat(Emitter::reduce_init(ReduceKind::Sum, acc), &[], acc)?;
-    let region = cx.e.scalar_region(ReduceKind::Sum, acc)?;
-    let s =
-        cx.e.op_n(
-            "stablehlo.reduce_window",
-            &[&xs, &init],
-            &[
-                ("window_dimensions", array_i64(&window)),
-                ("window_strides", array_i64(&vec![1; r])),
-                (
-                    "padding",
-                    format!("dense<[{}]> : tensor<{r}x2xi64>", pads.join(", ")),
-                ),
-            ],
-            &[(x.shape.clone(), acc)],
-            vec![region],
-        )?
-        .remove(0);
+    let all: Vec<&T> = operands.iter().chain(inits).copied().collect();
+    let results: Vec<(Vec<i64>, DType)> = operands
+        .iter()
+        .map(|t| (t.shape.clone(), t.dtype))
+        .collect();
+    e.op_n(
+        "stablehlo.reduce_window",
+        &all,
+        &[
+            ("window_dimensions", array_i64(&window)),
+            ("window_strides", array_i64(&vec![1; r])),
+            (
+                "padding",
+                format!("dense<[{}]> : tensor<{r}x2xi64>", pads.join(", ")),
+            ),
+        ],
+        &results,
+        vec![region],
+    )
+}
+
+/// `cumsum(self, dim, dtype)` / `cumprod`: a scan in the accumulation dtype.
+fn cumulative<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, kind: ReduceKind) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let acc = acc_dtype(out);
+    let xs = cx.e.convert(&x, acc)?;
+    if x.rank() == 0 {
+        return Ok(vec![cx.e.convert(&xs, out)?]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let init = cx.e.splat(Emitter::reduce_init(kind, acc), &[], acc)?;
+    let region = cx.e.scalar_region(kind, acc)?;
+    let s = scan(cx.e, &[&xs], &[&init], d, region)?.remove(0);
     Ok(vec![cx.e.convert(&s, out)?])
+}
+
+fn cumsum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    cumulative(cx, ReduceKind::Sum)
+}
+
+fn cumprod<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    cumulative(cx, ReduceKind::Prod)
+}
+
+/// `logcumsumexp(self, dim)`: a scan combining by log(e^a + e^b) = max + log1p(e^(min - max)),
+/// exact for -inf (nothing yet) and +inf.
+fn logcumsumexp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let out = cx.out_dtype()?;
+    let acc = acc_dtype(out);
+    let xs = cx.e.convert(&x, acc)?;
+    if x.rank() == 0 {
+        return Ok(vec![cx.e.convert(&xs, out)?]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let init = cx.e.k(f64::NEG_INFINITY, acc)?;
+    let region = cx.e.region(&[acc, acc], |e, a| {
+        let mx = e.binary("stablehlo.maximum", &a[0], &a[1], acc)?;
+        let mn = e.binary("stablehlo.minimum", &a[0], &a[1], acc)?;
+        let r = e.add(
+            &mx,
+            &e.unary(
+                "stablehlo.log_plus_one",
+                &e.unary("stablehlo.exponential", &e.sub(&mn, &mx)?)?,
+            )?,
+        )?;
+        let edge = e.or(
+            &e.compare(&mn, &e.k(f64::NEG_INFINITY, acc)?, "EQ")?,
+            &e.compare(&mx, &e.k(f64::INFINITY, acc)?, "EQ")?,
+        )?;
+        Ok(vec![e.select(&edge, &mx, &r, acc)?])
+    })?;
+    let s = scan(cx.e, &[&xs], &[&init], d, region)?.remove(0);
+    Ok(vec![cx.e.convert(&s, out)?])
+}
+
+/// `cummax` / `cummin(self, dim) -> (values, indices)`: a scan over (value, index) pairs keeping
+/// the greatest under PyTorch's order: a NaN beats any number, then the larger (smaller) value,
+/// then on ties the later index (PyTorch's kernels update on `>=` / `<=`).
+fn cumulative_extreme<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, kind: ReduceKind) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let e = cx.e;
+    if x.rank() == 0 {
+        return Ok(vec![x, e.splat(Scalar::Int(0), &[], DType::Int64)?]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let dt = x.dtype;
+    let idx = e.iota(&x.shape, d as i64, DType::Int64)?;
+    let init_v = e.splat(Emitter::reduce_init(kind, dt), &[], dt)?;
+    let init_i = e.splat(Scalar::Int(-1), &[], DType::Int64)?;
+    let dir = if kind == ReduceKind::Max { "GT" } else { "LT" };
+    let region = e.region(&[dt, DType::Int64, dt, DType::Int64], |e, a| {
+        let (va, ia, vb, ib) = (&a[0], &a[1], &a[2], &a[3]);
+        let a_nan = e.isnan(va)?;
+        let b_nan = e.isnan(vb)?;
+        let later = e.compare(ib, ia, "GT")?;
+        let if_a_nan = e.and(&b_nan, &later)?;
+        let better = e.or(
+            &e.compare(vb, va, dir)?,
+            &e.and(&e.compare(vb, va, "EQ")?, &later)?,
+        )?;
+        let if_a_num = e.or(&b_nan, &better)?;
+        let take_b = e.select(&a_nan, &if_a_nan, &if_a_num, DType::Bool)?;
+        Ok(vec![
+            e.select(&take_b, vb, va, dt)?,
+            e.select(&take_b, ib, ia, DType::Int64)?,
+        ])
+    })?;
+    scan(e, &[&x, &idx], &[&init_v, &init_i], d, region)
+}
+
+fn cummax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    cumulative_extreme(cx, ReduceKind::Max)
+}
+
+fn cummin<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    cumulative_extreme(cx, ReduceKind::Min)
+}
+
+/// Stable sort of `x` along `d` -> (values, original indices), PyTorch's order: NaN after every
+/// number ascending, before every number descending.
+pub fn sort_along<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    x: &T<'c, 'b>,
+    d: usize,
+    descending: bool,
+) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+    let dt = x.dtype;
+    let idx = e.iota(&x.shape, d as i64, DType::Int64)?;
+    let region = e.region(&[dt, dt, DType::Int64, DType::Int64], |e, a| {
+        let (p, q) = (&a[0], &a[1]);
+        let p_nan = e.isnan(p)?;
+        let q_nan = e.isnan(q)?;
+        let before = if descending {
+            e.or(
+                &e.compare(p, q, "GT")?,
+                &e.and(&p_nan, &e.unary("stablehlo.not", &q_nan)?)?,
+            )?
+        } else {
+            e.or(
+                &e.compare(p, q, "LT")?,
+                &e.and(&e.unary("stablehlo.not", &p_nan)?, &q_nan)?,
+            )?
+        };
+        Ok(vec![before])
+    })?;
+    let mut r = e.op_n(
+        "stablehlo.sort",
+        &[x, &idx],
+        &[
+            ("dimension", format!("{d} : i64")),
+            ("is_stable", "true".into()),
+        ],
+        &[(x.shape.clone(), dt), (x.shape.clone(), DType::Int64)],
+        vec![region],
+    )?;
+    let i = r.remove(1);
+    Ok((r.remove(0), i))
+}
+
+/// `sort(self, dim=-1, descending=False)` and `sort.stable(self, *, stable, dim, descending)`.
+fn sort<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let (dim, descending) = if cx.node.op.ends_with(".stable") {
+        (
+            cx.int_or(2, "dim", -1)?,
+            cx.bool_or(3, "descending", false)?,
+        )
+    } else {
+        (
+            cx.int_or(1, "dim", -1)?,
+            cx.bool_or(2, "descending", false)?,
+        )
+    };
+    if x.rank() == 0 {
+        return Ok(vec![x, cx.e.splat(Scalar::Int(0), &[], DType::Int64)?]);
+    }
+    let d = cx.dim(dim, x.rank())? as usize;
+    let (v, i) = sort_along(cx.e, &x, d, descending)?;
+    Ok(vec![v, i])
+}
+
+/// The first `k` entries of `t` along `d`.
+fn leading<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, d: usize, k: i64) -> R<T<'c, 'b>> {
+    let mut limit = t.shape.clone();
+    limit[d] = k;
+    e.slice(t, &vec![0; t.rank()], &limit, &vec![1; t.rank()])
+}
+
+/// `topk(self, k, dim=-1, largest=True, sorted=True)`: the first k of a stable sort (NaN counts
+/// as the largest).
+fn topk<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let k = cx.int(1, "k")?;
+    let largest = cx.bool_or(3, "largest", true)?;
+    if x.rank() == 0 {
+        return Ok(vec![x, cx.e.splat(Scalar::Int(0), &[], DType::Int64)?]);
+    }
+    let d = cx.dim(cx.int_or(2, "dim", -1)?, x.rank())? as usize;
+    if k < 0 || k > x.shape[d] {
+        return Err(cx.err(format!("topk: k={k} out of range for size {}", x.shape[d])));
+    }
+    let (v, i) = sort_along(cx.e, &x, d, largest)?;
+    Ok(vec![leading(cx.e, &v, d, k)?, leading(cx.e, &i, d, k)?])
+}
+
+/// Entries of `t` at position `pos` (int64, `t`'s shape with `d` of size 1) along `d`.
+fn take_at<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, d: usize, pos: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    if t.numel() == 0 || pos.numel() == 0 {
+        // Nothing to read (a gather cannot slice an empty operand).
+        return e.splat(Scalar::Int(0), &pos.shape, t.dtype);
+    }
+    let coords = along_dim_coords(e, pos, d, t.shape[d])?;
+    let r = t.rank() as i64;
+    let all: Vec<i64> = (0..r).collect();
+    let dnums = format!(
+        "#stablehlo.gather<collapsed_slice_dims = [{}], start_index_map = [{}], index_vector_dim = {r}>",
+        int_list(&all),
+        int_list(&all)
+    );
+    e.op(
+        "stablehlo.gather",
+        &[t, &coords],
+        &[
+            ("dimension_numbers", dnums),
+            ("slice_sizes", array_i64(&vec![1; t.rank()])),
+            ("indices_are_sorted", "false".into()),
+        ],
+        &pos.shape,
+        t.dtype,
+    )
+}
+
+/// Drops dim `d` (of size 1) unless `keep`.
+fn squeeze_unless<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    t: &T<'c, 'b>,
+    d: usize,
+    keep: bool,
+) -> R<T<'c, 'b>> {
+    if keep {
+        return Ok(t.clone());
+    }
+    let mut s = t.shape.clone();
+    s.remove(d);
+    e.reshape(t, &s)
+}
+
+/// `kthvalue(self, k, dim=-1, keepdim=False)`: the k-th smallest (1-based) and its index.
+fn kthvalue<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let k = cx.int(1, "k")?;
+    let keep = cx.bool_or(3, "keepdim", false)?;
+    if x.rank() == 0 {
+        return Ok(vec![x, cx.e.splat(Scalar::Int(0), &[], DType::Int64)?]);
+    }
+    let d = cx.dim(cx.int_or(2, "dim", -1)?, x.rank())? as usize;
+    if k < 1 || k > x.shape[d] {
+        return Err(cx.err(format!(
+            "kthvalue: k={k} out of range for size {}",
+            x.shape[d]
+        )));
+    }
+    let (v, i) = sort_along(cx.e, &x, d, false)?;
+    let mut start = vec![0; x.rank()];
+    let mut limit = x.shape.clone();
+    start[d] = k - 1;
+    limit[d] = k;
+    let ones = vec![1; x.rank()];
+    let v = cx.e.slice(&v, &start, &limit, &ones)?;
+    let i = cx.e.slice(&i, &start, &limit, &ones)?;
+    Ok(vec![
+        squeeze_unless(cx.e, &v, d, keep)?,
+        squeeze_unless(cx.e, &i, d, keep)?,
+    ])
+}
+
+/// Median along `d` (kept as size 1) -> (value, index). `median`: the lower median, NaN (and the
+/// first NaN's index) when the row has one; `nanmedian`: the lower median of the numbers, NaN
+/// for a row of NaNs.
+fn median_along<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    x: &T<'c, 'b>,
+    d: usize,
+    ignore_nan: bool,
+) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+    let (v, i) = sort_along(e, x, d, false)?;
+    let n = x.shape[d];
+    let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
+    let numbers = e.convert(&e.unary("stablehlo.not", &e.isnan(x)?)?, DType::Int64)?;
+    let valid = e.reduce(&numbers, &[d as i64], ReduceKind::Sum, true)?;
+    let pos = if ignore_nan {
+        let p = e.div(&e.sub(&valid, &i64k(1)?)?, &i64k(2)?)?;
+        e.binary("stablehlo.maximum", &p, &i64k(0)?, DType::Int64)?
+    } else {
+        let has_nan = e.compare(&valid, &i64k(n)?, "LT")?;
+        e.select(&has_nan, &valid, &i64k((n - 1) / 2)?, DType::Int64)?
+    };
+    Ok((take_at(e, &v, d, &pos)?, take_at(e, &i, d, &pos)?))
+}
+
+fn median_all<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    if x.numel() == 0 {
+        return Err(cx.err("median of an empty tensor"));
+    }
+    let flat = cx.e.reshape(&x, &[x.numel()])?;
+    let (v, _) = median_along(cx.e, &flat, 0, cx.node.op.starts_with("aten.nanmedian"))?;
+    Ok(vec![cx.e.reshape(&v, &[])?])
+}
+
+fn median_dim<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let keep = cx.bool_or(2, "keepdim", false)?;
+    if x.rank() == 0 {
+        return Ok(vec![x, cx.e.splat(Scalar::Int(0), &[], DType::Int64)?]);
+    }
+    let d = cx.dim(cx.int_or(1, "dim", -1)?, x.rank())? as usize;
+    let (v, i) = median_along(cx.e, &x, d, cx.node.op.starts_with("aten.nanmedian"))?;
+    Ok(vec![
+        squeeze_unless(cx.e, &v, d, keep)?,
+        squeeze_unless(cx.e, &i, d, keep)?,
+    ])
+}
+
+/// Insertion points of `values` in the rows of `seq` (sorted along its last dim; 1-D or with the
+/// leading dims of `values`), counted instead of binary-searched: `left` counts the entries with
+/// `!(entry >= v)`, right those with `!(entry > v)`, the comparisons PyTorch's binary search
+/// makes (so a NaN value lands after everything).
+fn insertion_points<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    seq: &T<'c, 'b>,
+    values: &T<'c, 'b>,
+    right: bool,
+    out: DType,
+) -> R<T<'c, 'b>> {
+    let n = *seq.shape.last().unwrap_or(&1);
+    let dt = crate::lower::emit::promote(seq.dtype, values.dtype);
+    let mut shape = values.shape.clone();
+    shape.push(n);
+    let v = e.broadcast_in_dim(
+        &e.convert(values, dt)?,
+        &shape,
+        &(0..values.rank() as i64).collect::<Vec<_>>(),
+    )?;
+    let s = e.convert(seq, dt)?;
+    let s = if s.rank() == 1 {
+        e.broadcast_in_dim(&s, &shape, &[shape.len() as i64 - 1])?
+    } else {
+        let mut dims: Vec<i64> = (0..s.rank() as i64 - 1).collect();
+        dims.push(shape.len() as i64 - 1);
+        e.broadcast_in_dim(&s, &shape, &dims)?
+    };
+    let dir = if right { "GT" } else { "GE" };
+    let before = e.unary("stablehlo.not", &e.compare(&s, &v, dir)?)?;
+    let count = e.reduce(
+        &e.convert(&before, DType::Int64)?,
+        &[shape.len() as i64 - 1],
+        ReduceKind::Sum,
+        false,
+    )?;
+    e.convert(&count, out)
+}
+
+/// `searchsorted(sorted_sequence, self, *, out_int32, right, side, sorter)`.
+fn searchsorted<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let seq = cx.tensor(0, "sorted_sequence")?;
+    let values = cx.tensor(1, "self")?;
+    let mut right = cx.bool_or(3, "right", false)?;
+    if let Some(Arg::Str(side)) = cx.arg(4, "side") {
+        right = side == "right";
+    }
+    let seq = match cx.opt_tensor(5, "sorter")? {
+        None => seq,
+        Some(sorter) => {
+            let d = seq.rank() - 1;
+            take_at(cx.e, &seq, d, &sorter)?
+        }
+    };
+    Ok(vec![insertion_points(
+        cx.e,
+        &seq,
+        &values,
+        right,
+        cx.out_dtype()?,
+    )?])
+}
+
+/// `bucketize(self, boundaries, *, out_int32, right)`: searchsorted with the arguments swapped.
+fn bucketize<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let values = cx.tensor(0, "self")?;
+    let seq = cx.tensor(1, "boundaries")?;
+    let right = cx.bool_or(3, "right", false)?;
+    Ok(vec![insertion_points(
+        cx.e,
+        &seq,
+        &values,
+        right,
+        cx.out_dtype()?,
+    )?])
 }
 
 trait MaxFloat {

@@ -40,6 +40,18 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten._unsafe_index_put.default", index_put),
     ("aten.slice_scatter.default", slice_scatter),
     ("aten.select_scatter.default", select_scatter),
+    ("aten.view_copy.default", reshape),
+    ("aten.permute_copy.default", permute),
+    ("aten.as_strided_copy.default", as_strided),
+    ("aten.narrow_copy.default", narrow),
+    ("aten.unbind_copy.int", unbind),
+    ("aten.unbind.int", unbind),
+    ("aten.flip.default", flip),
+    ("aten.diagonal.default", diagonal),
+    ("aten.diagonal_copy.default", diagonal),
+    ("aten.diagonal_scatter.default", diagonal_scatter),
+    ("aten.repeat.default", repeat),
+    ("aten.unfold.default", unfold),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -727,4 +739,208 @@ fn scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         &all,
         add,
     )?])
+}
+
+/// `narrow(self, dim, start, length)`: `self[start:start + length]` along `dim`.
+fn narrow<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let size = x.shape[d];
+    let mut start = cx.int(2, "start")?;
+    if start < 0 {
+        start += size;
+    }
+    let len = cx.int(3, "length")?;
+    if start < 0 || len < 0 || start + len > size {
+        return Err(cx.err(format!(
+            "narrow({start}, {len}) out of range for dim {d} of size {size}"
+        )));
+    }
+    let mut st = vec![0; x.rank()];
+    let mut lim = x.shape.clone();
+    st[d] = start;
+    lim[d] = start + len;
+    Ok(vec![cx.e.slice(&x, &st, &lim, &vec![1; x.rank()])?])
+}
+
+/// `unbind(self, dim)`: every index of `dim`, each without that dim.
+fn unbind<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let d = cx.dim(cx.int_or(1, "dim", 0)?, x.rank())? as usize;
+    let mut shape = x.shape.clone();
+    shape.remove(d);
+    (0..x.shape[d])
+        .map(|i| {
+            let mut st = vec![0; x.rank()];
+            let mut lim = x.shape.clone();
+            st[d] = i;
+            lim[d] = i + 1;
+            let s = cx.e.slice(&x, &st, &lim, &vec![1; x.rank()])?;
+            cx.e.reshape(&s, &shape)
+        })
+        .collect()
+}
+
+fn flip<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    if x.rank() == 0 {
+        return Ok(vec![x]);
+    }
+    let mut dims = cx
+        .ints(1, "dims")?
+        .iter()
+        .map(|&d| cx.dim(d, x.rank()))
+        .collect::<R<Vec<_>>>()?;
+    dims.sort();
+    dims.dedup();
+    if dims.is_empty() {
+        return Ok(vec![x]);
+    }
+    Ok(vec![cx.e.op(
+        "stablehlo.reverse",
+        &[&x],
+        &[("dimensions", array_i64(&dims))],
+        &x.shape.clone(),
+        x.dtype,
+    )?])
+}
+
+/// Where a diagonal lives: `x` with `dim1`, `dim2` moved last and flattened together, and the
+/// diagonal's first flat position, stride and length there.
+struct Diagonal<'c, 'b> {
+    flat: T<'c, 'b>,
+    perm: Vec<i64>,
+    start: i64,
+    step: i64,
+    len: i64,
+}
+
+fn diagonal_of<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    first: usize,
+) -> R<Diagonal<'c, 'b>> {
+    let offset = cx.int_or(first, "offset", 0)?;
+    let d1 = cx.dim(cx.int_or(first + 1, "dim1", 0)?, x.rank())?;
+    let d2 = cx.dim(cx.int_or(first + 2, "dim2", 1)?, x.rank())?;
+    if d1 == d2 {
+        return Err(cx.err("diagonal dims must differ"));
+    }
+    let mut perm: Vec<i64> = (0..x.rank() as i64)
+        .filter(|&d| d != d1 && d != d2)
+        .collect();
+    perm.push(d1);
+    perm.push(d2);
+    let t = cx.e.transpose(x, &perm)?;
+    let (n, m) = (x.shape[d1 as usize], x.shape[d2 as usize]);
+    let mut flat_shape = t.shape[..t.rank() - 2].to_vec();
+    flat_shape.push(n * m);
+    let flat = cx.e.reshape(&t, &flat_shape)?;
+    let (start, len) = if offset >= 0 {
+        (offset, n.min(m - offset).max(0))
+    } else {
+        (-offset * m, (n + offset).min(m).max(0))
+    };
+    Ok(Diagonal {
+        flat,
+        perm,
+        start,
+        step: m + 1,
+        len,
+    })
+}
+
+/// `diagonal(self, offset, dim1, dim2)`: the other dims in order, then the diagonal.
+fn diagonal<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let dg = diagonal_of(cx, &x, 1)?;
+    let r = dg.flat.rank();
+    let mut start = vec![0; r];
+    let mut limit = dg.flat.shape.clone();
+    let mut strides = vec![1; r];
+    if dg.len > 0 {
+        start[r - 1] = dg.start;
+        limit[r - 1] = dg.start + (dg.len - 1) * dg.step + 1;
+        strides[r - 1] = dg.step;
+    } else {
+        limit[r - 1] = 0;
+    }
+    Ok(vec![cx.e.slice(&dg.flat, &start, &limit, &strides)?])
+}
+
+/// `diagonal_scatter(self, src, offset, dim1, dim2)`: `self` with that diagonal replaced.
+fn diagonal_scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let src = cx.tensor(1, "src")?;
+    let dg = diagonal_of(cx, &x, 2)?;
+    let r = dg.flat.rank();
+    let s = scatter_along(cx, &dg.flat, &src, r - 1, dg.start, dg.step)?;
+    let t_shape: Vec<i64> = dg.perm.iter().map(|&p| x.shape[p as usize]).collect();
+    let s = cx.e.reshape(&s, &t_shape)?;
+    let mut inverse = vec![0; dg.perm.len()];
+    for (i, &p) in dg.perm.iter().enumerate() {
+        inverse[p as usize] = i as i64;
+    }
+    Ok(vec![cx.e.transpose(&s, &inverse)?])
+}
+
+/// `repeat(self, repeats)`: tiles `self` (with leading 1s up to `len(repeats)` dims): each dim
+/// `s` repeated `r` times is a broadcast to `[r, s]` then a reshape to `[r * s]`.
+fn repeat<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let reps = cx.ints(1, "repeats")?;
+    if reps.len() < x.rank() {
+        return Err(cx.err("repeat: fewer repeats than dims"));
+    }
+    let mut shape = vec![1; reps.len() - x.rank()];
+    shape.extend_from_slice(&x.shape);
+    let x = cx.e.reshape(&x, &shape)?;
+    let mut wide = Vec::new();
+    let mut dims = Vec::new();
+    for (k, (&r, &s)) in reps.iter().zip(&shape).enumerate() {
+        wide.push(r);
+        wide.push(s);
+        dims.push(2 * k as i64 + 1);
+    }
+    let b = cx.e.broadcast_in_dim(&x, &wide, &dims)?;
+    Ok(vec![cx.e.reshape(&b, &cx.out_shape()?)?])
+}
+
+/// `unfold(self, dimension, size, step)`: windows of `size` elements every `step` along `dim`,
+/// the window index in place of `dim` and the window's elements as a new last dim (a gather).
+fn unfold<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let size = cx.int(2, "size")?;
+    let step = cx.int(3, "step")?;
+    if x.rank() == 0 {
+        return Ok(vec![cx.e.reshape(&x, &cx.out_shape()?)?]);
+    }
+    let d = cx.dim(cx.int(1, "dimension")?, x.rank())? as usize;
+    if step <= 0 || size < 0 || size > x.shape[d] {
+        return Err(cx.err(format!(
+            "unfold(size={size}, step={step}) of a dim of size {}",
+            x.shape[d]
+        )));
+    }
+    let windows = (x.shape[d] - size) / step + 1;
+    let e = cx.e;
+    let idx = e.add(
+        &e.mul(
+            &e.iota(&[windows, size], 0, DType::Int64)?,
+            &e.splat(Scalar::Int(step), &[], DType::Int64)?,
+        )?,
+        &e.iota(&[windows, size], 1, DType::Int64)?,
+    )?;
+    let g = take_along(
+        cx,
+        &x,
+        d,
+        &idx,
+        &out_shape_for(&x.shape, d, &[windows, size]),
+    )?;
+    // Move the window-element dim (right after the window dim) last.
+    let r = g.rank() as i64;
+    let mut perm: Vec<i64> = (0..r).filter(|&k| k != d as i64 + 1).collect();
+    perm.push(d as i64 + 1);
+    Ok(vec![e.transpose(&g, &perm)?])
 }
