@@ -993,6 +993,7 @@ impl<'a> Bucketer<'a> {
             "embedding_dense_backward" => self.embedding_backward(id, n),
             "index_put" | "_unsafe_index_put" => self.index_put(id, n),
             "index_select" | "gather" | "scatter" | "scatter_add" => self.gather(id, n, base),
+            "index" => self.index(id, n),
             "constant_pad_nd" => self.constant_pad(id, n),
             _ => Err(self.err("no bucketing rule for this op, and it reads a padded dim")),
         }
@@ -1140,10 +1141,47 @@ impl<'a> Bucketer<'a> {
         let x = self.operand(n, 0)?;
         let mut l = self.layout_of(x)?;
         let dim = self.dims_arg(n.args.get(1), l.len())?[0];
-        if dim_padded(&l[dim])
-            && (l[dim].len() != 1 || !matches!(n.args.get(2), Some(Arg::Int(0..))))
-        {
-            return Err(self.err("select from a padded dim at a size-dependent index"));
+        if dim_padded(&l[dim]) {
+            let index = match n.args.get(2) {
+                Some(Arg::Int(i)) if l[dim].len() == 1 => *i,
+                _ => {
+                    return Err(
+                        self.err("select from a merged padded dim or at a size-dependent index")
+                    )
+                }
+            };
+            if index < 0 {
+                // Counted from the real end: index_select at (real size + index), then drop the dim.
+                let real = l[dim][0].real.clone().expect("padded");
+                let at = SymExpr::parse(&format!("({real}) + ({index})"))
+                    .map_err(|e| self.err(e.to_string()))?;
+                let at = self.scalar(&at);
+                let at = self.view(at, &[1], DType::Int64);
+                let tx = self.value_type(x)?;
+                let mut shape = self.static_shape(&tx)?;
+                shape[dim] = 1;
+                let picked = self.emit(
+                    "pick",
+                    "aten.index_select.default",
+                    vec![
+                        Arg::Value(self.map[&x]),
+                        Arg::Int(dim as i64),
+                        Arg::Value(at),
+                    ],
+                    vec![],
+                    TensorType::new_static(&shape, tx.dtype),
+                );
+                shape.remove(dim);
+                let out = self.emit(
+                    "select",
+                    "aten.squeeze.dim",
+                    vec![Arg::Value(picked), Arg::Int(dim as i64)],
+                    vec![],
+                    TensorType::new_static(&shape, tx.dtype),
+                );
+                l.remove(dim);
+                return self.finish(id, out.node, vec![Some(l)]);
+            }
         }
         l.remove(dim);
         self.copy_with(id, n, vec![Some(l)])
@@ -1155,14 +1193,27 @@ impl<'a> Bucketer<'a> {
             let ty = self.result_type(n, 0)?;
             let dim = self.dims_arg(Some(n.args.get(1).unwrap_or(&Arg::Int(0))), ty.rank())?[0];
             let mut l = self.broadcast_layout_skip(&ins, &ty, dim)?;
-            if ins.iter().any(|v| {
-                self.layouts
-                    .get(v)
-                    .is_some_and(|lv| lv.len() == ty.rank() && dim_padded(&lv[dim]))
-            }) {
-                return Err(self.err("cat along a padded dim"));
+            let padded_along: Vec<bool> = ins
+                .iter()
+                .map(|v| {
+                    self.layouts
+                        .get(v)
+                        .is_some_and(|lv| lv.len() == ty.rank() && dim_padded(&lv[dim]))
+                })
+                .collect();
+            // Padding stays at the end only when the last operand alone is padded (one atom).
+            let last_only = padded_along[..padded_along.len().saturating_sub(1)]
+                .iter()
+                .all(|p| !p)
+                && ins.last().is_none_or(|v| {
+                    self.layouts
+                        .get(v)
+                        .is_none_or(|lv| lv.len() != ty.rank() || lv[dim].len() == 1)
+                });
+            if !last_only {
+                return Err(self.err("cat along a padded dim, padded before its last operand"));
             }
-            l[dim] = clean(self.dim_size(&ty.shape[dim])?);
+            l[dim] = self.fx_layout(&ty)?.swap_remove(dim);
             return self.copy_with(id, n, vec![Some(l)]);
         }
         let x = self.operand(n, 0)?;
@@ -1691,8 +1742,15 @@ impl<'a> Bucketer<'a> {
         let lx = self.layout_of(x)?;
         let li = self.layout_of(idx)?;
         let dim = self.dims_arg(n.args.get(1), lx.len())?[0];
+        let mut replace = HashMap::new();
         if dim_padded(&lx[dim]) {
-            return Err(self.err("indexing along a padded dim"));
+            if base.starts_with("scatter") || lx[dim].len() != 1 {
+                return Err(
+                    self.err("indexed writes along a padded dim, or reads along a merged one")
+                );
+            }
+            let fixed = self.wrap_negative(idx, &lx[dim][0].clone())?;
+            replace.insert(idx, fixed);
         }
         let out = if base == "index_select" {
             let mut l = lx.clone();
@@ -1721,7 +1779,115 @@ impl<'a> Bucketer<'a> {
             }
             li
         };
-        self.copy_with(id, n, vec![Some(out)])
+        let new = self.copy_node(n, &replace, false)?;
+        self.finish(id, new, vec![Some(out)])
+    }
+
+    /// `where(idx < 0, idx + real, idx)`: a negative index counts from the real end of a padded
+    /// dim, not from the padded one.
+    fn wrap_negative(&mut self, idx: ValueRef, atom: &Atom) -> R<ValueRef> {
+        let ty = self.value_type(idx)?;
+        let shape = self.static_shape(&ty)?;
+        let real = self.scalar(atom.real.as_ref().expect("padded"));
+        let new = self.map[&idx];
+        let zero = self.emit(
+            "zero",
+            "aten.scalar_tensor.default",
+            vec![Arg::Int(0)],
+            vec![("dtype", Arg::DType(ty.dtype))],
+            TensorType::new_static(&[], ty.dtype),
+        );
+        let neg = self.emit(
+            "neg",
+            "aten.lt.Tensor",
+            vec![Arg::Value(new), Arg::Value(zero)],
+            vec![],
+            TensorType::new_static(&shape, DType::Bool),
+        );
+        let wrapped = self.emit(
+            "wrapped",
+            "aten.add.Tensor",
+            vec![Arg::Value(new), Arg::Value(real)],
+            vec![],
+            TensorType::new_static(&shape, ty.dtype),
+        );
+        Ok(self.emit(
+            "index",
+            "aten.where.self",
+            vec![Arg::Value(neg), Arg::Value(wrapped), Arg::Value(new)],
+            vec![],
+            TensorType::new_static(&shape, ty.dtype),
+        ))
+    }
+
+    /// Advanced indexing `x[i0, i1, ...]`: the result takes the broadcast layout of the index
+    /// tensors where they sit; indexed padded dims read real positions (negative indices wrap
+    /// at the real size).
+    fn index(&mut self, id: NodeId, n: &Node) -> R<()> {
+        let x = self.operand(n, 0)?;
+        let lx = self.layout_of(x)?;
+        let Some(Arg::List(items)) = n.args.get(1) else {
+            return Err(self.err("indices are not a list"));
+        };
+        let mut replace = HashMap::new();
+        let mut indexed = Vec::new();
+        let mut idx_layouts: Vec<Layout> = Vec::new();
+        for (k, item) in items.iter().enumerate() {
+            let Arg::Value(v) = item else { continue };
+            let tv = self.value_type(*v)?;
+            if tv.dtype == DType::Bool || tv.dtype == DType::Uint8 {
+                return Err(self.err("boolean mask indexing"));
+            }
+            indexed.push(k);
+            if k < lx.len() && dim_padded(&lx[k]) {
+                if lx[k].len() != 1 {
+                    return Err(self.err("indexing a merged padded dim"));
+                }
+                let fixed = self.wrap_negative(*v, &lx[k][0].clone())?;
+                replace.insert(*v, fixed);
+            }
+            idx_layouts.push(self.layout_of(*v)?);
+        }
+        // Broadcast the index layouts (right-aligned, size-1 dims broadcast).
+        let rank = idx_layouts.iter().map(Vec::len).max().unwrap_or(0);
+        let mut bl: Layout = vec![clean(1); rank];
+        for l in &idx_layouts {
+            let off = rank - l.len();
+            for (i, d) in l.iter().enumerate() {
+                let size: i64 = d.iter().map(|a| a.size).product();
+                if size == 1 && !dim_padded(d) {
+                    continue;
+                }
+                let cur: i64 = bl[off + i].iter().map(|a| a.size).product();
+                if cur != 1 || dim_padded(&bl[off + i]) {
+                    if !same_dim(&bl[off + i], d) {
+                        return Err(self.err("index tensors padded differently"));
+                    }
+                } else {
+                    bl[off + i] = d.clone();
+                }
+            }
+        }
+        let adjacent = indexed.windows(2).all(|w| w[1] == w[0] + 1);
+        let rest: Vec<DimLayout> = lx
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !indexed.contains(i))
+            .map(|(_, d)| d.clone())
+            .collect();
+        let out: Layout = if adjacent && !indexed.is_empty() {
+            let k0 = indexed[0];
+            let mut o: Layout = lx[..k0].to_vec();
+            o.extend(bl);
+            o.extend(lx[indexed[indexed.len() - 1] + 1..].iter().cloned());
+            o
+        } else {
+            let mut o = bl;
+            o.extend(rest);
+            o
+        };
+        let new = self.copy_node(n, &replace, false)?;
+        self.finish(id, new, vec![Some(out)])
     }
 
     fn constant_pad(&mut self, id: NodeId, n: &Node) -> R<()> {
@@ -1791,4 +1957,211 @@ fn fmt_dim(d: &DimLayout) -> String {
 fn fmt_layout(l: &Layout) -> String {
     let parts: Vec<String> = l.iter().map(fmt_dim).collect();
     format!("({})", parts.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tpuc_frontend_fx::import_json;
+
+    fn t(shape: &str, dtype: &str) -> String {
+        format!(r#"{{"tensor": {{"shape": {shape}, "dtype": "{dtype}"}}}}"#)
+    }
+
+    fn graph(nodes: &[String], out: &str) -> Graph {
+        let json = format!(
+            r#"{{"nodes": [{}, {{"name": "output", "op": "output", "args": [[{{"node": "{out}"}}]]}}]}}"#,
+            nodes.join(", ")
+        );
+        import_json(&json).unwrap()
+    }
+
+    fn input(name: &str, shape: &str) -> String {
+        format!(
+            r#"{{"name": "{name}", "op": "placeholder", "val": {}}}"#,
+            t(shape, "float32")
+        )
+    }
+
+    fn call(name: &str, target: &str, args: &str, shape: &str) -> String {
+        format!(
+            r#"{{"name": "{name}", "op": "call_function", "target": "{target}", "args": {args}, "val": {}}}"#,
+            t(shape, "float32")
+        )
+    }
+
+    /// A SymInt-valued node (folded into the arguments that use it).
+    fn sym(name: &str, expr: &str) -> String {
+        format!(
+            r#"{{"name": "{name}", "op": "call_function", "target": "<built-in function mul>", "args": [], "val": {{"symint": "{expr}"}}}}"#
+        )
+    }
+
+    fn run(g: &Graph, bucket_size: i64) -> R<Bucketed> {
+        let dynamic = HashSet::from(["s0".to_string()]);
+        let sizes = HashMap::from([("s0".to_string(), bucket_size)]);
+        bucket(g, &dynamic, &sizes)
+    }
+
+    #[test]
+    fn reduction_over_a_padded_dim_is_masked() {
+        let g = graph(
+            &[
+                input("x", r#"["s0", 4]"#),
+                call(
+                    "s",
+                    "aten.sum.dim_IntList",
+                    r#"[{"node": "x"}, [0]]"#,
+                    "[4]",
+                ),
+            ],
+            "s",
+        );
+        let b = run(&g, 8).unwrap();
+        let text = b.graph.to_string();
+        assert!(text.contains("%x: float32[8, 4] = input()"), "{text}");
+        assert!(text.contains("aten.where.self"), "{text}");
+        assert!(text.contains("aten.lt.Tensor"), "{text}");
+        assert_eq!(
+            b.scalars.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+            ["s0"]
+        );
+        assert_eq!(b.output_layouts, vec![vec![clean(4)]]);
+        assert_eq!(b.graph.inputs.len(), 2, "x and the real size");
+    }
+
+    #[test]
+    fn elementwise_ops_pass_padding_through_unmasked() {
+        let g = graph(
+            &[
+                input("x", r#"["s0", 4]"#),
+                call(
+                    "e",
+                    "aten.exp.default",
+                    r#"[{"node": "x"}]"#,
+                    r#"["s0", 4]"#,
+                ),
+            ],
+            "e",
+        );
+        let b = run(&g, 8).unwrap();
+        assert!(!b.graph.to_string().contains("where"), "{}", b.graph);
+        assert!(b.scalars.is_empty());
+        let l = &b.output_layouts[0];
+        assert_eq!(l[0][0].size, 8);
+        assert_eq!(l[0][0].real.as_ref().unwrap().to_string(), "s0");
+    }
+
+    #[test]
+    fn mean_divides_by_the_real_count() {
+        let g = graph(
+            &[
+                input("x", r#"[3, "s0"]"#),
+                call("m", "aten.mean.dim", r#"[{"node": "x"}, [0, 1]]"#, "[]"),
+            ],
+            "m",
+        );
+        let b = run(&g, 4).unwrap();
+        let scalars: Vec<String> = b.scalars.iter().map(|e| e.to_string()).collect();
+        assert!(scalars.contains(&"3*(s0)".to_string()), "{scalars:?}");
+        let probe = HashMap::from([("s0".to_string(), 3)]);
+        let count = b
+            .scalars
+            .iter()
+            .find(|e| e.to_string() == "3*(s0)")
+            .unwrap();
+        assert_eq!(count.eval(&probe).unwrap(), 9);
+        assert!(b.graph.to_string().contains("aten.div.Tensor"));
+    }
+
+    #[test]
+    fn merged_dims_keep_one_atom_per_factor() {
+        // [2, s0, 3] -> [2*s0, 3] -> sum over the merged dim: the mask covers 2 x s0.
+        let g = graph(
+            &[
+                input("x", r#"[2, "s0", 3]"#),
+                sym("n", "2*s0"),
+                call(
+                    "v",
+                    "aten.view.default",
+                    r#"[{"node": "x"}, [{"node": "n"}, 3]]"#,
+                    r#"["2*s0", 3]"#,
+                ),
+                call(
+                    "s",
+                    "aten.sum.dim_IntList",
+                    r#"[{"node": "v"}, [0]]"#,
+                    "[3]",
+                ),
+            ],
+            "s",
+        );
+        let b = run(&g, 4).unwrap();
+        let text = b.graph.to_string();
+        assert!(text.contains("bool[2, 4] = aten.expand.default"), "{text}");
+        assert!(text.contains("bool[8] = aten.view.default"), "{text}");
+    }
+
+    #[test]
+    fn a_reshape_that_splits_a_padded_dim_is_reported() {
+        let g = graph(
+            &[
+                input("x", r#"["2*s0"]"#),
+                sym("n", "s0"),
+                call(
+                    "v",
+                    "aten.view.default",
+                    r#"[{"node": "x"}, [{"node": "n"}, 2]]"#,
+                    r#"["s0", 2]"#,
+                ),
+            ],
+            "v",
+        );
+        let e = run(&g, 4).unwrap_err();
+        assert_eq!(e.op, "aten.view.default");
+        assert_eq!(e.node, "v");
+        assert!(e.to_string().contains("splits the padded dim"), "{e}");
+    }
+
+    #[test]
+    fn an_op_without_a_rule_on_a_padded_dim_is_reported_by_name() {
+        let g = graph(
+            &[
+                input("x", r#"["s0", 4]"#),
+                call(
+                    "f",
+                    "aten.flip.default",
+                    r#"[{"node": "x"}, [0]]"#,
+                    r#"["s0", 4]"#,
+                ),
+            ],
+            "f",
+        );
+        let e = run(&g, 8).unwrap_err();
+        assert_eq!((e.op.as_str(), e.node.as_str()), ("aten.flip.default", "f"));
+    }
+
+    #[test]
+    fn softmax_over_a_padded_dim_masks_with_minus_infinity() {
+        let g = graph(
+            &[
+                input("x", r#"[2, "s0"]"#),
+                call(
+                    "p",
+                    "aten._softmax.default",
+                    r#"[{"node": "x"}, -1, false]"#,
+                    r#"[2, "s0"]"#,
+                ),
+            ],
+            "p",
+        );
+        let b = run(&g, 8).unwrap();
+        assert!(
+            b.graph
+                .to_string()
+                .contains("aten.scalar_tensor.default(-inf"),
+            "{}",
+            b.graph
+        );
+    }
 }
