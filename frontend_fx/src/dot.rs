@@ -240,6 +240,11 @@ pub struct DotOptions {
     pub clusters: bool,
     /// Add a legend of the kinds present.
     pub legend: bool,
+    /// An edge that spans more than this many ops (in topological order) is drawn as a short
+    /// dashed stub that names the producer, next to the consumer, and an input whose uses are
+    /// that far apart is drawn once per use. Long edges are what makes `dot` slow on big
+    /// graphs (each is a chain of virtual nodes through every rank). 0: draw every edge.
+    pub long_edge: usize,
 }
 
 impl Default for DotOptions {
@@ -248,6 +253,7 @@ impl Default for DotOptions {
             title: String::new(),
             clusters: true,
             legend: true,
+            long_edge: 60,
         }
     }
 }
@@ -311,6 +317,39 @@ pub fn to_dot(g: &Graph, opts: &DotOptions) -> String {
             regions.entry(uf.find(id.index())).or_default().push(id);
         }
     }
+
+    // Position of each op in topological order (inputs have none), for edge lengths.
+    let pos: BTreeMap<NodeId, usize> = order
+        .iter()
+        .filter(|id| kinds[id] != Kind::Input)
+        .enumerate()
+        .map(|(i, &id)| (id, i))
+        .collect();
+    let long = |a: NodeId, b: NodeId| -> bool {
+        opts.long_edge > 0
+            && matches!((pos.get(&a), pos.get(&b)), (Some(x), Some(y)) if y.abs_diff(*x) > opts.long_edge)
+    };
+    // Inputs drawn once per use: their users lie far apart.
+    let split_inputs: std::collections::BTreeSet<NodeId> = order
+        .iter()
+        .copied()
+        .filter(|id| kinds[id] == Kind::Input && opts.long_edge > 0)
+        .filter(|&id| {
+            let p: Vec<usize> = g.users(id).filter_map(|u| pos.get(&u).copied()).collect();
+            match (p.iter().min(), p.iter().max()) {
+                (Some(lo), Some(hi)) => hi - lo > opts.long_edge,
+                _ => false,
+            }
+        })
+        .collect();
+    let output_nodes: std::collections::BTreeSet<NodeId> = g
+        .outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::Value(v) => Some(v.node),
+            _ => None,
+        })
+        .collect();
 
     let mut s = String::new();
     let _ = writeln!(s, "digraph tpuc {{");
@@ -381,18 +420,12 @@ pub fn to_dot(g: &Graph, opts: &DotOptions) -> String {
         }
     };
 
-    // Inputs on the top rank.
-    let inputs: Vec<NodeId> = order
-        .iter()
-        .copied()
-        .filter(|id| kinds[id] == Kind::Input)
-        .collect();
-    if !inputs.is_empty() {
-        let _ = writeln!(s, "  {{ rank=source;");
-        for &id in &inputs {
-            write_node(&mut s, id, "    ");
+    // Inputs are not pinned to the top rank: dot places each just above its first use, which
+    // keeps edges short (pinning weights used deep in a big graph makes layout take minutes).
+    for &id in order.iter().filter(|id| kinds[id] == Kind::Input) {
+        if !split_inputs.contains(&id) || output_nodes.contains(&id) {
+            write_node(&mut s, id, "  ");
         }
-        let _ = writeln!(s, "  }}");
     }
 
     for (i, members) in regions.values().enumerate() {
@@ -441,24 +474,42 @@ pub fn to_dot(g: &Graph, opts: &DotOptions) -> String {
             "  out{k} [shape=house, style=filled, fillcolor=\"#ffd27f\", label=\"{label}\", class=\"output\"];"
         );
     }
-    if !outs.is_empty() {
-        let ids: Vec<String> = outs.iter().map(|(k, _)| format!("out{k}")).collect();
-        let _ = writeln!(s, "  {{ rank=sink; {}; }}", ids.join("; "));
-    }
 
     for e in g.dag.edge_references() {
-        let multi = g.node(e.source()).results.len() > 1;
-        if multi {
+        let (src, dst) = (e.source(), e.target());
+        let n = g.node(src);
+        let label = if n.results.len() > 1 {
+            format!(" [label=\"#{}\"]", e.weight())
+        } else {
+            String::new()
+        };
+        let from = if split_inputs.contains(&src) || long(src, dst) {
+            // A copy of the producer next to the consumer, dashed; its tooltip says why.
+            let copy = format!("c{}", e.id().index());
+            let t = n
+                .results
+                .get(*e.weight())
+                .and_then(|t| t.as_ref())
+                .map_or("_".into(), short_type);
+            let (shape, why) = if kinds[&src] == Kind::Input {
+                ("invhouse", "input drawn once per use")
+            } else {
+                ("box", "produced far above: edge drawn as a stub")
+            };
             let _ = writeln!(
                 s,
-                "  {} -> {} [label=\"#{}\"];",
-                node_id(e.source()),
-                node_id(e.target()),
-                e.weight()
+                "  {copy} [shape={shape}, style=\"rounded,dashed,filled\", fillcolor=\"{}\", \
+                 label=\"%{}\\n{}\", tooltip=\"%{}: {why}\", class=\"stub\"];",
+                kinds[&src].color(),
+                esc(&n.name),
+                esc(&t),
+                esc(&n.name),
             );
+            copy
         } else {
-            let _ = writeln!(s, "  {} -> {};", node_id(e.source()), node_id(e.target()));
-        }
+            node_id(src)
+        };
+        let _ = writeln!(s, "  {from} -> {}{label};", node_id(dst));
     }
     for (k, v) in &outs {
         if let Some(v) = v {
@@ -591,6 +642,44 @@ mod tests {
         );
         assert!(!plain.contains("subgraph cluster"), "{plain}");
         assert!(!plain.contains("legend"), "{plain}");
+    }
+
+    /// x -> relu_0 -> ... -> relu_69, add(relu_69, relu_0), mul(add, x): the edge from relu_0
+    /// and the late use of x span more than `long_edge` ops.
+    #[test]
+    fn long_edges_become_stubs() {
+        let t = r#"{"tensor": {"shape": [2], "dtype": "float32"}}"#;
+        let mut nodes = vec![format!(
+            r#"{{"name": "x", "op": "placeholder", "target": "x", "val": {t}}}"#
+        )];
+        let mut prev = "x".to_string();
+        for i in 0..70 {
+            nodes.push(format!(
+                r#"{{"name": "relu_{i}", "op": "call_function", "target": "aten.relu.default", "args": [{{"node": "{prev}"}}], "val": {t}}}"#
+            ));
+            prev = format!("relu_{i}");
+        }
+        nodes.push(format!(r#"{{"name": "add", "op": "call_function", "target": "aten.add.Tensor", "args": [{{"node": "relu_69"}}, {{"node": "relu_0"}}], "val": {t}}}"#));
+        nodes.push(format!(r#"{{"name": "mul", "op": "call_function", "target": "aten.mul.Tensor", "args": [{{"node": "add"}}, {{"node": "x"}}], "val": {t}}}"#));
+        nodes.push(r#"{"name": "output", "op": "output", "target": "output", "args": [[{"node": "mul"}]]}"#.into());
+        let g = import_json(&format!(r#"{{"nodes": [{}]}}"#, nodes.join(","))).unwrap();
+        let dot = to_dot(&g, &DotOptions::default());
+        // relu_0 -> add is a stub next to add; x is drawn once per use (two dashed copies)
+        assert!(
+            dot.contains(r#"label="%relu_0\nf32[2]", tooltip="%relu_0: produced far above"#),
+            "{dot}"
+        );
+        assert_eq!(dot.matches(r#"label="%x\nf32[2]""#).count(), 2, "{dot}");
+        assert!(!dot.contains(r#"label="x\nf32[2]""#), "{dot}");
+        let all = to_dot(
+            &g,
+            &DotOptions {
+                long_edge: 0,
+                ..DotOptions::default()
+            },
+        );
+        assert!(!all.contains("class=\"stub\""), "{all}");
+        assert_eq!(all.matches(" -> ").count(), g.dag.edge_count() + 1);
     }
 
     #[test]

@@ -237,6 +237,7 @@ fn graph_dot(g: &Graph, title: &str, clusters: bool, legend: bool) -> String {
         title: title.to_string(),
         clusters,
         legend,
+        ..Default::default()
     };
     tpuc_frontend_fx::dot::to_dot(g, &opts)
 }
