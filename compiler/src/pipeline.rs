@@ -219,8 +219,22 @@ impl Engine {
         disk: &DiskCacheOptions,
         progress: bool,
     ) -> Vec<Result<Compiled, CompileError>> {
+        let jobs: Vec<(&Graph, &HashMap<String, i64>)> =
+            all_bindings.iter().map(|b| (graph, b)).collect();
+        self.compile_jobs(&jobs, precision, disk, progress)
+    }
+
+    /// Compiles each `(graph, bindings)` job in parallel (rayon), with a progress bar on stderr
+    /// when `progress`; results in job order.
+    pub fn compile_jobs(
+        &self,
+        jobs: &[(&Graph, &HashMap<String, i64>)],
+        precision: Precision,
+        disk: &DiskCacheOptions,
+        progress: bool,
+    ) -> Vec<Result<Compiled, CompileError>> {
         let bar = if progress {
-            let bar = indicatif::ProgressBar::new(all_bindings.len() as u64);
+            let bar = indicatif::ProgressBar::new(jobs.len() as u64);
             bar.set_style(
                 indicatif::ProgressStyle::with_template(
                     "{prefix} [{bar:30}] {pos}/{len} {elapsed_precise} {msg}",
@@ -233,9 +247,9 @@ impl Engine {
         } else {
             indicatif::ProgressBar::hidden()
         };
-        let out: Vec<_> = all_bindings
+        let out: Vec<_> = jobs
             .par_iter()
-            .map(|b| {
+            .map(|(graph, b)| {
                 let r = self.compile(graph, b, precision, disk);
                 bar.inc(1);
                 r

@@ -381,6 +381,38 @@ impl Runtime {
             .collect()
     }
 
+    /// Compiles static graphs (no bindings) in parallel, like `compile_many`.
+    #[pyo3(signature = (graphs, precision, cache_dir=None, cache_max_bytes=None, progress=false))]
+    fn compile_graphs(
+        &self,
+        py: Python<'_>,
+        graphs: Vec<PyRef<'_, FxGraph>>,
+        precision: &str,
+        cache_dir: Option<PathBuf>,
+        cache_max_bytes: Option<u64>,
+        progress: bool,
+    ) -> PyResult<Vec<Executable>> {
+        let precision = parse_precision(precision)?;
+        let disk = DiskCacheOptions {
+            dir: cache_dir,
+            max_bytes: cache_max_bytes,
+        };
+        let engine = self.engine.clone();
+        let graphs: Vec<Graph> = graphs.iter().map(|g| g.graph.clone()).collect();
+        let none = HashMap::new();
+        let results = py.detach(|| {
+            no_panic(|| {
+                let jobs: Vec<(&Graph, &HashMap<String, i64>)> =
+                    graphs.iter().map(|g| (g, &none)).collect();
+                engine.compile_jobs(&jobs, precision, &disk, progress)
+            })
+        })?;
+        results
+            .into_iter()
+            .map(|r| r.map(|c| self.executable(c)).map_err(compile_err))
+            .collect()
+    }
+
     /// Puts a host array on device 0 (aliasing it on the CPU plugin).
     fn upload(&self, array: &Bound<'_, PyTuple>) -> PyResult<DeviceBuffer> {
         let a = host_array(array)?;

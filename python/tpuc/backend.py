@@ -137,6 +137,7 @@ class CompiledGraph:
         }
         self.bucketing = self.symbolic and bool(self.maxima)
         self.bucket_exes: dict = {}
+        self.last_bindings: dict | None = None
         self.output_kinds = self.graph.outputs()
         counters.add(graphs_compiled=1)
         precompiler.record_graph(self)
@@ -197,32 +198,45 @@ class CompiledGraph:
             chosen[sym] = buckets.choose(n, sizes)
         return chosen
 
+    def bucket_graph(self, chosen: dict, bindings: dict):
+        """(key, bucketed graph) for the bucket sizes `chosen` (other symbols at their values in
+        `bindings`); raises TpucError when the pass cannot make this graph exact."""
+        others = tuple(sorted((k, v) for k, v in bindings.items() if k not in chosen))
+        key = (tuple(sorted(chosen.items())), others)
+        sizes = {**bindings, **chosen}
+        return key, _native.bucket_graph(self.graph, [s for s, b in chosen.items() if b > 1], sizes)
+
+    def add_bucket_executable(self, key, exe, bg, sizes: dict) -> None:
+        record_compile(exe)
+        if self.opts.dump_dir is not None:
+            dump.write(self, exe, {**sizes, "bucket": 1})
+        log.debug("tpuc: compiled %s for bucket %s (%s)", self.name, key[0], exe.cache)
+        self.bucket_exes[key] = (exe, bg)
+
+    def not_bucketable(self, e: Exception) -> None:
+        self.bucketing = False
+        warnings.warn(
+            f"tpuc: graph {self.name} is compiled per shape instead of per bucket: {e}", stacklevel=6
+        )
+
     def bucket_executable(self, chosen: dict, bindings: dict):
         """(executable, bucketed graph) for one bucket, compiled once; None when the bucketing
         pass cannot make this graph exact (the graph is then compiled per shape)."""
         others = tuple(sorted((k, v) for k, v in bindings.items() if k not in chosen))
-        key = (tuple(sorted(chosen.items())), others)
-        hit = self.bucket_exes.get(key)
+        hit = self.bucket_exes.get((tuple(sorted(chosen.items())), others))
         if hit is not None:
             return hit
-        sizes = {**bindings, **chosen}
         try:
-            bg = _native.bucket_graph(self.graph, [s for s, b in chosen.items() if b > 1], sizes)
+            key, bg = self.bucket_graph(chosen, bindings)
             exe = self.runtime.compile(bg.graph, {}, self.opts.precision, *cache_args(self.opts))
         except _native.TpucError as e:
-            self.bucketing = False
-            warnings.warn(
-                f"tpuc: graph {self.name} is compiled per shape instead of per bucket: {e}", stacklevel=5
-            )
+            self.not_bucketable(e)
             return None
-        record_compile(exe)
-        if self.opts.dump_dir is not None:
-            dump.write(self, exe, {**sizes, "bucket": 1})
-        log.debug("tpuc: compiled %s for bucket %s (%s)", self.name, chosen, exe.cache)
-        self.bucket_exes[key] = (exe, bg)
+        self.add_bucket_executable(key, exe, bg, {**bindings, **chosen})
         return exe, bg
 
     def _bucket_plan(self, bindings: dict):
+        self.last_bindings = bindings
         chosen = self.bucket_of(bindings)
         hit = self.bucket_executable(chosen, bindings)
         if hit is None:

@@ -9,12 +9,14 @@ with the same options and marks finds those executables on disk.
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 import threading
 import time
 
 import torch
 
+from . import buckets as bucketing
 from . import options as options_mod
 
 _session = threading.local()
@@ -37,19 +39,6 @@ def record_graph(compiled_graph) -> None:
                     symbols[str(sym)] = (m.group(1), int(m.group(2)))
                     break
     graphs.append((compiled_graph, symbols))
-
-
-def bucket_sizes(buckets, maximum: int) -> list[int]:
-    """The sizes to compile for a dim with declared `maximum`: the buckets up to it (and the
-    maximum itself, so every size up to it has a bucket); "pow2" = 2, 4, 8, ... ."""
-    if buckets == "pow2":
-        sizes, b = [], 2
-        while b < maximum:
-            sizes.append(b)
-            b *= 2
-    else:
-        sizes = [b for b in buckets if b < maximum]
-    return sorted(set(sizes + [maximum]))
 
 
 def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, progress=False) -> dict:
@@ -94,13 +83,19 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
         for sym, (name, dim) in symbols.items():
             idx = arg_names.index(name) if name in arg_names else None
             if idx in dynamic and dim in dynamic[idx]:
-                per_symbol[sym] = bucket_sizes(opts.buckets, dynamic[idx][dim])
+                per_symbol[sym] = bucketing.bucket_sizes(opts.buckets, dynamic[idx][dim])
         if not per_symbol:
             continue
-        # Dims bucket together: the k-th size of every dynamic dim (the last one once shorter).
-        n = max(len(v) for v in per_symbol.values())
-        all_bindings = [{s: v[min(k, len(v) - 1)] for s, v in per_symbol.items()} for k in range(n)]
-        report["buckets"][cg.name] = [dict(b) for b in all_bindings]
+        # Every combination of the dims' buckets: a later call of any size within them compiles
+        # nothing.
+        combos = [dict(zip(per_symbol, c, strict=True)) for c in itertools.product(*per_symbol.values())]
+        report["buckets"][cg.name] = combos
+        if cg.bucketing and cg.last_bindings is not None:
+            _precompile_buckets(cg, combos, opts, progress, report)
+            if cg.bucketing:
+                continue
+        # Not bucketable (or no declared maximum): one static executable per bucket size.
+        all_bindings = [{**(cg.last_bindings or {}), **c} for c in combos]
         exes = cg.runtime.compile_many(
             cg.graph, all_bindings, opts.precision, *backend.cache_args(opts), progress=progress
         )
@@ -110,3 +105,25 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
             report["compiled" if exe.cache == "miss" else "from_cache"] += 1
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def _precompile_buckets(cg, combos, opts, progress, report) -> None:
+    """Compiles the bucketed graph of every combination in parallel and registers the
+    executables with the graph; on a graph the pass cannot make exact, turns bucketing off."""
+    from . import _native, backend
+
+    jobs = []
+    try:
+        for chosen in combos:
+            key, bg = cg.bucket_graph(chosen, cg.last_bindings)
+            jobs.append((key, bg, chosen))
+    except _native.TpucError as e:
+        cg.not_bucketable(e)
+        return
+    exes = cg.runtime.compile_graphs(
+        [bg.graph for _, bg, _ in jobs], opts.precision, *backend.cache_args(opts), progress=progress
+    )
+    for (key, bg, chosen), exe in zip(jobs, exes, strict=True):
+        cg.add_bucket_executable(key, exe, bg, {**cg.last_bindings, **chosen})
+        report["executables"] += 1
+        report["compiled" if exe.cache == "miss" else "from_cache"] += 1
