@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22 libclang-common-22-dev libzstd-dev zlib1g-dev)
+# graphviz: `dot` renders the graph.svg of debugging dumps (dump_dir); without it dumps hold graph.dot.
+APT_PACKAGES=(llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22 libclang-common-22-dev libzstd-dev zlib1g-dev graphviz)
 TORCH_VERSION=2.15.0
 PY=.venv/bin/python
 PIP=(.venv/bin/pip install --disable-pip-version-check -q)
@@ -23,7 +24,7 @@ if ((${#missing[@]})); then
     $SUDO apt-get update -q
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-    step "apt: LLVM/MLIR 22 packages present"
+    step "apt: LLVM/MLIR 22 and graphviz packages present"
 fi
 
 if [ ! -x "$PY" ]; then

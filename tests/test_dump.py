@@ -185,6 +185,22 @@ def test_big_graph_is_skipped_with_a_note(tmp_path, monkeypatch):
     assert "above the limit of 5" in note and "TPUC_DUMP_SVG_MAX_NODES" in note
 
 
+def test_large_graph_settings_and_dot_timeout(tmp_path, monkeypatch):
+    # past the cluster limit: no clusters, cheaper dot flags, still an SVG
+    monkeypatch.setattr(dump, "SVG_CLUSTER_MAX_NODES", 5)
+    (f,) = _compile_dump(tmp_path / "big")
+    pic = json.loads((f / "meta.json").read_text())["graph_picture"]
+    assert pic["svg"] == "graph.svg" and pic["clusters"] is False and "not drawn as clusters" in pic["note"]
+    assert "subgraph cluster" not in (f / "graph.dot").read_text()
+    ET.fromstring((f / "graph.svg").read_text())
+    # dot running past the timeout: no SVG, a note
+    monkeypatch.setattr(dump, "SVG_TIMEOUT", 1e-4)
+    (f,) = _compile_dump(tmp_path / "slow")
+    pic = json.loads((f / "meta.json").read_text())["graph_picture"]
+    assert not (f / "graph.svg").exists() and pic["svg"] is None
+    assert "dot took longer than" in pic["note"] and "TPUC_DUMP_SVG_TIMEOUT" in pic["note"]
+
+
 def test_cli_dump_summarizes(mlp_dump):
     m = json.loads((mlp_dump / "meta.json").read_text())
     proc = _cli("dump", str(mlp_dump.parent))
