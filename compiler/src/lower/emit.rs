@@ -658,13 +658,6 @@ impl<'c, 'b> Emitter<'c, 'b> {
         scatter_dims_to_operand_dims: &[i64],
         add: bool,
     ) -> R<T<'c, 'b>> {
-        let dnums = format!(
-            "#stablehlo.scatter<update_window_dims = [{}], inserted_window_dims = [{}], scatter_dims_to_operand_dims = [{}], index_vector_dim = {}>",
-            int_list(update_window_dims),
-            int_list(inserted_window_dims),
-            int_list(scatter_dims_to_operand_dims),
-            indices.rank() - 1
-        );
         let region = if add {
             if operand.dtype == DType::Bool {
                 self.scalar_region(ReduceKind::Or, operand.dtype)?
@@ -674,6 +667,36 @@ impl<'c, 'b> Emitter<'c, 'b> {
         } else {
             self.replace_region(operand.dtype)?
         };
+        self.scatter_with(
+            operand,
+            indices,
+            updates,
+            update_window_dims,
+            inserted_window_dims,
+            scatter_dims_to_operand_dims,
+            region,
+        )
+    }
+
+    /// `stablehlo.scatter` combining each update with what is there by `region`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scatter_with(
+        &self,
+        operand: &T<'c, 'b>,
+        indices: &T<'c, 'b>,
+        updates: &T<'c, 'b>,
+        update_window_dims: &[i64],
+        inserted_window_dims: &[i64],
+        scatter_dims_to_operand_dims: &[i64],
+        region: Region<'c>,
+    ) -> R<T<'c, 'b>> {
+        let dnums = format!(
+            "#stablehlo.scatter<update_window_dims = [{}], inserted_window_dims = [{}], scatter_dims_to_operand_dims = [{}], index_vector_dim = {}>",
+            int_list(update_window_dims),
+            int_list(inserted_window_dims),
+            int_list(scatter_dims_to_operand_dims),
+            indices.rank() - 1
+        );
         let updates = self.convert(updates, operand.dtype)?;
         Ok(self
             .op_n(

@@ -3348,3 +3348,102 @@ fn num_sort_topk_median_searchsorted() {
     );
     assert_eq!(out[0].i64(), &[0, 1, 3]);
 }
+
+#[test]
+fn num_scatter_reduce_and_index_reduce() {
+    let x = vec![1.0f32, 2.0, 3.0, 4.0];
+    let src = vec![5.0f32, -1.0, 2.0, 8.0, 0.5];
+    let idx = vec![0i64, 0, 2, 2, -1];
+    let ins = [
+        ("x", &[4i64][..], "float32"),
+        ("i", &[5][..], "int64"),
+        ("s", &[5][..], "float32"),
+    ];
+    let run_reduce = |reduce: &str, include_self: bool| {
+        let g = op(
+            &ins,
+            "aten.scatter_reduce.two",
+            json!([n("x"), 0, n("i"), n("s"), reduce]),
+            json!({ "include_self": include_self }),
+            f32t(&[4]),
+        );
+        run(
+            &g,
+            &[
+                Buf::F32(x.clone()),
+                Buf::I64(idx.clone()),
+                Buf::F32(src.clone()),
+            ],
+        )[0]
+        .f32()
+        .to_vec()
+    };
+    // Targets: 0 <- {5, -1}, 2 <- {2, 8}, 3 <- {0.5}; 1 untouched.
+    assert_eq!(run_reduce("sum", true), vec![5.0, 2.0, 13.0, 4.5]);
+    assert_eq!(run_reduce("sum", false), vec![4.0, 2.0, 10.0, 0.5]);
+    assert_eq!(run_reduce("prod", true), vec![-5.0, 2.0, 48.0, 2.0]);
+    assert_eq!(run_reduce("amax", false), vec![5.0, 2.0, 8.0, 0.5]);
+    assert_eq!(run_reduce("amin", true), vec![-1.0, 2.0, 2.0, 0.5]);
+    assert_eq!(
+        run_reduce("mean", true),
+        vec![5.0 / 3.0, 2.0, 13.0 / 3.0, 2.25]
+    );
+    assert_eq!(run_reduce("mean", false), vec![2.0, 2.0, 5.0, 0.5]);
+    // index_reduce along dim 1 of a [2, 3]: source column j goes to column index[j].
+    let g = op(
+        &[
+            ("x", &[2, 3], "float32"),
+            ("i", &[2], "int64"),
+            ("s", &[2, 2], "float32"),
+        ],
+        "aten.index_reduce.default",
+        json!([n("x"), 1, n("i"), n("s"), "amax"]),
+        json!({"include_self": false}),
+        f32t(&[2, 3]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+            Buf::I64(vec![2, 2]),
+            Buf::F32(vec![-1.0, -3.0, 7.0, 0.0]),
+        ],
+    );
+    assert_eq!(out[0].f32(), &[1.0, 2.0, -1.0, 4.0, 5.0, 7.0]);
+}
+
+#[test]
+fn num_conv_transpose1d_groups_stride_output_padding() {
+    // x [1, 4, 3], w [4, 1, 3] (in, out/groups, k), groups 2 -> 2 output channels.
+    let (cin, cog, k, len, groups) = (4usize, 1usize, 3usize, 3usize, 2usize);
+    let (stride, pad, opad) = (2usize, 1usize, 1usize);
+    let out_len = (len - 1) * stride + (k - 1) + 1 + opad - 2 * pad;
+    let x: Vec<f32> = (0..cin * len).map(|i| (i as f32 * 0.7).sin()).collect();
+    let w: Vec<f32> = (0..cin * cog * k).map(|i| (i as f32 * 1.3).cos()).collect();
+    let cout = cog * groups;
+    let mut want = vec![0f64; cout * out_len];
+    for ic in 0..cin {
+        let g = ic / (cin / groups);
+        for ocl in 0..cog {
+            let oc = g * cog + ocl;
+            for s in 0..len {
+                for kk in 0..k {
+                    let t = (s * stride + kk) as i64 - pad as i64;
+                    if t >= 0 && (t as usize) < out_len {
+                        want[oc * out_len + t as usize] +=
+                            x[ic * len + s] as f64 * w[(ic * cog + ocl) * k + kk] as f64;
+                    }
+                }
+            }
+        }
+    }
+    let g = op(
+        &[("x", &[1, 4, 3], "float32"), ("w", &[4, 1, 3], "float32")],
+        "aten.convolution.default",
+        json!([n("x"), n("w"), null, [2], [1], [1], true, [1], 2]),
+        nokw(),
+        f32t(&[1, cout as i64, out_len as i64]),
+    );
+    let out = run(&g, &[Buf::F32(x), Buf::F32(w)]);
+    assert_close(out[0].f32(), &want, 1e-6);
+}

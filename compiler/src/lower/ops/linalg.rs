@@ -115,26 +115,77 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         padding,
         dilation,
         groups,
+        transposed,
+        output_padding,
     } = ConvWindow::parse(cx, x.rank(), 3)?;
     let sp = spatial_list(nsp);
     let acc = acc_dtype(out);
     let xc = cx.e.convert(&x, out)?;
     let wc = cx.e.convert(&w, out)?;
-    let pads: Vec<(i64, i64)> = padding.iter().map(|&p| (p, p)).collect();
-    let r = conv_general(
-        cx,
-        &xc,
-        &wc,
-        format!("#stablehlo.conv<[b, f, {sp}]x[o, i, {sp}]->[b, f, {sp}]>"),
-        &stride,
-        &pads,
-        &vec![1; nsp],
-        &dilation,
-        groups,
-        1,
-        &shape,
-        acc,
-    )?;
+    let r = if transposed {
+        // The gradient of a convolution: the flipped kernel over the stride-dilated input,
+        // padded by its span less the padding (plus output_padding at the end).
+        let e = cx.e;
+        let kernel: Vec<i64> = w.shape[2..].to_vec();
+        // [I, O/g, k..] -> [I/g, O, k..] with the group index leading the output features.
+        let (i, og) = (w.shape[0], w.shape[1]);
+        let k = if groups > 1 {
+            let mut s5 = vec![groups, i / groups, og];
+            s5.extend_from_slice(&kernel);
+            let mut perm: Vec<i64> = vec![1, 0, 2];
+            perm.extend(3..3 + nsp as i64);
+            let t = e.transpose(&e.reshape(&wc, &s5)?, &perm)?;
+            let mut s4 = vec![i / groups, groups * og];
+            s4.extend_from_slice(&kernel);
+            e.reshape(&t, &s4)?
+        } else {
+            wc
+        };
+        let rev: Vec<i64> = (2..2 + nsp as i64).collect();
+        let k = e.op(
+            "stablehlo.reverse",
+            &[&k],
+            &[("dimensions", array_i64(&rev))],
+            &k.shape.clone(),
+            k.dtype,
+        )?;
+        let pads: Vec<(i64, i64)> = (0..nsp)
+            .map(|d| {
+                let span = dilation[d] * (kernel[d] - 1);
+                (span - padding[d], span - padding[d] + output_padding[d])
+            })
+            .collect();
+        conv_general(
+            cx,
+            &xc,
+            &k,
+            format!("#stablehlo.conv<[b, f, {sp}]x[i, o, {sp}]->[b, f, {sp}]>"),
+            &vec![1; nsp],
+            &pads,
+            &stride,
+            &dilation,
+            groups,
+            1,
+            &shape,
+            acc,
+        )?
+    } else {
+        let pads: Vec<(i64, i64)> = padding.iter().map(|&p| (p, p)).collect();
+        conv_general(
+            cx,
+            &xc,
+            &wc,
+            format!("#stablehlo.conv<[b, f, {sp}]x[o, i, {sp}]->[b, f, {sp}]>"),
+            &stride,
+            &pads,
+            &vec![1; nsp],
+            &dilation,
+            groups,
+            1,
+            &shape,
+            acc,
+        )?
+    };
     let r = match bias {
         Some(b) => {
             let b =
@@ -155,21 +206,22 @@ struct ConvWindow {
     padding: Vec<i64>,
     dilation: Vec<i64>,
     groups: i64,
+    transposed: bool,
+    output_padding: Vec<i64>,
 }
 
 impl ConvWindow {
     fn parse(cx: &NodeCx, rank: usize, first: usize) -> R<ConvWindow> {
         let nsp = rank - 2;
         let per_dim = |v: Vec<i64>| if v.len() == 1 { vec![v[0]; nsp] } else { v };
-        if cx.bool_or(first + 3, "transposed", false)? {
-            return Err(cx.err("transposed convolution is not supported yet"));
-        }
         Ok(ConvWindow {
             nsp,
             stride: per_dim(cx.ints(first, "stride")?),
             padding: per_dim(cx.ints(first + 1, "padding")?),
             dilation: per_dim(cx.ints(first + 2, "dilation")?),
             groups: cx.int_or(first + 5, "groups", 1)?,
+            transposed: cx.bool_or(first + 3, "transposed", false)?,
+            output_padding: per_dim(cx.ints_or(first + 4, "output_padding", &[0])?),
         })
     }
 }
@@ -237,7 +289,12 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         padding,
         dilation,
         groups,
+        transposed,
+        ..
     } = ConvWindow::parse(cx, x.rank(), 4)?;
+    if transposed {
+        return Err(cx.err("the backward of a transposed convolution is not supported yet"));
+    }
     let mask: Vec<bool> = match cx.arg(10, "output_mask") {
         Some(Arg::List(items)) => items
             .iter()

@@ -2,7 +2,7 @@
 
 use crate::lower::emit::{array_i64, broadcast_shapes, int_list, Emitter};
 use crate::lower::registry::Rule;
-use crate::lower::{NodeCx, Scalar, R, T};
+use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 
 pub static RULES: &[(&str, Rule)] = &[
@@ -52,6 +52,10 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.diagonal_scatter.default", diagonal_scatter),
     ("aten.repeat.default", repeat),
     ("aten.unfold.default", unfold),
+    ("aten.scatter_reduce.two", scatter_reduce),
+    ("aten.scatter.reduce", scatter_reduce),
+    ("aten.scatter.value_reduce", scatter_reduce),
+    ("aten.index_reduce.default", index_reduce),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -943,4 +947,164 @@ fn unfold<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let mut perm: Vec<i64> = (0..r).filter(|&k| k != d as i64 + 1).collect();
     perm.push(d as i64 + 1);
     Ok(vec![e.transpose(&g, &perm)?])
+}
+
+/// `self` with every element `src[j]` combined into `self[coords[j]]` by `reduce` (`sum`, `prod`,
+/// `mean`, `amax`, `amin`); without `include_self`, the targets start from the reduction's
+/// identity (`mean`: from nothing) instead of their own value. `coords` are full coordinates
+/// (`along_dim_coords`), one per element of `src`.
+fn reduce_into<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    coords: &T<'c, 'b>,
+    src: &T<'c, 'b>,
+    reduce: &str,
+    include_self: bool,
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let dt = x.dtype;
+    let all: Vec<i64> = (0..x.rank() as i64).collect();
+    let kind = match reduce {
+        "sum" | "add" | "mean" => ReduceKind::Sum,
+        "prod" | "multiply" => ReduceKind::Prod,
+        "amax" => ReduceKind::Max,
+        "amin" => ReduceKind::Min,
+        other => return Err(cx.err(format!("unknown reduce {other:?}"))),
+    };
+    let kind = match (kind, dt) {
+        (ReduceKind::Sum, DType::Bool) => ReduceKind::Or,
+        (ReduceKind::Prod, DType::Bool) => ReduceKind::And,
+        (k, _) => k,
+    };
+    let scatter = |base: &T<'c, 'b>, upd: &T<'c, 'b>, kind: ReduceKind| {
+        let region = e.scalar_region(kind, base.dtype)?;
+        e.scatter_with(base, coords, upd, &[], &all, &all, region)
+    };
+    let base = if include_self {
+        x.clone()
+    } else {
+        let none = e.splat(Scalar::Bool(false), &x.shape, DType::Bool)?;
+        let hit = e.splat(Scalar::Bool(true), &src.shape, DType::Bool)?;
+        let touched = scatter(&none, &hit, ReduceKind::Or)?;
+        let identity = e.splat(Emitter::reduce_init(kind, dt), &[], dt)?;
+        e.select(&touched, &identity, x, dt)?
+    };
+    let r = scatter(&base, src, kind)?;
+    if reduce != "mean" {
+        return Ok(r);
+    }
+    let ones = e.splat(Scalar::Int(1), &src.shape, DType::Int64)?;
+    let zeros = e.splat(
+        Scalar::Int(if include_self { 1 } else { 0 }),
+        &x.shape,
+        DType::Int64,
+    )?;
+    let count = scatter(&zeros, &ones, ReduceKind::Sum)?;
+    let count = e.binary(
+        "stablehlo.maximum",
+        &count,
+        &e.splat(Scalar::Int(1), &[], DType::Int64)?,
+        DType::Int64,
+    )?;
+    if dt.is_float() {
+        e.div(&r, &e.convert(&count, dt)?)
+    } else {
+        // PyTorch floor-divides integer means.
+        let q = e.convert(
+            &e.unary(
+                "stablehlo.floor",
+                &e.div(
+                    &e.convert(&r, DType::Float64)?,
+                    &e.convert(&count, DType::Float64)?,
+                )?,
+            )?,
+            dt,
+        )?;
+        Ok(q)
+    }
+}
+
+/// `scatter_reduce(self, dim, index, src, reduce, include_self=True)` and the older
+/// `scatter(self, dim, index, src | value, reduce="add" | "multiply")`.
+fn scatter_reduce<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let index = cx.tensor(2, "index")?;
+    let e = cx.e;
+    let reduce = match cx.arg(4, "reduce") {
+        Some(Arg::Str(s)) => s.clone(),
+        other => return Err(cx.err(format!("`reduce`: expected a string, got {other:?}"))),
+    };
+    let include_self = cx.bool_or(5, "include_self", true)?;
+    let src = match cx.arg(3, "src") {
+        Some(Arg::Value(_)) => cx.tensor(3, "src")?,
+        _ => e.splat(cx.scalar(3, "value")?, &index.shape, x.dtype)?,
+    };
+    if index.numel() == 0 {
+        return Ok(vec![x]);
+    }
+    if x.rank() == 0 {
+        let src = e.reshape(&e.convert(&src, x.dtype)?, &[1])?;
+        let flat = e.reshape(&x, &[1])?;
+        let coords = e.splat(Scalar::Int(0), &[1, 1], DType::Int64)?;
+        let r = reduce_into(cx, &flat, &coords, &src, &reduce, include_self)?;
+        return Ok(vec![e.reshape(&r, &[])?]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let src = if src.shape == index.shape {
+        src
+    } else {
+        e.slice(
+            &src,
+            &vec![0; src.rank()],
+            &index.shape,
+            &vec![1; src.rank()],
+        )?
+    };
+    let src = e.convert(&src, x.dtype)?;
+    let coords = along_dim_coords(e, &index, d, x.shape[d])?;
+    Ok(vec![reduce_into(
+        cx,
+        &x,
+        &coords,
+        &src,
+        &reduce,
+        include_self,
+    )?])
+}
+
+/// `index_reduce(self, dim, index, source, reduce, include_self=True)`: slice `i` of `source`
+/// along `dim` reduced into slice `index[i]` of `self`.
+fn index_reduce<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let index = cx.tensor(2, "index")?;
+    let src = cx.tensor(3, "source")?;
+    let reduce = match cx.arg(4, "reduce") {
+        Some(Arg::Str(s)) => s.clone(),
+        other => return Err(cx.err(format!("`reduce`: expected a string, got {other:?}"))),
+    };
+    let include_self = cx.bool_or(5, "include_self", true)?;
+    let e = cx.e;
+    if index.numel() == 0 || src.numel() == 0 {
+        return Ok(vec![x]);
+    }
+    if x.rank() == 0 {
+        let src = e.reshape(&e.convert(&src, x.dtype)?, &[1])?;
+        let flat = e.reshape(&x, &[1])?;
+        let coords = e.splat(Scalar::Int(0), &[1, 1], DType::Int64)?;
+        let r = reduce_into(cx, &flat, &coords, &src, &reduce, include_self)?;
+        return Ok(vec![e.reshape(&r, &[])?]);
+    }
+    let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
+    let index = e.reshape(&index, &[index.numel()])?;
+    let full = e.broadcast_in_dim(&index, &src.shape, &[d as i64])?;
+    let coords = along_dim_coords(e, &full, d, x.shape[d])?;
+    let src = e.convert(&src, x.dtype)?;
+    Ok(vec![reduce_into(
+        cx,
+        &x,
+        &coords,
+        &src,
+        &reduce,
+        include_self,
+    )?])
 }
