@@ -68,6 +68,46 @@ struct DotDimensionNumbers {
     rhs_batch_dimensions: Vec<i64>,
 }
 
+/// `xla.Window` (reduce-window, convolution, select-and-scatter).
+#[derive(Clone, PartialEq, Message)]
+struct Window {
+    #[prost(message, repeated, tag = "1")]
+    dimensions: Vec<WindowDimension>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct WindowDimension {
+    #[prost(int64, tag = "1")]
+    size: i64,
+    #[prost(int64, tag = "2")]
+    stride: i64,
+    #[prost(int64, tag = "3")]
+    padding_low: i64,
+    #[prost(int64, tag = "4")]
+    padding_high: i64,
+    #[prost(int64, tag = "5")]
+    window_dilation: i64,
+    #[prost(int64, tag = "6")]
+    base_dilation: i64,
+}
+
+/// `xla.PaddingConfig` (pad).
+#[derive(Clone, PartialEq, Message)]
+struct PaddingConfig {
+    #[prost(message, repeated, tag = "1")]
+    dimensions: Vec<PaddingConfigDimension>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct PaddingConfigDimension {
+    #[prost(int64, tag = "1")]
+    edge_padding_low: i64,
+    #[prost(int64, tag = "2")]
+    edge_padding_high: i64,
+    #[prost(int64, tag = "3")]
+    interior_padding: i64,
+}
+
 #[derive(Clone, PartialEq, Message)]
 struct HloInstructionProto {
     #[prost(string, tag = "1")]
@@ -86,14 +126,20 @@ struct HloInstructionProto {
     tuple_index: i64,
     #[prost(int64, repeated, tag = "14")]
     dimensions: Vec<i64>,
+    #[prost(message, optional, tag = "15")]
+    window: Option<Window>,
     #[prost(message, repeated, tag = "17")]
     slice_dimensions: Vec<SliceDimensions>,
+    #[prost(message, optional, tag = "21")]
+    padding_config: Option<PaddingConfig>,
     #[prost(int64, repeated, tag = "20")]
     dynamic_slice_sizes: Vec<i64>,
     #[prost(string, tag = "28")]
     custom_call_target: String,
     #[prost(message, optional, tag = "30")]
     dot_dimension_numbers: Option<DotDimensionNumbers>,
+    #[prost(int64, repeated, tag = "34")]
+    gather_slice_sizes: Vec<i64>,
     #[prost(int64, tag = "35")]
     id: i64,
     #[prost(int64, repeated, tag = "36")]
@@ -220,6 +266,34 @@ fn literal_text(l: &LiteralProto) -> String {
         .or_else(|| show(&l.u64s))
         .or_else(|| show(&l.preds))
         .unwrap_or_else(|| "{...}".into())
+}
+
+/// `window={size=1x3 stride=1x2 pad=0_0x1_1}` as XLA prints it (defaults left out).
+fn window_text(w: &Window) -> String {
+    let field = |name: &str,
+                 f: &dyn Fn(&WindowDimension) -> String,
+                 skip: &dyn Fn(&WindowDimension) -> bool| {
+        if w.dimensions.iter().all(skip) {
+            String::new()
+        } else {
+            let v: Vec<String> = w.dimensions.iter().map(f).collect();
+            format!(" {name}={}", v.join("x"))
+        }
+    };
+    let mut out = field("size", &|d| d.size.to_string(), &|_| false);
+    out += &field("stride", &|d| d.stride.to_string(), &|d| d.stride == 1);
+    out += &field(
+        "pad",
+        &|d| format!("{}_{}", d.padding_low, d.padding_high),
+        &|d| d.padding_low == 0 && d.padding_high == 0,
+    );
+    out += &field("lhs_dilate", &|d| d.base_dilation.to_string(), &|d| {
+        d.base_dilation <= 1
+    });
+    out += &field("rhs_dilate", &|d| d.window_dilation.to_string(), &|d| {
+        d.window_dilation <= 1
+    });
+    format!("window={{{}}}", out.trim_start())
 }
 
 /// HLO text for a serialized `HloModuleProtoWithConfig` (`with_config`) or `HloModuleProto`.
@@ -370,6 +444,33 @@ fn print_computation(
                 }
             }
         }
+        if let Some(w) = i.window.as_ref().filter(|w| !w.dimensions.is_empty()) {
+            attrs.push(window_text(w));
+        }
+        if let Some(p) = i
+            .padding_config
+            .as_ref()
+            .filter(|p| !p.dimensions.is_empty())
+        {
+            let dims: Vec<String> = p
+                .dimensions
+                .iter()
+                .map(|d| {
+                    if d.interior_padding != 0 {
+                        format!(
+                            "{}_{}_{}",
+                            d.edge_padding_low, d.edge_padding_high, d.interior_padding
+                        )
+                    } else {
+                        format!("{}_{}", d.edge_padding_low, d.edge_padding_high)
+                    }
+                })
+                .collect();
+            attrs.push(format!("padding={}", dims.join("x")));
+        }
+        if !i.gather_slice_sizes.is_empty() {
+            attrs.push(format!("slice_sizes={{{}}}", join(&i.gather_slice_sizes)));
+        }
         if !i.fusion_kind.is_empty() {
             attrs.push(format!("kind={}", i.fusion_kind));
         }
@@ -446,6 +547,34 @@ mod tests {
         let mut f = inst(4, "fusion", "fusion", &[2, 3], &[3]);
         f.fusion_kind = "kLoop".into();
         f.called_computation_ids = vec![10];
+        let mut rw = inst(6, "reduce-window", "reduce-window", &[2, 2], &[3]);
+        rw.window = Some(Window {
+            dimensions: vec![
+                WindowDimension {
+                    size: 1,
+                    stride: 1,
+                    ..Default::default()
+                },
+                WindowDimension {
+                    size: 3,
+                    stride: 2,
+                    padding_low: 1,
+                    padding_high: 1,
+                    ..Default::default()
+                },
+            ],
+        });
+        let mut pad = inst(7, "pad", "pad", &[2, 5], &[3]);
+        pad.padding_config = Some(PaddingConfig {
+            dimensions: vec![
+                PaddingConfigDimension::default(),
+                PaddingConfigDimension {
+                    edge_padding_low: 1,
+                    edge_padding_high: 1,
+                    ..Default::default()
+                },
+            ],
+        });
         let mut t = inst(5, "transpose", "transpose", &[3, 2], &[4]);
         t.dimensions = vec![1, 0];
         let entry = HloComputationProto {
@@ -453,7 +582,7 @@ mod tests {
             id: 11,
             root_id: 5,
             is_fusion_computation: false,
-            instructions: vec![arg, f, t],
+            instructions: vec![arg, f, rw, pad, t],
         };
         let module = HloModuleProto {
             name: "jit_main".into(),
@@ -490,6 +619,11 @@ mod tests {
             text.contains("ROOT %exp.1 = f32[2,3]{1,0} exponential(%param_0)"),
             "{text}"
         );
+        assert!(
+            text.contains("reduce-window(%Arg_0.1), window={size=1x3 stride=1x2 pad=0_0x1_1}"),
+            "{text}"
+        );
+        assert!(text.contains("pad(%Arg_0.1), padding=0_0x1_1"), "{text}");
         assert!(hlo_text_from_proto(b"\xff\xff", true).is_err());
     }
 }
