@@ -122,6 +122,10 @@ def test_meta_json_fields(mlp_dump):
     assert t["lower_seconds"] > 0 and t["compile_seconds"] > 0
     assert t["xla_compile_seconds"] == t["compile_seconds"]  # a miss: PJRT compiled it
     assert m["passes"] and all(p["ops_before"] >= p["ops_after"] > 0 for p in m["passes"])
+    for p in m["passes"]:
+        assert sum(p["op_counts_after"].values()) == p["ops_after"], p
+    assert sum(m["imported_op_counts"].values()) == m["passes"][0]["ops_before"]
+    assert m["passes"][-1]["op_counts_after"] == m["op_counts"]
     assert m["op_counts"]["aten.addmm.default"] == 2
     assert m["ops"] == sum(m["op_counts"].values())
     counts = m["stablehlo_op_counts"]

@@ -50,6 +50,14 @@ def stablehlo_op_counts(mlir: str) -> dict[str, int]:
     return dict(sorted(collections.Counter(_MLIR_OP.findall(mlir)).items()))
 
 
+_IR_OP = re.compile(r"^%\S+: [^=]* = ([A-Za-z_][\w.]*)\(", re.M)
+
+
+def ir_op_counts(ir_text: str) -> dict[str, int]:
+    """Ops of an IR listing (`%x: f32[2] = aten.relu.default(%y)`) by name, inputs left out."""
+    return dict(sorted(collections.Counter(op for op in _IR_OP.findall(ir_text) if op != "input").items()))
+
+
 def _render_svg(folder: Path, dot_text: str, n_nodes: int, exe, title: str) -> dict:
     """Writes graph.dot and, when Graphviz is installed and the graph small enough, graph.svg."""
     big = n_nodes > SVG_CLUSTER_MAX_NODES
@@ -134,7 +142,12 @@ def write(compiled, exe, bindings: dict) -> Path:
             "compile_seconds": exe.compile_seconds,
             "xla_compile_seconds": exe.compile_seconds if cache == "miss" else None,
         },
-        "passes": [{"pass": name, "ops_before": b, "ops_after": a} for name, b, a, _ in compiled.pass_report],
+        # per pass: op totals before/after and the op counts by name after it
+        "passes": [
+            {"pass": name, "ops_before": b, "ops_after": a, "op_counts_after": ir_op_counts(text)}
+            for name, b, a, text in compiled.pass_report
+        ],
+        "imported_op_counts": ir_op_counts(compiled.imported_text),
         "op_counts": compiled.graph.op_counts(),
         "ops": compiled.graph.op_count(),
         "stablehlo_op_counts": shlo,
