@@ -3447,3 +3447,101 @@ fn num_conv_transpose1d_groups_stride_output_padding() {
     let out = run(&g, &[Buf::F32(x), Buf::F32(w)]);
     assert_close(out[0].f32(), &want, 1e-6);
 }
+
+#[test]
+fn num_adaptive_pools_and_avg_pool_divisors() {
+    // A [1, 1, 3, 5] plane; adaptive to [2, 3]: rows [0,2) and [1,3), cols [0,2), [1,4), [3,5).
+    let x: Vec<f32> = vec![
+        1.0, 2.0, 3.0, 4.0, 5.0, //
+        0.0, -1.0, 6.0, 2.0, 2.0, //
+        3.0, 3.0, -2.0, 8.0, 1.0,
+    ];
+    let at = |r: usize, c: usize| x[r * 5 + c] as f64;
+    let rows = [(0, 2), (1, 3)];
+    let cols = [(0, 2), (1, 4), (3, 5)];
+    let mut avg = Vec::new();
+    let mut mx = Vec::new();
+    let mut arg = Vec::new();
+    for &(r0, r1) in &rows {
+        for &(c0, c1) in &cols {
+            let mut s = 0.0;
+            let mut best = (f64::NEG_INFINITY, 0i64);
+            for r in r0..r1 {
+                for c in c0..c1 {
+                    s += at(r, c);
+                    if at(r, c) > best.0 {
+                        best = (at(r, c), (r * 5 + c) as i64);
+                    }
+                }
+            }
+            avg.push(s / ((r1 - r0) * (c1 - c0)) as f64);
+            mx.push(best.0);
+            arg.push(best.1);
+        }
+    }
+    let ins = [("x", &[1i64, 1, 3, 5][..], "float32")];
+    let g = op(
+        &ins,
+        "aten._adaptive_avg_pool2d.default",
+        json!([n("x"), [2, 3]]),
+        nokw(),
+        f32t(&[1, 1, 2, 3]),
+    );
+    assert_close(run(&g, &[Buf::F32(x.clone())])[0].f32(), &avg, 1e-6);
+    let g = op(
+        &ins,
+        "aten.adaptive_max_pool2d.default",
+        json!([n("x"), [2, 3]]),
+        nokw(),
+        tuple(vec![f32t(&[1, 1, 2, 3]), t(&[1, 1, 2, 3], "int64")]),
+    );
+    let out = run(&g, &[Buf::F32(x.clone())]);
+    assert_close(out[0].f32(), &mx, 0.0);
+    assert_eq!(out[1].i64(), &arg);
+    // avg_pool2d 2x2, stride 2: padding 1 (windows from -1, clipped at the padded edge), or no
+    // padding with ceil_mode (the last windows hang over the input); both give [2, 3].
+    let pooled = |pad: i64, ceil: bool, count_include_pad: bool, divisor: Option<i64>| {
+        let g = op(
+            &ins,
+            "aten.avg_pool2d.default",
+            json!([
+                n("x"),
+                [2, 2],
+                [2, 2],
+                [pad, pad],
+                ceil,
+                count_include_pad,
+                divisor
+            ]),
+            nokw(),
+            f32t(&[1, 1, 2, 3]),
+        );
+        run(&g, &[Buf::F32(x.clone())])[0].f32().to_vec()
+    };
+    let want = |pad: i64, mode: u8| -> Vec<f64> {
+        let mut v = Vec::new();
+        for oh in 0..2i64 {
+            for ow in 0..3i64 {
+                let (h0, w0) = (oh * 2 - pad, ow * 2 - pad);
+                let (h1, w1) = ((h0 + 2).min(3 + pad), (w0 + 2).min(5 + pad));
+                let mut s = 0.0;
+                for r in h0.max(0)..h1.min(3) {
+                    for c in w0.max(0)..w1.min(5) {
+                        s += at(r as usize, c as usize);
+                    }
+                }
+                let n = match mode {
+                    0 => ((h1 - h0) * (w1 - w0)) as f64,
+                    1 => ((h1.min(3) - h0.max(0)) * (w1.min(5) - w0.max(0))) as f64,
+                    _ => 3.0,
+                };
+                v.push(s / n);
+            }
+        }
+        v
+    };
+    assert_close(&pooled(1, false, true, None), &want(1, 0), 1e-6);
+    assert_close(&pooled(1, false, false, None), &want(1, 1), 1e-6);
+    assert_close(&pooled(0, true, true, None), &want(0, 0), 1e-6);
+    assert_close(&pooled(1, false, true, Some(3)), &want(1, 2), 1e-6);
+}

@@ -2,7 +2,7 @@
 
 use crate::lower::emit::{array_i64, Emitter};
 use crate::lower::ops::reduce::acc_dtype;
-use crate::lower::ops::shape::along_dim_coords;
+use crate::lower::ops::shape::{along_dim_coords, take_along};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
@@ -17,7 +17,24 @@ pub static RULES: &[(&str, Rule)] = &[
         "aten.max_pool2d_with_indices.default",
         max_pool2d_with_indices,
     ),
-    ("aten.avg_pool2d.default", avg_pool2d),
+    ("aten.avg_pool2d.default", avg_pool),
+    ("aten.avg_pool3d.default", avg_pool),
+    (
+        "aten.max_pool3d_with_indices.default",
+        max_pool2d_with_indices,
+    ),
+    ("aten._adaptive_avg_pool2d.default", adaptive_avg_pool),
+    ("aten._adaptive_avg_pool3d.default", adaptive_avg_pool),
+    (
+        "aten._adaptive_avg_pool2d_backward.default",
+        adaptive_avg_pool_backward,
+    ),
+    (
+        "aten._adaptive_avg_pool3d_backward.default",
+        adaptive_avg_pool_backward,
+    ),
+    ("aten.adaptive_max_pool2d.default", adaptive_max_pool),
+    ("aten.adaptive_max_pool3d.default", adaptive_max_pool),
     (
         "aten._native_batch_norm_legit_functional.default",
         batch_norm_functional,
@@ -151,7 +168,7 @@ fn batch_norm_no_training<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     Ok(vec![e.convert(&y, out)?, cx.unused(1)?, cx.unused(2)?])
 }
 
-/// Kernel, stride, padding and dilation of a 2-D pooling op, each per spatial dim.
+/// Kernel, stride, padding and dilation of a pooling op, each per spatial dim.
 struct Window {
     kernel: Vec<i64>,
     stride: Vec<i64>,
@@ -159,15 +176,24 @@ struct Window {
     dilation: Vec<i64>,
 }
 
-fn window(cx: &NodeCx, dilation_arg: Option<usize>) -> R<Window> {
-    let two = |v: Vec<i64>| if v.len() == 1 { vec![v[0], v[0]] } else { v };
-    let kernel = two(cx.ints(1, "kernel_size")?);
-    let stride = two(cx.ints_or(2, "stride", &kernel)?);
-    let padding = two(cx.ints_or(3, "padding", &[0])?);
+/// The window of a pooling op over `nsp` spatial dims (a single value applies to all).
+fn window(cx: &NodeCx, dilation_arg: Option<usize>, nsp: usize) -> R<Window> {
+    let all = |v: Vec<i64>| if v.len() == 1 { vec![v[0]; nsp] } else { v };
+    let kernel = all(cx.ints(1, "kernel_size")?);
+    let stride = all(cx.ints_or(2, "stride", &kernel)?);
+    let padding = all(cx.ints_or(3, "padding", &[0])?);
     let dilation = match dilation_arg {
-        Some(i) => two(cx.ints_or(i, "dilation", &[1])?),
-        None => vec![1, 1],
+        Some(i) => all(cx.ints_or(i, "dilation", &[1])?),
+        None => vec![1; nsp],
     };
+    if [&kernel, &stride, &padding, &dilation]
+        .iter()
+        .any(|v| v.len() != nsp)
+    {
+        return Err(cx.err(format!(
+            "pooling window arguments for {nsp} spatial dims expected"
+        )));
+    }
     Ok(Window {
         kernel,
         stride,
@@ -176,8 +202,8 @@ fn window(cx: &NodeCx, dilation_arg: Option<usize>) -> R<Window> {
     })
 }
 
-/// reduce_window over the last two dims of `x`, padded so the output has `out_shape`
-/// (extra high padding covers ceil_mode).
+/// reduce_window over the last spatial dims of `x` (as many as the window has), padded so the
+/// output has `out_shape` (extra high padding covers ceil_mode).
 fn pool<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
     x: &T<'c, 'b>,
@@ -190,8 +216,9 @@ fn pool<'c, 'b>(
     let mut ws = vec![1; r];
     let mut wdil = vec![1; r];
     let mut pads = vec![[0i64, 0]; r];
-    for k in 0..2 {
-        let d = r - 2 + k;
+    let nsp = w.kernel.len();
+    for k in 0..nsp {
+        let d = r - nsp + k;
         wd[d] = w.kernel[k];
         ws[d] = w.stride[k];
         wdil[d] = w.dilation[k];
@@ -229,10 +256,11 @@ fn pool<'c, 'b>(
 }
 
 fn max_pool2d_with_indices<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let nsp = if cx.node.op.contains("3d") { 3 } else { 2 };
     let x = cx.tensor(0, "self")?;
-    let w = window(cx, Some(4))?;
+    let w = window(cx, Some(4), nsp)?;
     let (shape, _) = cx.out(0)?;
-    if cx.result_used(1) {
+    if cx.result_used(1) && nsp == 2 {
         let (v, i) = max_pool_with_indices(cx, &x, &w, &shape)?;
         return Ok(vec![v, i]);
     }
@@ -250,26 +278,208 @@ fn max_pool2d_with_indices<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     Ok(vec![y, cx.unused(1)?])
 }
 
-/// `avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)`.
-fn avg_pool2d<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+/// `avg_pool2d` / `avg_pool3d(x, kernel, stride, padding, ceil_mode, count_include_pad,
+/// divisor_override)`: a windowed sum over zero padding divided, per output, by what PyTorch's
+/// kernel divides by: the override, else the window clipped to the padded input
+/// (`count_include_pad`) or to the input itself.
+fn avg_pool<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let nsp = if cx.node.op.contains("3d") { 3 } else { 2 };
     let x = cx.tensor(0, "self")?;
-    let w = window(cx, None)?;
+    let w = window(cx, None, nsp)?;
     let (shape, out) = cx.out(0)?;
     let count_include_pad = cx.bool_or(5, "count_include_pad", true)?;
-    let ceil_mode = cx.bool_or(4, "ceil_mode", false)?;
-    if cx.int_or(6, "divisor_override", 0)? != 0
-        || ceil_mode
-        || (!count_include_pad && w.padding.iter().any(|&p| p > 0))
-    {
-        return Err(cx.err("avg_pool2d with divisor_override, ceil_mode or count_include_pad=False and padding is not supported yet"));
-    }
+    let divisor = cx.int_or(6, "divisor_override", 0)?;
+    let e = cx.e;
     let acc = acc_dtype(out);
-    let xf = cx.e.convert(&x, acc)?;
+    let xf = e.convert(&x, acc)?;
     let s = pool(cx, &xf, &w, ReduceKind::Sum, &shape)?;
-    let n =
-        cx.e.splat(Scalar::Int(w.kernel.iter().product()), &[], acc)?;
-    let r = cx.e.binary("stablehlo.divide", &s, &n, acc)?;
-    Ok(vec![cx.e.convert(&r, out)?])
+    let r = x.rank();
+    let div = if divisor != 0 {
+        e.splat(Scalar::Int(divisor), &[], acc)?
+    } else {
+        // Separable: the divisor is the product of per-dim window lengths.
+        let mut div = e.splat(Scalar::Int(1), &shape, acc)?;
+        for k in 0..nsp {
+            let d = r - nsp + k;
+            let (n, p) = (x.shape[d], w.padding[k]);
+            let counts: Vec<i64> = (0..shape[d])
+                .map(|o| {
+                    let start = o * w.stride[k] - p;
+                    let end = (start + w.kernel[k]).min(n + p);
+                    if count_include_pad {
+                        end - start
+                    } else {
+                        end.min(n) - start.max(0)
+                    }
+                })
+                .collect();
+            let c = e.convert(&e.constant_i64(&counts, &[shape[d]], DType::Int64)?, acc)?;
+            div = e.mul(&div, &e.broadcast_in_dim(&c, &shape, &[d as i64])?)?;
+        }
+        div
+    };
+    let r = e.div(&s, &div)?;
+    Ok(vec![e.convert(&r, out)?])
+}
+
+/// The windows of adaptive pooling from `n` inputs to `o` outputs: output i reads
+/// [floor(i n / o), ceil((i + 1) n / o)).
+fn adaptive_windows(n: i64, o: i64) -> Vec<(i64, i64)> {
+    (0..o)
+        .map(|i| ((i * n) / o, ((i + 1) * n + o - 1) / o))
+        .collect()
+}
+
+/// Averaging matrix of adaptive pooling along one dim, `[o, n]` (or `[n, o]` when
+/// `transposed`): row i holds 1 / len over window i.
+fn adaptive_matrix<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    n: i64,
+    o: i64,
+    transposed: bool,
+    dtype: DType,
+) -> R<T<'c, 'b>> {
+    let win = adaptive_windows(n, o);
+    let starts: Vec<i64> = win.iter().map(|w| w.0).collect();
+    let ends: Vec<i64> = win.iter().map(|w| w.1).collect();
+    let (shape, od, nd) = if transposed {
+        (vec![n, o], 1, 0)
+    } else {
+        (vec![o, n], 0, 1)
+    };
+    let st = e.broadcast_in_dim(&e.constant_i64(&starts, &[o], DType::Int64)?, &shape, &[od])?;
+    let en = e.broadcast_in_dim(&e.constant_i64(&ends, &[o], DType::Int64)?, &shape, &[od])?;
+    let j = e.iota(&shape, nd, DType::Int64)?;
+    let inside = e.and(&e.compare(&j, &st, "GE")?, &e.compare(&j, &en, "LT")?)?;
+    let len = e.convert(&e.sub(&en, &st)?, dtype)?;
+    let w = e.div(&e.splat(Scalar::Int(1), &[], dtype)?, &len)?;
+    e.select(&inside, &w, &e.splat(Scalar::Int(0), &[], dtype)?, dtype)
+}
+
+/// Applies one matrix per spatial dim (the last `mats.len()` dims of `x`), each `[new, old]`:
+/// contracting the first spatial dim appends the new one last, so after all of them the order
+/// is back.
+fn per_dim_matmul<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>, mats: &[T<'c, 'b>]) -> R<T<'c, 'b>> {
+    let lead = x.rank() - mats.len();
+    let mut t = x.clone();
+    for m in mats {
+        let mut shape: Vec<i64> = t.shape.clone();
+        shape.remove(lead);
+        shape.push(m.shape[0]);
+        t = e.dot_general(&t, m, (&[], &[]), (&[lead as i64], &[1]), &shape, t.dtype)?;
+    }
+    Ok(t)
+}
+
+/// `_adaptive_avg_pool2d/3d(x, output_size)`: averaging matrices along each spatial dim.
+fn adaptive_avg_pool<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let (shape, out) = cx.out(0)?;
+    let nsp = if cx.node.op.contains("3d") { 3 } else { 2 };
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let r = x.rank();
+    let mats = (0..nsp)
+        .map(|k| adaptive_matrix(e, x.shape[r - nsp + k], shape[r - nsp + k], false, acc))
+        .collect::<R<Vec<_>>>()?;
+    let y = per_dim_matmul(e, &e.convert(&x, acc)?, &mats)?;
+    Ok(vec![e.convert(&y, out)?])
+}
+
+/// `_adaptive_avg_pool2d_backward(grad_output, self)`: the transposed averaging matrices.
+fn adaptive_avg_pool_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let g = cx.tensor(0, "grad_output")?;
+    let (shape, out) = cx.out(0)?;
+    let nsp = if cx.node.op.contains("3d") { 3 } else { 2 };
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let r = g.rank();
+    let mats = (0..nsp)
+        .map(|k| adaptive_matrix(e, shape[r - nsp + k], g.shape[r - nsp + k], true, acc))
+        .collect::<R<Vec<_>>>()?;
+    let y = per_dim_matmul(e, &e.convert(&g, acc)?, &mats)?;
+    Ok(vec![e.convert(&y, out)?])
+}
+
+/// `adaptive_max_pool2d/3d(x, output_size) -> (values, indices)`: every tap of the largest
+/// window, gathered per output; a later tap wins when it is greater or NaN (PyTorch's CPU
+/// kernel), the index is flat within the spatial plane/volume.
+fn adaptive_max_pool<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let (shape, _) = cx.out(0)?;
+    let nsp = if cx.node.op.contains("3d") { 3 } else { 2 };
+    let e = cx.e;
+    let r = x.rank();
+    let lead = r - nsp;
+    let wins: Vec<Vec<(i64, i64)>> = (0..nsp)
+        .map(|k| adaptive_windows(x.shape[lead + k], shape[lead + k]))
+        .collect();
+    let kmax: Vec<i64> = wins
+        .iter()
+        .map(|w| w.iter().map(|(a, b)| b - a).max().unwrap_or(1))
+        .collect();
+    let mut taps: Vec<Vec<i64>> = vec![vec![]];
+    for &km in &kmax {
+        taps = taps
+            .into_iter()
+            .flat_map(|t| {
+                (0..km).map(move |k| {
+                    let mut t = t.clone();
+                    t.push(k);
+                    t
+                })
+            })
+            .collect();
+    }
+    let mut best: Option<(T, T)> = None;
+    for tap in &taps {
+        let mut v = x.clone();
+        let mut valid: Option<T> = None;
+        let mut flat = e.splat(Scalar::Int(0), &shape, DType::Int64)?;
+        for k in 0..nsp {
+            let d = lead + k;
+            let n = x.shape[d];
+            let pos: Vec<i64> = wins[k].iter().map(|w| (w.0 + tap[k]).min(n - 1)).collect();
+            let ok: Vec<i64> = wins[k]
+                .iter()
+                .map(|w| (w.0 + tap[k] < w.1) as i64)
+                .collect();
+            let o = shape[d];
+            let idx = e.constant_i64(&pos, &[o], DType::Int64)?;
+            let mut vshape = v.shape.clone();
+            vshape[d] = o;
+            v = take_along(cx, &v, d, &idx, &vshape)?;
+            let okd = e.broadcast_in_dim(
+                &e.convert(&e.constant_i64(&ok, &[o], DType::Int64)?, DType::Bool)?,
+                &shape,
+                &[d as i64],
+            )?;
+            valid = Some(match valid {
+                None => okd,
+                Some(p) => e.and(&p, &okd)?,
+            });
+            let stride: i64 = x.shape[d + 1..].iter().product();
+            let pd = e.broadcast_in_dim(&idx, &shape, &[d as i64])?;
+            flat = e.add(
+                &flat,
+                &e.mul(&pd, &e.splat(Scalar::Int(stride), &[], DType::Int64)?)?,
+            )?;
+        }
+        let valid = valid.ok_or_else(|| cx.err("adaptive pooling without spatial dims"))?;
+        best = Some(match best {
+            None => (v, flat),
+            Some((bv, bi)) => {
+                let better = e.or(&e.compare(&v, &bv, "GT")?, &e.isnan(&v)?)?;
+                let take = e.and(&better, &valid)?;
+                (
+                    e.select(&take, &v, &bv, x.dtype)?,
+                    e.select(&take, &flat, &bi, DType::Int64)?,
+                )
+            }
+        });
+    }
+    let (v, i) = best.ok_or_else(|| cx.err("adaptive pooling with an empty window"))?;
+    Ok(vec![v, i])
 }
 
 /// Max pooling that also returns, for each output, the flat index (`h * W + w`) of the chosen
