@@ -271,3 +271,30 @@ def test_cli_dump_diff(tmp_path, mlp_dump):
     assert "\n  inputs: 5 -> 5\n    input 2: f32[3,8] -> f32[5,8]\n" in proc.stdout, proc.stdout
     assert "input 0:" not in proc.stdout  # the weights did not change
     assert "cache key: " in proc.stdout
+
+
+def test_fx_graph_to_dot_keeps_symbolic_sizes():
+    from tpuc import _native
+
+    wire = {
+        "nodes": [
+            {
+                "name": "x",
+                "op": "placeholder",
+                "target": "x",
+                "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}},
+            },
+            {
+                "name": "relu",
+                "op": "call_function",
+                "target": "aten.relu.default",
+                "args": [{"node": "x"}],
+                "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}},
+            },
+            {"name": "output", "op": "output", "target": "output", "args": [[{"node": "relu"}]]},
+        ]
+    }
+    dot = _native.FxGraph.from_json(json.dumps(wire)).to_dot("t", clusters=False, legend=False)
+    assert dot.startswith("digraph tpuc {") and 'label="t"' in dot
+    assert 'label="relu.default\\nf32[s0,4]"' in dot and 'label="x\\nf32[s0,4]"' in dot
+    assert "out0 [shape=house" in dot and "legend" not in dot
