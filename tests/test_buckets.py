@@ -177,12 +177,32 @@ def test_size_above_maximum_names_input_dim_and_maximum():
             compiled(torch.randint(0, 40, (2, 9)))
 
 
-def test_op_the_pass_cannot_make_exact_falls_back_to_per_shape_compiles():
+def test_last_real_position_and_negative_indices_use_the_real_size():
     class LastToken(nn.Module):
-        def forward(self, x):
-            return x[:, -1] * 2  # the last *real* position depends on the size
+        def forward(self, x, idx):
+            return x[:, -1] * 2 + x[:, idx].sum(1)  # positions counted from the real end
 
     model = LastToken()
+    compiled = _compile(model)
+    idx = torch.tensor([-1, -2, 0])
+    tpuc.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no per-shape fallback warning
+        _first_call_args = torch.randn(2, 5, 3)
+        torch._dynamo.mark_dynamic(_first_call_args, 1, min=2, max=8)
+        compiled(_first_call_args, idx)
+        for t in (2, 3, 7, 8):
+            x = torch.randn(2, t, 3)
+            torch.testing.assert_close(compiled(x, idx), model(x, idx))
+    assert tpuc.stats()["xla_compiles"] == 3  # buckets 2, 4, 8
+
+
+def test_op_the_pass_cannot_make_exact_falls_back_to_per_shape_compiles():
+    class Doubled(nn.Module):
+        def forward(self, x):
+            return torch.cat([x, x], dim=1).cumsum(1)  # padding lands in the middle
+
+    model = Doubled()
     compiled = _compile(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -190,4 +210,38 @@ def test_op_the_pass_cannot_make_exact_falls_back_to_per_shape_compiles():
         for t in (2, 3, 7):
             x = torch.randn(2, t, 3)
             torch.testing.assert_close(compiled(x), model(x))
-    assert any("per shape" in str(w.message) and "select" in str(w.message) for w in caught)
+    messages = [str(w.message) for w in caught]
+    assert any("per shape" in m and "aten.cat.default" in m for m in messages), messages
+
+
+def test_batchnorm_training_dynamic_batch_matches_eager_statistics_and_gradients():
+    torch.manual_seed(0)
+    model = ConvNet().train()
+    reference = copy.deepcopy(model)
+    compiled = _compile(model, buckets=[4, 6])
+
+    def step(forward, m, x):
+        m.zero_grad()
+        loss = forward(x).square().sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    first = torch.randn(5, 3, 8, 8)
+    torch._dynamo.mark_dynamic(first, 0, min=2, max=6)
+    tpuc.reset_stats()
+    step(compiled, model, first)
+    step(reference, reference, first)
+    for n in (2, 3, 5, 6):
+        x = torch.randn(n, 3, 8, 8)
+        loss, grads = step(compiled, model, x)
+        ref_loss, ref_grads = step(reference, reference, x)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.bn.running_var, reference.bn.running_var, rtol=1e-5, atol=1e-6)
+        assert model.bn.num_batches_tracked == reference.bn.num_batches_tracked
+    stats = tpuc.stats()
+    assert not stats["fallback_ops"], stats["fallback_ops"]
+    # Forward and backward for buckets 4 and 6.
+    assert stats["xla_compiles"] == 4

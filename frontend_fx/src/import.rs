@@ -151,6 +151,7 @@ fn import_call<'a>(
     match &n.val {
         Some(FxMeta::Symint(e)) => return Ok(Binding::Arg(Arg::Sym(e.clone()))),
         Some(FxMeta::Int(i)) => return Ok(Binding::Arg(Arg::Int(*i))),
+        Some(FxMeta::Float(x)) => return Ok(Binding::Arg(Arg::Float(*x))),
         _ => {}
     }
     if is_getitem(&n.target) {

@@ -120,6 +120,8 @@ class CompiledGraph:
         self.fx_text = gm.print_readable(print_output=False)
         wire, attr_targets = fx_export.export(gm)
         self.attr_tensors = [getattr(gm, t) for t in attr_targets]
+        # Size-derived floats, inputs after the attributes, computed per shape from the sizes.
+        self.symfloat_exprs = [n.meta["val"].node.expr for n in fx_export.symfloat_nodes(gm)]
         imported = _native.FxGraph.from_json(wire)
         enabled = None if opts.pass_enabled("cleanup") else []
         self.pass_report, self.graph = imported.cleanup(enabled)
@@ -151,7 +153,7 @@ class CompiledGraph:
         record_compile(exe)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
-        entry = (exe, out_types, plan)
+        entry = (exe, out_types, plan, self.symfloats(bindings))
         if self.opts.dump_dir is not None:
             dump.write(self, exe, bindings)
         log.debug("tpuc: compiled %s for %s (%s)", self.name, bindings or "static shapes", exe.cache)
@@ -182,6 +184,14 @@ class CompiledGraph:
                         entry = _EAGER
                     self.executables[shapes] = entry
         return entry
+
+    def symfloats(self, bindings: dict) -> list:
+        """The size-derived float inputs at real sizes `bindings`, as 0-d float64 tensors."""
+        out = []
+        for expr in self.symfloat_exprs:
+            subs = {sym: bindings[str(sym)] for sym in expr.free_symbols}
+            out.append(torch.tensor(float(expr.xreplace(subs)), dtype=torch.float64))
+        return out
 
     def bucket_of(self, bindings: dict) -> dict:
         """The bucket sizes for real `bindings`; raises ValueError above a declared maximum."""
@@ -256,7 +266,7 @@ class CompiledGraph:
             else:
                 results.append(("value", None))
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
-        return buckets.Plan(exe, out_types, pads, scalars, results, unpads)
+        return buckets.Plan(exe, out_types, pads, scalars, results, unpads, self.symfloats(bindings))
 
     def _run_bucketed(self, plan, args):
         specs = []
@@ -310,8 +320,9 @@ class CompiledGraph:
         if entry is _EAGER:
             return list(self.eager(*args[: len(args) - len(self.attr_tensors)]))
         if type(entry) is buckets.Plan:
-            return self._run_bucketed(entry, args)
-        exe, out_types, plan = entry
+            return self._run_bucketed(entry, args + entry.symfloats)
+        exe, out_types, plan, floats = entry
+        args += floats
         specs = []
         keep = []
         for i in self.tensor_slots:
@@ -365,7 +376,7 @@ class _PartitionModule(torch.nn.Module):
 
 def _is_tensor_op(n: torch.fx.Node) -> bool:
     val = n.meta.get("val")
-    return n.op == "call_function" and not isinstance(val, torch.SymInt | int)
+    return n.op == "call_function" and not isinstance(val, torch.SymInt | int | torch.SymFloat | float)
 
 
 def _representable(val) -> bool:

@@ -136,9 +136,9 @@ def _prod(it) -> int:
 class Plan:
     """Everything one real shape needs to run on its bucket's executable, computed once."""
 
-    __slots__ = ("exe", "out_types", "pads", "scalars", "scalar_arrays", "results", "unpads")
+    __slots__ = ("exe", "out_types", "pads", "scalars", "scalar_arrays", "results", "unpads", "symfloats")
 
-    def __init__(self, exe, out_types, pads, scalars, results, unpads):
+    def __init__(self, exe, out_types, pads, scalars, results, unpads, symfloats):
         self.exe = exe
         self.out_types = out_types
         self.pads = pads  # per graph input: None or the atoms to pad it to
@@ -146,3 +146,4 @@ class Plan:
         self.scalar_arrays = [(s.data_ptr(), s.nbytes, "int64", []) for s in scalars]
         self.results = results  # per graph output: ("tensor", k) | ("value", v)
         self.unpads = unpads  # per executable output: None or the atoms to slice it by
+        self.symfloats = symfloats  # size-derived float inputs (0-d float64 tensors)

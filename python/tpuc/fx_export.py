@@ -45,6 +45,9 @@ def _meta(val, node: torch.fx.Node):
         return {"int": val}
     if isinstance(val, float):
         return {"float": val}
+    if isinstance(val, torch.SymFloat):
+        expr = val.node.expr
+        return {"float": float(expr)} if getattr(expr, "is_number", False) else None
     if isinstance(val, list | tuple):
         return {"tuple": [_meta(v, node) for v in val]}
     return None
@@ -79,17 +82,45 @@ def _arg(a, node: torch.fx.Node):
     )
 
 
+def _is_symfloat(a) -> bool:
+    return isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.SymFloat)
+
+
 def _target(node: torch.fx.Node) -> str:
     if node.target is operator.getitem:
         return "<built-in function getitem>"
-    return str(node.target)
+    target = node.target
+    # A size-derived float becomes a 0-d tensor input: use the op's Tensor overload.
+    if (
+        isinstance(target, torch._ops.OpOverload)
+        and target._overloadname == "Scalar"
+        and any(_is_symfloat(a) for a in node.args)
+        and hasattr(target.overloadpacket, "Tensor")
+    ):
+        target = target.overloadpacket.Tensor
+    return str(target)
+
+
+def symfloat_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes computing a float from sizes (`n / (n - 1)` in batch norm's running variance):
+    they become 0-d float64 inputs whose values the runtime computes from the real sizes."""
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.meta.get("val"), torch.SymFloat)
+        and not getattr(n.meta["val"].node.expr, "is_number", False)
+    ]
 
 
 def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
     """Returns (wire JSON, targets of get_attr nodes in input order)."""
     inputs, attrs, ops = [], [], []
     attr_inputs = []
+    symfloats = set(symfloat_nodes(gm))
     for n in gm.graph.nodes:
+        if n in symfloats:
+            continue
         if n.op == "placeholder":
             inputs.append(
                 {"name": n.name, "op": "placeholder", "target": n.name, "val": _meta(n.meta.get("val"), n)}
@@ -115,5 +146,16 @@ def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
             raise _native.GraphImportError(
                 f"node `{n.name}`: {n.op} `{n.target}` (tpuc imports functional ATen graphs from AOTAutograd)"
             )
-    # Lifted constants become inputs after the placeholders: the runtime appends them to the args.
-    return json.dumps({"nodes": inputs + attrs + ops}), attr_inputs
+    # Lifted constants become inputs after the placeholders, then size-derived floats: the runtime
+    # appends them to the args.
+    floats = [
+        {
+            "name": n.name,
+            "op": "placeholder",
+            "target": n.name,
+            "val": {"tensor": {"shape": [], "dtype": "float64"}},
+        }
+        for n in gm.graph.nodes
+        if n in symfloats
+    ]
+    return json.dumps({"nodes": inputs + attrs + floats + ops}), attr_inputs
