@@ -3545,3 +3545,102 @@ fn num_adaptive_pools_and_avg_pool_divisors() {
     assert_close(&pooled(0, true, true, None), &want(0, 0), 1e-6);
     assert_close(&pooled(1, false, true, Some(3)), &want(1, 2), 1e-6);
 }
+
+#[test]
+fn num_group_norm_addmv_distances() {
+    // group_norm: N=1, C=4, HxW=2, 2 groups of 2 channels x 2 positions.
+    let x = vec![1.0f32, 2.0, 3.0, 4.0, -1.0, 1.0, 0.0, 2.0];
+    let g = op(
+        &[("x", &[1, 4, 2], "float32"), ("w", &[4], "float32")],
+        "aten.native_group_norm.default",
+        json!([n("x"), n("w"), null, 1, 4, 2, 2, 1e-5]),
+        nokw(),
+        tuple(vec![f32t(&[1, 4, 2]), f32t(&[1, 2]), f32t(&[1, 2])]),
+    );
+    let out = run(
+        &g,
+        &[Buf::F32(x.clone()), Buf::F32(vec![1.0, 2.0, 1.0, -1.0])],
+    );
+    let mut want = Vec::new();
+    let mut means = Vec::new();
+    let mut rstds = Vec::new();
+    for grp in x.chunks(4) {
+        let m: f64 = grp.iter().map(|&v| v as f64).sum::<f64>() / 4.0;
+        let var: f64 = grp.iter().map(|&v| (v as f64 - m).powi(2)).sum::<f64>() / 4.0;
+        let rstd = 1.0 / (var + 1e-5).sqrt();
+        means.push(m);
+        rstds.push(rstd);
+        want.extend(grp.iter().map(|&v| (v as f64 - m) * rstd));
+    }
+    let scale = [1.0, 1.0, 2.0, 2.0, 1.0, 1.0, -1.0, -1.0];
+    let want: Vec<f64> = want.iter().zip(scale).map(|(v, s)| v * s).collect();
+    assert_close(out[0].f32(), &want, 1e-5);
+    assert_close(out[1].f32(), &means, 1e-6);
+    assert_close(out[2].f32(), &rstds, 1e-5);
+    // addmv: 0.5 * v + 2 * (A @ x).
+    let g = op(
+        &[
+            ("v", &[2], "float32"),
+            ("a", &[2, 3], "float32"),
+            ("x", &[3], "float32"),
+        ],
+        "aten.addmv.default",
+        json!([n("v"), n("a"), n("x")]),
+        json!({"beta": 0.5, "alpha": 2}),
+        f32t(&[2]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![2.0, -4.0]),
+            Buf::F32(vec![1.0, 2.0, 3.0, 0.0, -1.0, 1.0]),
+            Buf::F32(vec![1.0, 1.0, 2.0]),
+        ],
+    );
+    assert_close(out[0].f32(), &[1.0 + 2.0 * 9.0, -2.0 + 2.0], 1e-6);
+    // cdist (p = 1 and 2) of 2 x 2 points, pdist of 3 points, dist with p = inf.
+    let cd = |p: f64| {
+        let g = op(
+            &[("a", &[2, 2], "float32"), ("b", &[2, 2], "float32")],
+            "aten._cdist_forward.default",
+            json!([n("a"), n("b"), p, null]),
+            nokw(),
+            f32t(&[2, 2]),
+        );
+        run(
+            &g,
+            &[
+                Buf::F32(vec![0.0, 0.0, 1.0, 1.0]),
+                Buf::F32(vec![3.0, 4.0, 1.0, -1.0]),
+            ],
+        )[0]
+        .f32()
+        .to_vec()
+    };
+    assert_close(&cd(2.0), &[5.0, 2f64.sqrt(), 13f64.sqrt(), 2.0], 1e-6);
+    assert_close(&cd(1.0), &[7.0, 2.0, 5.0, 2.0], 1e-6);
+    let g = op(
+        &[("x", &[3, 2], "float32")],
+        "aten._pdist_forward.default",
+        json!([n("x"), 2.0]),
+        nokw(),
+        f32t(&[3]),
+    );
+    let out = run(&g, &[Buf::F32(vec![0.0, 0.0, 3.0, 4.0, 0.0, 1.0])]);
+    assert_close(out[0].f32(), &[5.0, 1.0, 18f64.sqrt()], 1e-6);
+    let g = op(
+        &[("a", &[3], "float32"), ("b", &[3], "float32")],
+        "aten.dist.default",
+        json!([n("a"), n("b"), {"float": "inf"}]),
+        nokw(),
+        f32t(&[]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![1.0, -5.0, 2.0]),
+            Buf::F32(vec![0.0, 0.0, 0.0]),
+        ],
+    );
+    assert_close(out[0].f32(), &[5.0], 0.0);
+}

@@ -1,7 +1,7 @@
 //! Matrix products and convolution. Both honour the session precision (`precision_config`);
 //! low-precision operands accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
-use crate::lower::emit::{array_i64, int_list};
+use crate::lower::emit::{array_i64, int_list, Emitter};
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
@@ -14,6 +14,11 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.baddbmm.default", baddbmm),
     ("aten.convolution.default", convolution),
     ("aten.convolution_backward.default", convolution_backward),
+    ("aten.addmv.default", addmv),
+    ("aten.addbmm.default", addbmm),
+    ("aten.dist.default", dist),
+    ("aten._cdist_forward.default", cdist),
+    ("aten._pdist_forward.default", pdist),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -405,4 +410,118 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         results.push(placeholder()?);
     }
     Ok(results)
+}
+
+/// `addmv(self, mat, vec, beta=1, alpha=1)`.
+fn addmv<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let input = cx.tensor(0, "self")?;
+    let a = cx.tensor(1, "mat")?;
+    let v = cx.tensor(2, "vec")?;
+    let p = dot_acc(cx, &a, &v, (&[], &[]), (&[1], &[0]))?;
+    Ok(vec![scaled_sum(cx, &input, p)?])
+}
+
+/// `addbmm(self, batch1, batch2, beta=1, alpha=1)`: the batched products summed over the batch.
+fn addbmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let input = cx.tensor(0, "self")?;
+    let a = cx.tensor(1, "batch1")?;
+    let b = cx.tensor(2, "batch2")?;
+    let p = dot_acc(cx, &a, &b, (&[], &[]), (&[0, 2], &[0, 1]))?;
+    Ok(vec![scaled_sum(cx, &input, p)?])
+}
+
+/// The p-norm of `d` over `dim` (p = 0 counts non-zeros, p = inf is the largest magnitude).
+fn pnorm<'c, 'b>(e: &Emitter<'c, 'b>, d: &T<'c, 'b>, dim: i64, p: f64) -> R<T<'c, 'b>> {
+    let dt = d.dtype;
+    let a = e.unary("stablehlo.abs", d)?;
+    if p == 0.0 {
+        let nz = e.convert(&e.compare(&a, &e.k(0.0, dt)?, "NE")?, dt)?;
+        return e.reduce(&nz, &[dim], ReduceKind::Sum, false);
+    }
+    if p.is_infinite() {
+        let kind = if p > 0.0 {
+            ReduceKind::Max
+        } else {
+            ReduceKind::Min
+        };
+        return e.reduce_nan(&a, &[dim], kind, false);
+    }
+    if p == 1.0 {
+        return e.reduce(&a, &[dim], ReduceKind::Sum, false);
+    }
+    if p == 2.0 {
+        let s = e.reduce(&e.mul(d, d)?, &[dim], ReduceKind::Sum, false)?;
+        return e.unary("stablehlo.sqrt", &s);
+    }
+    let pw = e.binary("stablehlo.power", &a, &e.k(p, dt)?, dt)?;
+    let s = e.reduce(&pw, &[dim], ReduceKind::Sum, false)?;
+    e.binary("stablehlo.power", &s, &e.k(1.0 / p, dt)?, dt)
+}
+
+/// `dist(self, other, p=2)`: the p-norm of the (broadcast) difference.
+fn dist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let a = cx.tensor(0, "self")?;
+    let b = cx.tensor(1, "other")?;
+    let p = cx.float_or(2, "p", 2.0)?;
+    let out = cx.out_dtype()?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let d = e.binary("stablehlo.subtract", &a, &b, acc)?;
+    let flat = e.reshape(&d, &[d.numel()])?;
+    Ok(vec![e.convert(&pnorm(e, &flat, 0, p)?, out)?])
+}
+
+/// `_cdist_forward(x1 [.., P, M], x2 [.., R, M], p, compute_mode) -> [.., P, R]`: every pairwise
+/// difference, then its p-norm (exact, not the matmul expansion).
+fn cdist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x1 = cx.tensor(0, "x1")?;
+    let x2 = cx.tensor(1, "x2")?;
+    let p = cx.float_or(2, "p", 2.0)?;
+    let (shape, out) = cx.out(0)?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let m = *x1.shape.last().unwrap_or(&1);
+    let nb = shape.len() - 2;
+    let mut full = shape.clone();
+    full.push(m);
+    let place = |t: &T<'c, 'b>, row_dim: i64| -> R<T<'c, 'b>> {
+        let tb = t.rank() - 2;
+        let mut dims: Vec<i64> = (0..tb as i64).map(|k| k + (nb - tb) as i64).collect();
+        dims.push(row_dim);
+        dims.push(nb as i64 + 2);
+        e.broadcast_in_dim(&e.convert(t, acc)?, &full, &dims)
+    };
+    let a = place(&x1, nb as i64)?;
+    let b = place(&x2, nb as i64 + 1)?;
+    let d = e.sub(&a, &b)?;
+    Ok(vec![e.convert(&pnorm(e, &d, nb as i64 + 2, p)?, out)?])
+}
+
+/// `_pdist_forward(self [N, M], p)`: the p-norm distances of rows i < j, in row-major order.
+fn pdist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let p = cx.float_or(1, "p", 2.0)?;
+    let (shape, out) = cx.out(0)?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let n = x.shape[0];
+    let m = x.shape[1];
+    let (mut is, mut js) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        for j in i + 1..n {
+            is.push(i);
+            js.push(j);
+        }
+    }
+    let k = is.len() as i64;
+    if k == 0 || m == 0 {
+        return Ok(vec![e.splat(Scalar::Int(0), &shape, out)?]);
+    }
+    let xf = e.convert(&x, acc)?;
+    let rows = |idx: &[i64]| -> R<T<'c, 'b>> {
+        let ix = e.constant_i64(idx, &[k], DType::Int64)?;
+        crate::lower::ops::shape::take_along(cx, &xf, 0, &ix, &[k, m])
+    };
+    let d = e.sub(&rows(&is)?, &rows(&js)?)?;
+    Ok(vec![e.convert(&pnorm(e, &d, 1, p)?, out)?])
 }

@@ -19,6 +19,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ),
     ("aten.avg_pool2d.default", avg_pool),
     ("aten.avg_pool3d.default", avg_pool),
+    ("aten.native_group_norm.default", native_group_norm),
     (
         "aten.max_pool3d_with_indices.default",
         max_pool2d_with_indices,
@@ -165,7 +166,63 @@ fn batch_norm_no_training<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             acc,
         )?;
     }
-    Ok(vec![e.convert(&y, out)?, cx.unused(1)?, cx.unused(2)?])
+    Ok(vec![
+        e.convert(&y, out)?,
+        empty_or_unused(cx, 1)?,
+        empty_or_unused(cx, 2)?,
+    ])
+}
+
+/// Results PyTorch returns empty (the batch statistics of eval-mode BatchNorm, shape [0]), or
+/// a stand-in for one nobody reads.
+fn empty_or_unused<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, k: usize) -> R<T<'c, 'b>> {
+    let (shape, dtype) = cx.out(k)?;
+    if shape.iter().product::<i64>() == 0 {
+        return cx.e.splat(Scalar::Int(0), &shape, dtype);
+    }
+    cx.unused(k)
+}
+
+/// `native_group_norm(x, weight, bias, N, C, HxW, group, eps) -> (out, mean, rstd)`: statistics
+/// over each group of C / group channels and all spatial positions, `[N, group]`.
+fn native_group_norm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "input")?;
+    let w = cx.opt_tensor(1, "weight")?;
+    let b = cx.opt_tensor(2, "bias")?;
+    let n = cx.int(3, "N")?;
+    let groups = cx.int(6, "group")?;
+    let eps = cx.float_or(7, "eps", 1e-5)?;
+    let (_, out) = cx.out(0)?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    if groups <= 0 || x.numel() % (n * groups).max(1) != 0 {
+        return Err(cx.err(format!(
+            "group_norm: {groups} groups for input {:?}",
+            x.shape
+        )));
+    }
+    let per = x.numel() / (n * groups).max(1);
+    let xg = e.reshape(&e.convert(&x, acc)?, &[n, groups, per])?;
+    let count = e.splat(Scalar::Int(per), &[], acc)?;
+    let mean = e.div(&e.reduce(&xg, &[2], ReduceKind::Sum, true)?, &count)?;
+    let d = e.sub(&xg, &mean)?;
+    let var = e.div(
+        &e.reduce(&e.mul(&d, &d)?, &[2], ReduceKind::Sum, true)?,
+        &count,
+    )?;
+    let rstd = rsqrt_eps(e, &var, eps)?;
+    let mut y = e.reshape(&e.mul(&d, &rstd)?, &x.shape)?;
+    if let Some(w) = w {
+        y = e.mul(&y, &per_channel(e, &e.convert(&w, acc)?, &x.shape)?)?;
+    }
+    if let Some(b) = b {
+        y = e.add(&y, &per_channel(e, &e.convert(&b, acc)?, &x.shape)?)?;
+    }
+    Ok(vec![
+        e.convert(&y, out)?,
+        e.convert(&e.reshape(&mean, &[n, groups])?, cx.out(1)?.1)?,
+        e.convert(&e.reshape(&rstd, &[n, groups])?, cx.out(2)?.1)?,
+    ])
 }
 
 /// Kernel, stride, padding and dilation of a pooling op, each per spatial dim.
@@ -726,8 +783,8 @@ fn batch_norm_functional<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let y = normalize(e, &xf, &mean, &rstd, w.as_ref(), b.as_ref())?;
         return Ok(vec![
             e.convert(&y, out)?,
-            cx.unused(1)?,
-            cx.unused(2)?,
+            empty_or_unused(cx, 1)?,
+            empty_or_unused(cx, 2)?,
             e.convert(&rm, cx.out(3)?.1)?,
             e.convert(&rv, cx.out(4)?.1)?,
         ]);
