@@ -397,8 +397,10 @@ def test_cli_precompile_then_dynamic_process_and_cache_commands(tmp_path, zygote
     report = json.loads(out)
     assert (report["executables"], report["compiled"], report["from_cache"]) == (2, 2, 0), report
 
-    # A later process, same model and options, the same dim marked dynamic: nothing to compile.
-    later = zygote.model(d, "--sizes", "8,16", "--dynamic-max", "16")
+    # A later process, same model and options, the same dim marked dynamic: nothing to compile,
+    # for the bucket sizes and for every size within the buckets.
+    later = zygote.model(d, "--sizes", "8,16,5,11", "--dynamic-max", "16")
+    assert later["ok"], later["errors"]
     assert later["stats"]["xla_compiles"] == 0
     assert later["stats"]["cache_hits_disk"] == 2
 

@@ -68,7 +68,7 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
 
     _session.graphs = []
     try:
-        compiled = torch.compile(model, backend="tpu", options=options)
+        compiled = torch.compile(model, backend="tpu", options=opts_dict)
         with torch.no_grad():
             compiled(*inputs)
         graphs = _session.graphs
@@ -116,6 +116,11 @@ def _precompile_buckets(cg, combos, opts, progress, report) -> None:
     try:
         for chosen in combos:
             key, bg = cg.bucket_graph(chosen, cg.last_bindings)
+            done = cg.bucket_exes.get(key)
+            if done is not None:  # the example call's own bucket
+                report["executables"] += 1
+                report["compiled" if done[0].cache == "miss" else "from_cache"] += 1
+                continue
             jobs.append((key, bg, chosen))
     except _native.TpucError as e:
         cg.not_bucketable(e)
