@@ -219,7 +219,15 @@ class CompiledGraph:
     def add_bucket_executable(self, key, exe, bg, sizes: dict) -> None:
         record_compile(exe)
         if self.opts.dump_dir is not None:
-            dump.write(self, exe, {**sizes, "bucket": 1})
+            chosen = dict(key[0])
+            dump.write(
+                self,
+                exe,
+                {
+                    **{k: v for k, v in sizes.items() if k not in chosen},
+                    **{f"{k}_bucket": v for k, v in chosen.items()},
+                },
+            )
         log.debug("tpuc: compiled %s for bucket %s (%s)", self.name, key[0], exe.cache)
         self.bucket_exes[key] = (exe, bg)
 
