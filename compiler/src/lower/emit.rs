@@ -572,10 +572,21 @@ impl<'c, 'b> Emitter<'c, 'b> {
         args: &[DType],
         body: impl for<'r> FnOnce(&Emitter<'c, 'r>, Vec<T<'c, 'r>>) -> R<Vec<T<'c, 'r>>>,
     ) -> R<Region<'c>> {
+        let typed: Vec<(Vec<i64>, DType)> = args.iter().map(|&d| (vec![], d)).collect();
+        self.region_of(&typed, body)
+    }
+
+    /// Like [`Emitter::region`], with arguments of any shape (the loop-carried values of a
+    /// `stablehlo.while`).
+    pub fn region_of(
+        &self,
+        args: &[(Vec<i64>, DType)],
+        body: impl for<'r> FnOnce(&Emitter<'c, 'r>, Vec<T<'c, 'r>>) -> R<Vec<T<'c, 'r>>>,
+    ) -> R<Region<'c>> {
         let err = |e: melior::Error| LowerError::internal(e.to_string());
         let types: Vec<(Type<'c>, Location<'c>)> = args
             .iter()
-            .map(|&d| (tensor_type(self.ctx, &[], d), self.loc))
+            .map(|(s, d)| (tensor_type(self.ctx, s, *d), self.loc))
             .collect();
         let block = Block::new(&types);
         {
@@ -589,11 +600,11 @@ impl<'c, 'b> Emitter<'c, 'b> {
             let params = args
                 .iter()
                 .enumerate()
-                .map(|(i, &d)| {
+                .map(|(i, (s, d))| {
                     Ok(T {
                         v: block.argument(i).map_err(err)?.into(),
-                        shape: vec![],
-                        dtype: d,
+                        shape: s.clone(),
+                        dtype: *d,
                     })
                 })
                 .collect::<R<Vec<_>>>()?;

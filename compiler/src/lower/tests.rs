@@ -3644,3 +3644,162 @@ fn num_group_norm_addmv_distances() {
     );
     assert_close(out[0].f32(), &[5.0], 0.0);
 }
+
+#[test]
+fn num_orthogonal_polynomials_per_element_degree() {
+    // n varies per element (truncated towards zero; negative -> 0); one while loop to max n.
+    let xs = vec![0.3f32, -0.7, 1.5, 2.0, 0.5, -3.0];
+    let ns = vec![0.0f32, 1.0, 3.0, 3.9, -2.5, 10.0];
+    let run_poly = |target: &str| {
+        let g = op(
+            &[("x", &[6], "float32"), ("n", &[6], "float32")],
+            target,
+            json!([n("x"), n("n")]),
+            nokw(),
+            f32t(&[6]),
+        );
+        run(&g, &[Buf::F32(xs.clone()), Buf::F32(ns.clone())])[0]
+            .f32()
+            .to_vec()
+    };
+    let deg = |n: f32| n.trunc() as i32;
+    let eval = |rec: &dyn Fn(f64, f64, f64, f64) -> f64, p1: &dyn Fn(f64) -> f64| -> Vec<f64> {
+        xs.iter()
+            .zip(&ns)
+            .map(|(&x, &n)| {
+                let (x, n) = (x as f64, deg(n));
+                if n < 0 {
+                    return 0.0;
+                }
+                let (mut p, mut q) = (1.0, p1(x));
+                if n == 0 {
+                    return p;
+                }
+                for k in 1..n {
+                    let r = rec(x, p, q, k as f64);
+                    p = q;
+                    q = r;
+                }
+                q
+            })
+            .collect()
+    };
+    let cheb = |x: f64, p: f64, q: f64, _k: f64| 2.0 * x * q - p;
+    assert_rel(
+        &run_poly("aten.special_chebyshev_polynomial_t.default"),
+        &eval(&cheb, &|x| x),
+        1e-6,
+    );
+    // T_n(cos t) = cos(n t): an independent check of the recurrence.
+    let t = (0.3f32 as f64).acos();
+    assert!((eval(&cheb, &|x| x)[0] - 1.0).abs() < 1e-12);
+    assert!(((0.3f32 as f64) - (1.0 * t).cos()).abs() < 1e-12);
+    assert_rel(
+        &run_poly("aten.special_chebyshev_polynomial_u.default"),
+        &eval(&cheb, &|x| 2.0 * x),
+        1e-6,
+    );
+    let h = run_poly("aten.special_hermite_polynomial_h.default");
+    // H_3(x) = 8x^3 - 12x, H_10(-3) from the recurrence.
+    let x2 = 1.5f64;
+    assert!(((h[2] as f64) - (8.0 * x2.powi(3) - 12.0 * x2)).abs() < 1e-5);
+    assert_rel(
+        &h,
+        &eval(&|x, p, q, k| 2.0 * x * q - 2.0 * k * p, &|x| 2.0 * x),
+        1e-6,
+    );
+    let l = run_poly("aten.special_laguerre_polynomial_l.default");
+    assert_rel(
+        &l,
+        &eval(
+            &|x, p, q, k| ((2.0 * k + 1.0 - x) * q - k * p) / (k + 1.0),
+            &|x| 1.0 - x,
+        ),
+        1e-6,
+    );
+    let leg = run_poly("aten.special_legendre_polynomial_p.default");
+    // P_3(x) = (5x^3 - 3x) / 2.
+    assert!(((leg[2] as f64) - (5.0 * x2.powi(3) - 3.0 * x2) / 2.0).abs() < 1e-5);
+    // Shifted: T*_n(x) = T_n(2x - 1); T*_3(1.5) = T_3(2) = 4 * 8 - 3 * 2 = 26.
+    let s = run_poly("aten.special_shifted_chebyshev_polynomial_t.default");
+    assert_eq!(s[2], 26.0);
+    assert_eq!(s[4], 0.0);
+}
+
+#[test]
+fn num_put_masked_scatter_nonzero_static_histc() {
+    let g = op(
+        &[
+            ("x", &[2, 3], "float32"),
+            ("i", &[3], "int64"),
+            ("s", &[3], "float32"),
+        ],
+        "aten.put.default",
+        json!([n("x"), n("i"), n("s"), true]),
+        nokw(),
+        f32t(&[2, 3]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![0.0; 6]),
+            Buf::I64(vec![1, -1, 1]),
+            Buf::F32(vec![1.0, 2.0, 3.0]),
+        ],
+    );
+    assert_eq!(out[0].f32(), &[0.0, 4.0, 0.0, 0.0, 0.0, 2.0]);
+    // masked_scatter with a broadcast mask: rows 0 and 2 take source elements in order.
+    let g = op(
+        &[
+            ("x", &[3, 2], "float32"),
+            ("m", &[3, 1], "bool"),
+            ("s", &[5], "float32"),
+        ],
+        "aten.masked_scatter.default",
+        json!([n("x"), n("m"), n("s")]),
+        nokw(),
+        f32t(&[3, 2]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![-1.0; 6]),
+            Buf::Bool(vec![true, false, true]),
+            Buf::F32(vec![10.0, 11.0, 12.0, 13.0, 14.0]),
+        ],
+    );
+    assert_eq!(out[0].f32(), &[10.0, 11.0, -1.0, -1.0, 12.0, 13.0]);
+    let nz = |size: i64| {
+        let g = op(
+            &[("x", &[2, 3], "float32")],
+            "aten.nonzero_static.default",
+            json!([n("x")]),
+            json!({"size": size, "fill_value": -7}),
+            t(&[size, 2], "int64"),
+        );
+        run(&g, &[Buf::F32(vec![0.0, 5.0, 0.0, 1.0, 0.0, 2.0])])[0]
+            .i64()
+            .to_vec()
+    };
+    assert_eq!(nz(4), vec![0, 1, 1, 0, 1, 2, -7, -7]);
+    assert_eq!(nz(2), vec![0, 1, 1, 0]);
+    // histc over the data's range [-1, 3] in 4 bins; 3 (the max) falls in the last bin.
+    let g = op(
+        &[("x", &[6], "float32")],
+        "aten.histc.default",
+        json!([n("x"), 4]),
+        nokw(),
+        f32t(&[4]),
+    );
+    let out = run(&g, &[Buf::F32(vec![-1.0, 0.5, 0.0, 3.0, 2.9, 1.0])]);
+    assert_eq!(out[0].f32(), &[1.0, 2.0, 1.0, 2.0]);
+    let g = op(
+        &[("x", &[4], "float32")],
+        "aten.histc.default",
+        json!([n("x"), 2, 0.0, 1.0]),
+        nokw(),
+        f32t(&[2]),
+    );
+    let out = run(&g, &[Buf::F32(vec![-0.5, 0.25, 0.5, 7.0])]);
+    assert_eq!(out[0].f32(), &[1.0, 1.0]);
+}

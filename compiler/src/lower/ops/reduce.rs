@@ -47,6 +47,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.nanmedian.dim", median_dim),
     ("aten.searchsorted.Tensor", searchsorted),
     ("aten.bucketize.Tensor", bucketize),
+    ("aten.histc.default", histc),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -341,7 +342,7 @@ fn log_softmax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// An inclusive scan of `operands` along `d` (all of one shape): a reduce_window whose window
 /// covers everything up to each element (the window's length of low padding, filled with
 /// `inits`), combined by `region`.
-fn scan<'c, 'b>(
+pub fn scan<'c, 'b>(
     e: &Emitter<'c, 'b>,
     operands: &[&T<'c, 'b>],
     inits: &[&T<'c, 'b>],
@@ -763,6 +764,67 @@ fn bucketize<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         right,
         cx.out_dtype()?,
     )?])
+}
+
+/// Inclusive running sum of an int64 tensor along `d`.
+pub fn running_sum<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, d: usize) -> R<T<'c, 'b>> {
+    let init = e.splat(Scalar::Int(0), &[], t.dtype)?;
+    let region = e.scalar_region(ReduceKind::Sum, t.dtype)?;
+    Ok(scan(e, &[t], &[&init], d, region)?.remove(0))
+}
+
+/// `histc(self, bins=100, min=0, max=0)`: counts in `bins` equal bins over [min, max] (the data's
+/// range when min == max, widened by 1 each way if that is empty too); elements outside and NaNs
+/// are not counted, `max` itself goes to the last bin. The bin of x is
+/// `floor((x - min) * bins / (max - min))`, computed in the input dtype as PyTorch's kernel does.
+fn histc<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let bins = cx.int_or(1, "bins", 100)?;
+    let lo = cx.float_or(2, "min", 0.0)?;
+    let hi = cx.float_or(3, "max", 0.0)?;
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let dt = if x.dtype.is_float() {
+        x.dtype
+    } else {
+        DType::Float32
+    };
+    let flat = e.convert(&e.reshape(&x, &[x.numel()])?, dt)?;
+    let (lo, hi) = if lo == hi {
+        if x.numel() == 0 {
+            (e.k(lo - 1.0, dt)?, e.k(hi + 1.0, dt)?)
+        } else {
+            let mn = e.reduce(&flat, &[0], ReduceKind::Min, false)?;
+            let mx = e.reduce(&flat, &[0], ReduceKind::Max, false)?;
+            let same = e.compare(&mn, &mx, "EQ")?;
+            (
+                e.select(&same, &e.sub(&mn, &e.k(1.0, dt)?)?, &mn, dt)?,
+                e.select(&same, &e.add(&mx, &e.k(1.0, dt)?)?, &mx, dt)?,
+            )
+        }
+    } else {
+        (e.k(lo, dt)?, e.k(hi, dt)?)
+    };
+    let pos = e.div(
+        &e.mul(&e.sub(&flat, &lo)?, &e.k(bins as f64, dt)?)?,
+        &e.sub(&hi, &lo)?,
+    )?;
+    let pos = e.convert(&e.unary("stablehlo.floor", &pos)?, DType::Int64)?;
+    let last = e.splat(Scalar::Int(bins - 1), &[], DType::Int64)?;
+    let pos = e.binary("stablehlo.minimum", &pos, &last, DType::Int64)?;
+    let inside = e.and(&e.compare(&flat, &lo, "GE")?, &e.compare(&flat, &hi, "LE")?)?;
+    let n = x.numel();
+    let grid = [n, bins];
+    let hit = e.and(
+        &e.compare(
+            &e.broadcast_in_dim(&pos, &grid, &[0])?,
+            &e.iota(&grid, 1, DType::Int64)?,
+            "EQ",
+        )?,
+        &e.broadcast_in_dim(&inside, &grid, &[0])?,
+    )?;
+    let counts = e.reduce(&e.convert(&hit, out)?, &[0], ReduceKind::Sum, false)?;
+    Ok(vec![e.reshape(&counts, &shape)?])
 }
 
 trait MaxFloat {

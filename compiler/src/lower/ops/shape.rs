@@ -56,6 +56,9 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.scatter.reduce", scatter_reduce),
     ("aten.scatter.value_reduce", scatter_reduce),
     ("aten.index_reduce.default", index_reduce),
+    ("aten.put.default", put),
+    ("aten.masked_scatter.default", masked_scatter),
+    ("aten.nonzero_static.default", nonzero_static),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -1107,4 +1110,112 @@ fn index_reduce<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         &reduce,
         include_self,
     )?])
+}
+
+/// `put(self, index, source, accumulate=False)`: `self` as a flat buffer, `source` written (or
+/// added) at the flat positions `index` (negative ones count from the end).
+fn put<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let index = cx.tensor(1, "index")?;
+    let src = cx.tensor(2, "source")?;
+    let accumulate = cx.bool_or(3, "accumulate", false)?;
+    let e = cx.e;
+    let k = index.numel();
+    if k == 0 {
+        return Ok(vec![x]);
+    }
+    let flat = e.reshape(&x, &[x.numel()])?;
+    let idx = wrap_index(e, &e.reshape(&index, &[k])?, x.numel())?;
+    let idx = e.reshape(&idx, &[k, 1])?;
+    let upd = e.reshape(&e.convert(&src, x.dtype)?, &[k])?;
+    let s = e.scatter(&flat, &idx, &upd, &[], &[0], &[0], accumulate)?;
+    Ok(vec![e.reshape(&s, &x.shape)?])
+}
+
+/// For a flat bool mask: each true element's rank among the true ones (0, 1, ...), int64.
+fn true_ranks<'c, 'b>(e: &Emitter<'c, 'b>, mask: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    let ones = e.convert(mask, DType::Int64)?;
+    let c = crate::lower::ops::reduce::running_sum(e, &ones, 0)?;
+    e.sub(&c, &e.splat(Scalar::Int(1), &[], DType::Int64)?)
+}
+
+/// `masked_scatter(self, mask, source)`: where `mask` (broadcast) is true, the next element of
+/// `source` (flattened), in row-major order.
+fn masked_scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let mask = cx.tensor(1, "mask")?;
+    let src = cx.tensor(2, "source")?;
+    let e = cx.e;
+    let n = x.numel();
+    if n == 0 || src.numel() == 0 {
+        return Ok(vec![x]);
+    }
+    let m = e.reshape(
+        &e.broadcast_to(&e.convert(&mask, DType::Bool)?, &x.shape)?,
+        &[n],
+    )?;
+    let rank = true_ranks(e, &m)?;
+    let last = e.splat(Scalar::Int(src.numel() - 1), &[], DType::Int64)?;
+    let zero = e.splat(Scalar::Int(0), &[], DType::Int64)?;
+    let pos = e.binary("stablehlo.minimum", &rank, &last, DType::Int64)?;
+    let pos = e.binary("stablehlo.maximum", &pos, &zero, DType::Int64)?;
+    let flat_src = e.reshape(&e.convert(&src, x.dtype)?, &[src.numel()])?;
+    let taken = take_along(cx, &flat_src, 0, &pos, &[n])?;
+    let flat = e.reshape(&x, &[n])?;
+    let r = e.select(&m, &taken, &flat, x.dtype)?;
+    Ok(vec![e.reshape(&r, &x.shape)?])
+}
+
+/// `nonzero_static(self, size, fill_value=-1) -> [size, ndim]`: the coordinates of the first
+/// `size` non-zero elements in row-major order, the remaining rows `fill_value`.
+fn nonzero_static<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let size = cx.int(1, "size")?;
+    let fill = cx.int_or(2, "fill_value", -1)?;
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let n = x.numel();
+    let nd = x.rank() as i64;
+    if n == 0 || size == 0 || nd == 0 {
+        return Ok(vec![e.splat(Scalar::Int(fill), &shape, out)?]);
+    }
+    let nz = e.reshape(
+        &e.compare(&x, &e.splat(Scalar::Int(0), &[], x.dtype)?, "NE")?,
+        &[n],
+    )?;
+    let rank = true_ranks(e, &nz)?;
+    let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
+    // Rows past `size` and zeros go to an extra last row, sliced off below.
+    let keep = e.and(&nz, &e.compare(&rank, &i64k(size)?, "LT")?)?;
+    let row = e.select(&keep, &rank, &i64k(size)?, DType::Int64)?;
+    let flat = e.iota(&[n], 0, DType::Int64)?;
+    let mut cols = Vec::new();
+    let mut stride = n;
+    for d in 0..x.rank() {
+        stride /= x.shape[d].max(1);
+        let c = e.binary(
+            "stablehlo.remainder",
+            &e.div(&flat, &i64k(stride.max(1))?)?,
+            &i64k(x.shape[d])?,
+            DType::Int64,
+        )?;
+        cols.push(e.reshape(&c, &[n, 1])?);
+    }
+    let refs: Vec<&T> = cols.iter().collect();
+    let coords = if refs.len() == 1 {
+        cols[0].clone()
+    } else {
+        e.op(
+            "stablehlo.concatenate",
+            &refs,
+            &[("dimension", "1 : i64".into())],
+            &[n, nd],
+            DType::Int64,
+        )?
+    };
+    let base = e.splat(Scalar::Int(fill), &[size + 1, nd], DType::Int64)?;
+    let idx = e.reshape(&row, &[n, 1])?;
+    let s = e.scatter(&base, &idx, &coords, &[1], &[0], &[0], false)?;
+    let s = e.slice(&s, &[0, 0], &[size, nd], &[1, 1])?;
+    Ok(vec![e.convert(&s, out)?])
 }

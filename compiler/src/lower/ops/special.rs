@@ -6,7 +6,7 @@
 use super::elementwise::unary_f64;
 use crate::lower::emit::Emitter;
 use crate::lower::registry::Rule;
-use crate::lower::{NodeCx, R, T};
+use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
 
 pub static RULES: &[(&str, Rule)] = &[
@@ -23,6 +23,54 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.special_i1.default", i1),
     ("aten.special_modified_bessel_i1.default", i1),
     ("aten.special_i1e.default", i1e),
+    (
+        "aten.special_chebyshev_polynomial_t.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_chebyshev_polynomial_u.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_chebyshev_polynomial_v.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_chebyshev_polynomial_w.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_shifted_chebyshev_polynomial_t.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_shifted_chebyshev_polynomial_u.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_shifted_chebyshev_polynomial_v.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_shifted_chebyshev_polynomial_w.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_hermite_polynomial_h.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_hermite_polynomial_he.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_laguerre_polynomial_l.default",
+        orthogonal_polynomial,
+    ),
+    (
+        "aten.special_legendre_polynomial_p.default",
+        orthogonal_polynomial,
+    ),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -417,4 +465,140 @@ fn i1<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 
 fn i1e<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     unary_f64(cx, |e, x| bessel_i(&F { e }, x, 1, true))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Orthogonal polynomials P_n(x), n a tensor (truncated to an integer, as PyTorch does)
+// ---------------------------------------------------------------------------------------------
+
+/// The three-term recurrences: P_1, and P_{k+1} from (x, P_{k-1}, P_k, k).
+#[derive(Clone, Copy)]
+enum Family {
+    ChebyshevT,
+    ChebyshevU,
+    ChebyshevV,
+    ChebyshevW,
+    HermiteH,
+    HermiteHe,
+    Laguerre,
+    Legendre,
+}
+
+impl Family {
+    fn first<'c, 'b>(self, f: &F<'_, 'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        match self {
+            Family::ChebyshevT | Family::HermiteHe | Family::Legendre => Ok(x.clone()),
+            Family::ChebyshevU | Family::HermiteH => f.mulk(x, 2.0),
+            Family::ChebyshevV => f.addk(&f.mulk(x, 2.0)?, -1.0),
+            Family::ChebyshevW => f.addk(&f.mulk(x, 2.0)?, 1.0),
+            Family::Laguerre => f.rsub(1.0, x),
+        }
+    }
+
+    fn next<'c, 'b>(
+        self,
+        f: &F<'_, 'c, 'b>,
+        x: &T<'c, 'b>,
+        p: &T<'c, 'b>,
+        q: &T<'c, 'b>,
+        k: &T<'c, 'b>,
+    ) -> R<T<'c, 'b>> {
+        let e = f.e;
+        match self {
+            Family::ChebyshevT | Family::ChebyshevU | Family::ChebyshevV | Family::ChebyshevW => {
+                e.sub(&e.mul(&f.mulk(x, 2.0)?, q)?, p)
+            }
+            Family::HermiteH => e.sub(&e.mul(&f.mulk(x, 2.0)?, q)?, &e.mul(&f.mulk(k, 2.0)?, p)?),
+            Family::HermiteHe => e.sub(&e.mul(x, q)?, &e.mul(k, p)?),
+            Family::Laguerre => {
+                let a = e.sub(&f.addk(&f.mulk(k, 2.0)?, 1.0)?, x)?;
+                let r = e.sub(&e.mul(&a, q)?, &e.mul(k, p)?)?;
+                e.div(&r, &f.addk(k, 1.0)?)
+            }
+            Family::Legendre => {
+                let a = e.mul(&f.addk(&f.mulk(k, 2.0)?, 1.0)?, x)?;
+                let r = e.sub(&e.mul(&a, q)?, &e.mul(k, p)?)?;
+                e.div(&r, &f.addk(k, 1.0)?)
+            }
+        }
+    }
+}
+
+/// `special_*_polynomial_*(x, n)`: P_0 = 1, P_1, then the recurrence in a `stablehlo.while` up
+/// to the largest n, each element keeping P_k at its own k = n; 0 for n < 0. The shifted
+/// Chebyshev polynomials are the plain ones at 2x - 1. Evaluated in f64.
+fn orthogonal_polynomial<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let name = cx.node.op.as_str();
+    let family = match name {
+        n if n.contains("chebyshev_polynomial_t") => Family::ChebyshevT,
+        n if n.contains("chebyshev_polynomial_u") => Family::ChebyshevU,
+        n if n.contains("chebyshev_polynomial_v") => Family::ChebyshevV,
+        n if n.contains("chebyshev_polynomial_w") => Family::ChebyshevW,
+        n if n.contains("hermite_polynomial_he") => Family::HermiteHe,
+        n if n.contains("hermite_polynomial_h") => Family::HermiteH,
+        n if n.contains("laguerre") => Family::Laguerre,
+        _ => Family::Legendre,
+    };
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let f = F { e };
+    let x = e.broadcast_to(&e.convert(&cx.tensor_or_scalar(0, "x", F64)?, F64)?, &shape)?;
+    let x = if name.contains("shifted") {
+        f.addk(&f.mulk(&x, 2.0)?, -1.0)?
+    } else {
+        x
+    };
+    let n = cx.tensor_or_scalar(1, "n", DType::Int64)?;
+    // Truncation towards zero, as static_cast<int64_t>.
+    let n = e.broadcast_to(&e.convert(&n, DType::Int64)?, &shape)?;
+    let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
+    let p0 = e.splat(Scalar::Int(1), &shape, F64)?;
+    let p1 = family.first(&f, &x)?;
+    let zero = e.splat(Scalar::Int(0), &shape, F64)?;
+    let res = f.sel(&e.compare(&n, &i64k(1)?, "EQ")?, &p1, &zero)?;
+    let res = f.sel(&e.compare(&n, &i64k(0)?, "EQ")?, &p0, &res)?;
+    let max_n = e.reduce(
+        &n,
+        &(0..n.rank() as i64).collect::<Vec<_>>(),
+        ReduceKind::Max,
+        false,
+    )?;
+    let k0 = i64k(1)?;
+    let full = (shape.clone(), F64);
+    let types = vec![
+        (vec![], DType::Int64),
+        full.clone(),
+        full.clone(),
+        full.clone(),
+        full.clone(),
+        (shape.clone(), DType::Int64),
+        (vec![], DType::Int64),
+    ];
+    let cond = e.region_of(&types, |e, a| Ok(vec![e.compare(&a[0], &a[6], "LT")?]))?;
+    let body = e.region_of(&types, move |e, a| {
+        let f = F { e };
+        let (k, p, q, res, x, n, max_n) = (&a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6]);
+        let kf = e.convert(k, F64)?;
+        let r = family.next(&f, x, p, q, &kf)?;
+        let k1 = e.add(k, &e.splat(Scalar::Int(1), &[], DType::Int64)?)?;
+        let res = f.sel(&e.compare(n, &k1, "EQ")?, &r, res)?;
+        Ok(vec![
+            k1,
+            q.clone(),
+            r,
+            res,
+            x.clone(),
+            n.clone(),
+            max_n.clone(),
+        ])
+    })?;
+    let looped = e.op_n(
+        "stablehlo.while",
+        &[&k0, &p0, &p1, &res, &x, &n, &max_n],
+        &[],
+        &types,
+        vec![cond, body],
+    )?;
+    let res = f.sel(&e.compare(&n, &i64k(0)?, "LT")?, &zero, &looped[3])?;
+    Ok(vec![e.convert(&res, out)?])
 }
