@@ -626,6 +626,17 @@ fn cache_clear(dir: PathBuf) -> PyResult<usize> {
     open_cache(dir)?.clear().map_err(cache_err)
 }
 
+/// Live PJRT objects of this process: `{"buffers", "events", "executables"}` (leak tests).
+#[pyfunction]
+fn live_objects() -> HashMap<&'static str, usize> {
+    let live = tpuc_compiler::pjrt::live_objects();
+    HashMap::from([
+        ("buffers", live.buffers),
+        ("events", live.events),
+        ("executables", live.executables),
+    ])
+}
+
 #[pyfunction]
 fn supported_ops() -> Vec<&'static str> {
     tpuc_compiler::lower::supported_ops()
@@ -655,6 +666,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bucket::bucket_graph, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::eval_sym, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
+    m.add_function(wrap_pyfunction!(live_objects, m)?)?;
     m.add_function(wrap_pyfunction!(cache_list, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(cache_verify, m)?)?;

@@ -239,7 +239,11 @@ pub(crate) struct Event {
 impl Event {
     /// Takes ownership of `raw` (None when null: the plugin gave no event).
     pub(crate) fn from_raw(api: &'static Api, raw: *mut sys::PJRT_Event) -> Option<Event> {
-        (!raw.is_null()).then_some(Event { api, raw })
+        if raw.is_null() {
+            return None;
+        }
+        super::LIVE_EVENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(Event { api, raw })
     }
 
     /// Blocks until the event is ready, then reports its error, if any.
@@ -259,6 +263,7 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
+        super::LIVE_EVENTS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         let mut args = sys::PJRT_Event_Destroy_Args::new();
         args.event = self.raw;
         // SAFETY: the event is live and not used after this.

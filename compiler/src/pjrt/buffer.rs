@@ -33,6 +33,7 @@ impl std::fmt::Debug for Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        super::LIVE_BUFFERS.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         let api = self.client.api();
         let mut args = sys::PJRT_Buffer_Destroy_Args::new();
         args.buffer = self.raw;
@@ -59,6 +60,7 @@ impl Buffer {
         if raw.is_null() {
             return Err(PjrtError::Other("PJRT returned a null buffer".into()));
         }
+        super::LIVE_BUFFERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Buffer {
             client,
             raw,

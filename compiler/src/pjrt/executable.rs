@@ -79,6 +79,7 @@ unsafe impl Sync for LoadedExecutable {}
 
 impl Drop for LoadedExecutable {
     fn drop(&mut self) {
+        super::LIVE_EXECUTABLES.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         let mut args = sys::PJRT_LoadedExecutable_Destroy_Args::new();
         args.executable = self.raw;
         // SAFETY: the executable is live and not used after this.
@@ -130,6 +131,7 @@ impl LoadedExecutable {
         if raw.is_null() {
             return Err(PjrtError::Other("PJRT returned no executable".into()));
         }
+        super::LIVE_EXECUTABLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut exe = LoadedExecutable {
             client,
             raw,

@@ -22,11 +22,35 @@ mod sys;
 mod tests;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use buffer::Buffer;
 pub use client::Client;
 pub use executable::{CompileOptions, LoadedExecutable};
 pub use plugin::{load_plugin, Plugin};
+
+/// Live PJRT objects held by this process (for leak tests): incremented where a wrapper takes
+/// ownership of a handle, decremented where it destroys it.
+pub(crate) static LIVE_BUFFERS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static LIVE_EVENTS: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static LIVE_EXECUTABLES: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts of live PJRT objects owned by wrappers in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LiveObjects {
+    pub buffers: usize,
+    pub events: usize,
+    pub executables: usize,
+}
+
+/// How many buffers, events and loaded executables are alive right now.
+pub fn live_objects() -> LiveObjects {
+    LiveObjects {
+        buffers: LIVE_BUFFERS.load(Ordering::Relaxed),
+        events: LIVE_EVENTS.load(Ordering::Relaxed),
+        executables: LIVE_EXECUTABLES.load(Ordering::Relaxed),
+    }
+}
 
 /// Errors of the PJRT runtime.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,1 @@
+"""Differential fuzzing of tpuc against eager PyTorch (see cli.py for long runs)."""

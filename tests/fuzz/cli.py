@@ -1,0 +1,132 @@
+"""Long differential fuzzing runs with a report.
+
+    python tests/fuzz/cli.py --count 10000 [--start 0] [--report fuzz_report.json] [--save]
+
+Programs run in worker subprocesses, so that a process abort (SIGABRT, SIGSEGV) is recorded as a
+crash of the program that caused it and the run goes on. --save shrinks each failure and writes it
+as a regression test under tests/fuzz/regressions/."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def worker(start: int, end: int, include_known: bool) -> None:
+    """Runs seeds [start, end); one JSON line per program on stdout, a `begin` line before each."""
+    import tempfile
+
+    os.environ.setdefault("TPUC_CACHE_DIR", tempfile.mkdtemp(prefix="tpuc-fuzz-"))
+    from fuzz.gen import generate
+    from fuzz.runner import run
+
+    for seed in range(start, end):
+        print(json.dumps({"begin": seed}), flush=True)
+        program = generate(seed, include_known=include_known)
+        t0 = time.perf_counter()
+        outcome = run(program)
+        print(
+            json.dumps(
+                {
+                    "seed": seed,
+                    "kind": outcome.kind,
+                    "type": outcome.error_type,
+                    "detail": outcome.detail,
+                    "seconds": round(time.perf_counter() - t0, 3),
+                    "nodes": len(program.nodes),
+                }
+            ),
+            flush=True,
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=1000)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=500, help="programs per worker process")
+    ap.add_argument("--report", default="fuzz_report.json")
+    ap.add_argument("--save", action="store_true", help="shrink failures into tests/fuzz/regressions/")
+    ap.add_argument("--include-known", action="store_true", help="also generate known (xfail) bugs")
+    ap.add_argument("--worker", nargs=2, type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(*args.worker, args.include_known)
+        return 0
+
+    t0 = time.time()
+    results, crashes = [], []
+    seed, end = args.start, args.start + args.count
+    while seed < end:
+        stop = min(seed + args.batch, end)
+        cmd = [sys.executable, __file__, "--worker", str(seed), str(stop)]
+        if args.include_known:
+            cmd.append("--include-known")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        current = None
+        for line in proc.stdout:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # anything a program printed
+            if "begin" in rec:
+                current = rec["begin"]
+            else:
+                results.append(rec)
+                current = None
+        rc = proc.wait()
+        if current is not None:  # the worker died inside a program: a crash
+            crashes.append({"seed": current, "returncode": rc})
+            results.append({"seed": current, "kind": "crash", "type": f"exit {rc}", "detail": ""})
+            seed = current + 1
+        else:
+            seed = stop
+        done = len(results)
+        print(f"\r{done}/{args.count} programs, {time.time() - t0:.0f}s", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+
+    kinds = collections.Counter(r["kind"] for r in results)
+    errors = collections.Counter(r["type"] for r in results if r["kind"] == "error")
+    bad = [r for r in results if r["kind"] in ("mismatch", "internal", "crash")]
+    report = {
+        "programs": len(results),
+        "seconds": round(time.time() - t0, 1),
+        "ok": kinds["ok"],
+        "crashes": kinds["crash"],
+        "silent_mismatches": kinds["mismatch"],
+        "internal_errors": kinds["internal"],
+        "clear_errors": dict(errors),
+        "invalid": kinds["invalid"],
+        "failures": bad,
+        "error_examples": {t: next(r["detail"] for r in results if r["type"] == t) for t in errors},
+    }
+    if args.save and bad:
+        from fuzz.gen import generate
+        from fuzz.runner import run, save_regression, shrink
+
+        for r in bad:
+            if r["kind"] == "crash":
+                continue  # a crash would kill this process too: its seed is in the report
+            program = generate(r["seed"], include_known=args.include_known)
+            outcome = run(program)
+            if outcome.bad:
+                small, small_outcome = shrink(program, outcome)
+                r["regression"] = str(save_regression(small, small_outcome, f"seed{r['seed']}"))
+    Path(args.report).write_text(json.dumps(report, indent=2))
+    summary = {k: v for k, v in report.items() if k not in ("failures", "error_examples")}
+    print(json.dumps(summary, indent=2))
+    for r in bad[:20]:
+        print(f"  seed {r['seed']}: {r['kind']} {r.get('type', '')} {r.get('detail', '')[:200]}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
