@@ -245,3 +245,31 @@ def test_batchnorm_training_dynamic_batch_matches_eager_statistics_and_gradients
     assert not stats["fallback_ops"], stats["fallback_ops"]
     # Forward and backward for buckets 4 and 6.
     assert stats["xla_compiles"] == 4
+
+
+def test_decoder_training_dynamic_sequence_is_bucketed_and_matches_eager_gradients():
+    torch.manual_seed(0)
+    model = Decoder().train()
+    reference = copy.deepcopy(model)
+    compiled = _compile(model, buckets=[4, 8])
+
+    def step(forward, m, ids):
+        m.zero_grad()
+        loss = -forward(ids)[:, 0].mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    first = torch.randint(0, 40, (2, 5))
+    torch._dynamo.mark_dynamic(first, 1, min=2, max=8)
+    tpuc.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no per-shape fallback
+        step(compiled, model, first)
+        for t in range(2, 9):
+            ids = torch.randint(0, 40, (2, t))
+            loss, grads = step(compiled, model, ids)
+            ref_loss, ref_grads = step(reference, reference, ids)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+            for name, g in grads.items():
+                torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert tpuc.stats()["xla_compiles"] == 4  # forward and backward, buckets 4 and 8

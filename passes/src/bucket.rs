@@ -995,6 +995,7 @@ impl<'a> Bucketer<'a> {
             "index_select" | "gather" | "scatter" | "scatter_add" => self.gather(id, n, base),
             "index" => self.index(id, n),
             "constant_pad_nd" => self.constant_pad(id, n),
+            "slice_scatter" | "select_scatter" => self.slice_scatter(id, n),
             _ => Err(self.err("no bucketing rule for this op, and it reads a padded dim")),
         }
     }
@@ -1206,9 +1207,9 @@ impl<'a> Bucketer<'a> {
                 .iter()
                 .all(|p| !p)
                 && ins.last().is_none_or(|v| {
-                    self.layouts
-                        .get(v)
-                        .is_none_or(|lv| lv.len() != ty.rank() || lv[dim].len() == 1)
+                    self.layouts.get(v).is_none_or(|lv| {
+                        lv.len() != ty.rank() || lv[dim].len() == 1 || !dim_padded(&lv[dim])
+                    })
                 });
             if !last_only {
                 return Err(self.err("cat along a padded dim, padded before its last operand"));
@@ -1888,6 +1889,40 @@ impl<'a> Bucketer<'a> {
         };
         let new = self.copy_node(n, &replace, false)?;
         self.finish(id, new, vec![Some(out)])
+    }
+
+    /// `base` with `src` written into a slice (or index) of a dim that is not padded: every
+    /// other dim lines up element for element, so padding stays where it was.
+    fn slice_scatter(&mut self, id: NodeId, n: &Node) -> R<()> {
+        let base = self.operand(n, 0)?;
+        let src = self.operand(n, 1)?;
+        let lb = self.layout_of(base)?;
+        let ls = self.layout_of(src)?;
+        let dim = self.dims_arg(Some(n.args.get(2).unwrap_or(&Arg::Int(0))), lb.len())?[0];
+        if dim_padded(&lb[dim]) {
+            return Err(self.err("a scatter into a padded dim"));
+        }
+        let others: Vec<&DimLayout> = lb
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != dim)
+            .map(|(_, d)| d)
+            .collect();
+        let src_others: Vec<&DimLayout> = if ls.len() == lb.len() {
+            ls.iter()
+                .enumerate()
+                .filter(|(i, _)| *i != dim)
+                .map(|(_, d)| d)
+                .collect()
+        } else {
+            ls.iter().collect() // select_scatter: src lacks the dim
+        };
+        if others.len() != src_others.len()
+            || others.iter().zip(&src_others).any(|(a, b)| !same_dim(a, b))
+        {
+            return Err(self.err("source padded unlike the base"));
+        }
+        self.copy_with(id, n, vec![Some(lb)])
     }
 
     fn constant_pad(&mut self, id: NodeId, n: &Node) -> R<()> {
