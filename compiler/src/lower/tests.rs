@@ -3803,3 +3803,43 @@ fn num_put_masked_scatter_nonzero_static_histc() {
     let out = run(&g, &[Buf::F32(vec![-0.5, 0.25, 0.5, 7.0])]);
     assert_eq!(out[0].f32(), &[1.0, 1.0]);
 }
+
+#[test]
+fn num_hurwitz_zeta_and_spherical_j0() {
+    let pi = std::f64::consts::PI;
+    let zeta3 = 1.202_056_903_159_594_3;
+    let g = op(
+        &[("s", &[7], "float32"), ("q", &[7], "float32")],
+        "aten.special_zeta.default",
+        json!([n("s"), n("q")]),
+        nokw(),
+        f32t(&[7]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![2.0, 3.0, 0.5, 1.0, 2.0, 2.0, 2.5]),
+            Buf::F32(vec![1.0, 0.5, 1.0, 2.0, -1.0, -0.5, -0.5]),
+        ],
+    );
+    assert_rel(
+        out[0].f32(),
+        &[
+            pi * pi / 6.0,
+            7.0 * zeta3,
+            f64::NAN,
+            f64::INFINITY,
+            f64::INFINITY,
+            // (-1/2)^-2 + zeta(2, 1/2) = 4 + 3 zeta(2).
+            4.0 + pi * pi / 2.0,
+            f64::NAN,
+        ],
+        2e-7,
+    );
+    let got = unary_f32(
+        "aten.special_spherical_bessel_j0.default",
+        json!([]),
+        &[0.0, 1.0, -2.5],
+    );
+    assert_rel(&got, &[1.0, 1f64.sin(), (2.5f32 as f64).sin() / 2.5], 1e-7);
+}

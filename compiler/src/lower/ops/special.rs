@@ -71,6 +71,13 @@ pub static RULES: &[(&str, Rule)] = &[
         "aten.special_legendre_polynomial_p.default",
         orthogonal_polynomial,
     ),
+    (
+        "aten.special_spherical_bessel_j0.default",
+        spherical_bessel_j0,
+    ),
+    ("aten.special_zeta.default", zeta),
+    ("aten.special_zeta.self_scalar", zeta),
+    ("aten.special_zeta.other_scalar", zeta),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -601,4 +608,87 @@ fn orthogonal_polynomial<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     )?;
     let res = f.sel(&e.compare(&n, &i64k(0)?, "LT")?, &zero, &looped[3])?;
     Ok(vec![e.convert(&res, out)?])
+}
+
+/// j0(x) = sin(x) / x, 1 at 0.
+fn spherical_bessel_j0<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    unary_f64(cx, |e, x| {
+        let f = F { e };
+        let r = e.div(&f.un("stablehlo.sine", x)?, x)?;
+        f.sel(&f.cmpk(x, 0.0, "EQ")?, &f.k(1.0)?, &r)
+    })
+}
+
+/// The Hurwitz zeta function zeta(x, q) = sum_k (q + k)^-x by Euler-Maclaurin (20 terms, then
+/// the integral, half a term and 7 Bernoulli corrections), with PyTorch's (Cephes') domain:
+/// inf at x = 1 and at q a non-positive integer, NaN for x < 1 and for q < 0 with x not an
+/// integer.
+fn zeta<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    const TERMS: u32 = 20;
+    // B_2j / (2j)!, j = 1..7.
+    const BERNOULLI: [f64; 7] = [
+        1.0 / 6.0 / 2.0,
+        -1.0 / 30.0 / 24.0,
+        1.0 / 42.0 / 720.0,
+        -1.0 / 30.0 / 40_320.0,
+        5.0 / 66.0 / 3_628_800.0,
+        -691.0 / 2730.0 / 479_001_600.0,
+        7.0 / 6.0 / 87_178_291_200.0,
+    ];
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let f = F { e };
+    let s = e.broadcast_to(
+        &e.convert(&cx.tensor_or_scalar(0, "self", F64)?, F64)?,
+        &shape,
+    )?;
+    let q = e.broadcast_to(
+        &e.convert(&cx.tensor_or_scalar(1, "other", F64)?, F64)?,
+        &shape,
+    )?;
+    let neg_s = f.un("stablehlo.negate", &s)?;
+    // (q + k)^-s, with the sign of a negative base for integer s.
+    let pow_neg_s = |base: &T<'c, 'b>| -> R<T<'c, 'b>> {
+        let a = f.un("stablehlo.abs", base)?;
+        let m = e.binary("stablehlo.power", &a, &neg_s, F64)?;
+        // Odd integer s and a negative base: negative.
+        let half = f.mulk(&s, 0.5)?;
+        let odd = e.compare(&half, &f.un("stablehlo.floor", &half)?, "NE")?;
+        let flip = e.and(&odd, &f.cmpk(base, 0.0, "LT")?)?;
+        f.sel(&flip, &f.un("stablehlo.negate", &m)?, &m)
+    };
+    let mut sum = f.k(0.0)?;
+    for k in 0..TERMS {
+        sum = e.add(&sum, &pow_neg_s(&f.addk(&q, k as f64)?)?)?;
+    }
+    let w = f.addk(&q, TERMS as f64)?;
+    let wps = pow_neg_s(&w)?; // w^-s
+    sum = e.add(&sum, &e.div(&e.mul(&wps, &w)?, &f.addk(&s, -1.0)?)?)?;
+    sum = e.add(&sum, &f.mulk(&wps, 0.5)?)?;
+    let iw = f.rdiv(1.0, &w)?;
+    // Term j: B_2j / (2j)! * s (s+1) ... (s+2j-2) * w^-(s+2j-1).
+    let mut rising = s.clone();
+    let mut pw = e.mul(&wps, &iw)?;
+    for (j, b) in BERNOULLI.iter().enumerate() {
+        if j > 0 {
+            let m = f.addk(&s, (2 * j - 1) as f64)?;
+            rising = e.mul(&rising, &e.mul(&m, &f.addk(&m, 1.0)?)?)?;
+            pw = e.mul(&pw, &e.mul(&iw, &iw)?)?;
+        }
+        sum = e.add(&sum, &f.mulk(&e.mul(&rising, &pw)?, *b)?)?;
+    }
+    let inf = f.k(f64::INFINITY)?;
+    let nan = f.k(f64::NAN)?;
+    let q_int = e.compare(&q, &f.un("stablehlo.floor", &q)?, "EQ")?;
+    let s_int = e.compare(&s, &f.un("stablehlo.floor", &s)?, "EQ")?;
+    let q_nonpos = f.cmpk(&q, 0.0, "LE")?;
+    let mut r = f.sel(
+        &e.and(&q_nonpos, &e.unary("stablehlo.not", &s_int)?)?,
+        &nan,
+        &sum,
+    )?;
+    r = f.sel(&e.and(&q_nonpos, &q_int)?, &inf, &r)?;
+    r = f.sel(&f.cmpk(&s, 1.0, "LT")?, &nan, &r)?;
+    r = f.sel(&f.cmpk(&s, 1.0, "EQ")?, &inf, &r)?;
+    Ok(vec![e.convert(&r, out)?])
 }
