@@ -74,6 +74,8 @@ def default_cache_dir() -> Path:
 
 def parse(options: dict | None, mode: str | None = None) -> Options:
     """Checks `options` and fills defaults from the environment and torch's settings."""
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"tpuc: options must be a dict of {{key: value}}, got {type(options).__name__}")
     options = dict(options or {})
     unknown = sorted(set(options) - set(VALID_KEYS))
     if unknown:

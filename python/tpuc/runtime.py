@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import importlib.metadata
 import os
+import struct
 import threading
 from pathlib import Path
 
@@ -86,6 +87,37 @@ def cpu_device_count() -> int | None:
     return n
 
 
+def check_plugin_file(path: Path) -> None:
+    """Raises PjrtError when `path` is an ELF shared library cut short: the dynamic loader maps
+    the missing part anyway, and the process dies of SIGBUS as soon as it is touched."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(64)
+            if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+                return  # not a 64-bit little-endian ELF file: the loader gives its own error
+            phoff, phentsize, phnum = (
+                struct.unpack_from("<Q", header, 32)[0],
+                *struct.unpack_from("<HH", header, 54),
+            )
+            if phentsize < 56 or phoff + phnum * phentsize > size:
+                raise _native.PjrtError(
+                    f"cannot load PJRT plugin {path}: truncated file ({size} bytes, program headers "
+                    f"end at byte {phoff + phnum * phentsize})"
+                )
+            f.seek(phoff)
+            table = f.read(phnum * phentsize)
+    except OSError as e:
+        raise _native.PjrtError(f"cannot load PJRT plugin {path}: {e}") from None
+    for k in range(phnum):
+        _, _, offset, _, _, filesz = struct.unpack_from("<IIQQQQ", table, k * phentsize)
+        if offset + filesz > size:
+            raise _native.PjrtError(
+                f"cannot load PJRT plugin {path}: truncated file ({size} bytes, a segment ends at "
+                f"byte {offset + filesz}); reinstall the plugin"
+            )
+
+
 def get_runtime(plugin: str | None) -> _native.Runtime:
     """The process's runtime for `plugin` (created on first use; plugins are never unloaded)."""
     path = resolve_plugin(plugin)
@@ -96,6 +128,7 @@ def get_runtime(plugin: str | None) -> _native.Runtime:
     with _lock:
         rt = _runtimes.get(key)
         if rt is None:
+            check_plugin_file(path)
             rt = _native.Runtime(str(path), devices)
             _runtimes[key] = rt
         return rt
