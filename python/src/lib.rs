@@ -129,27 +129,55 @@ impl FxGraph {
         Ok(FxGraph { graph })
     }
 
-    /// Runs the cleanup passes named in `enabled` (all when None); returns
-    /// `[(pass, ops_before, ops_after, graph_text_after)]` and the cleaned graph.
+    /// Runs the passes of the pipeline (`tpuc_passes::PIPELINE`, in its fixed order) named in
+    /// `enabled` (all when None); returns
+    /// `[(pass, ops_before, ops_after, graph_text_after, seconds, changes)]` and the new graph.
     #[pyo3(signature = (enabled=None))]
+    #[allow(clippy::type_complexity)]
     fn cleanup(
         &self,
+        py: Python<'_>,
         enabled: Option<Vec<String>>,
-    ) -> (Vec<(String, usize, usize, String)>, FxGraph) {
-        let mut g = self.graph.clone();
-        let mut report = Vec::new();
-        for pass in tpuc_passes::CLEANUP {
-            if enabled
-                .as_ref()
-                .is_some_and(|e| !e.iter().any(|n| n == pass.name))
-            {
-                continue;
-            }
-            let before = g.op_count();
-            (pass.run)(&mut g);
-            report.push((pass.name.to_string(), before, g.op_count(), g.to_string()));
-        }
-        (report, FxGraph { graph: g })
+    ) -> (Vec<(String, usize, usize, String, f64, usize)>, FxGraph) {
+        py.detach(|| {
+            let mut g = self.graph.clone();
+            let mut texts = Vec::new();
+            let reports = tpuc_passes::run_pipeline(
+                &mut g,
+                |name| enabled.as_ref().is_none_or(|e| e.iter().any(|n| n == name)),
+                |_, g| texts.push(g.to_string()),
+            );
+            let report = reports
+                .into_iter()
+                .zip(texts)
+                .map(|(r, text)| {
+                    (
+                        r.name.to_string(),
+                        r.ops_before,
+                        r.ops_after,
+                        text,
+                        r.seconds,
+                        r.changes,
+                    )
+                })
+                .collect();
+            (report, FxGraph { graph: g })
+        })
+    }
+
+    /// The passes of the pipeline in the order they run: `[(name, group, description)]`.
+    #[staticmethod]
+    fn passes() -> Vec<(&'static str, &'static str, &'static str)> {
+        tpuc_passes::PIPELINE
+            .iter()
+            .map(|p| (p.name, p.group, p.doc))
+            .collect()
+    }
+
+    /// The group names a `passes` option may use besides each pass's own name.
+    #[staticmethod]
+    fn pass_groups() -> Vec<&'static str> {
+        tpuc_passes::GROUPS.to_vec()
     }
 
     fn __str__(&self) -> String {

@@ -123,8 +123,8 @@ class CompiledGraph:
         # Size-derived floats, inputs after the attributes, computed per shape from the sizes.
         self.symfloat_exprs = [n.meta["val"].node.expr for n in fx_export.symfloat_nodes(gm)]
         imported = _native.FxGraph.from_json(wire)
-        enabled = None if opts.pass_enabled("cleanup") else []
-        self.pass_report, self.graph = imported.cleanup(enabled)
+        self.pass_report, self.graph = imported.cleanup(opts.enabled_passes())
+        counters.record_passes(self.pass_report)
         self.imported_text = str(imported)
         self.inputs = self.graph.inputs()
         self.tensor_slots = [i for i, k in enumerate(self.inputs) if k[0] == "tensor"]

@@ -21,6 +21,8 @@ def reset_stats() -> None:
             executions=0,
             device_uploads=0,
             fallback_ops=Counter(),
+            # per IR pass: {"runs", "ops_before", "ops_after", "ops_removed", "changes", "seconds"}
+            passes={},
             lower_seconds=0.0,
             compile_seconds=0.0,
         )
@@ -31,6 +33,7 @@ def stats() -> dict:
     with _lock:
         out = dict(_stats)
         out["fallback_ops"] = dict(_stats["fallback_ops"])
+        out["passes"] = {k: dict(v) for k, v in _stats["passes"].items()}
         return out
 
 
@@ -38,6 +41,22 @@ def add(**deltas) -> None:
     with _lock:
         for k, v in deltas.items():
             _stats[k] += v
+
+
+def record_passes(report) -> None:
+    """Adds one pipeline run's report (`FxGraph.cleanup`'s first result) to `stats()["passes"]`."""
+    with _lock:
+        for name, before, after, _text, seconds, changes in report:
+            p = _stats["passes"].setdefault(
+                name,
+                {"runs": 0, "ops_before": 0, "ops_after": 0, "ops_removed": 0, "changes": 0, "seconds": 0.0},
+            )
+            p["runs"] += 1
+            p["ops_before"] += before
+            p["ops_after"] += after
+            p["ops_removed"] += before - after
+            p["changes"] += changes
+            p["seconds"] += seconds
 
 
 def count_fallback(op: str, n: int = 1) -> None:

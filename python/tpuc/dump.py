@@ -111,7 +111,7 @@ def write(compiled, exe, bindings: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "fx_graph.txt").write_text(compiled.fx_text)
     (folder / "ir_0_imported.txt").write_text(compiled.imported_text)
-    for i, (name, _before, _after, text) in enumerate(compiled.pass_report, start=1):
+    for i, (name, _before, _after, text, *_rest) in enumerate(compiled.pass_report, start=1):
         (folder / f"ir_{i}_after_{name}.txt").write_text(text)
     (folder / "ir_specialized.txt").write_text(exe.graph_text)
     mlir = exe.mlir
@@ -142,10 +142,18 @@ def write(compiled, exe, bindings: dict) -> Path:
             "compile_seconds": exe.compile_seconds,
             "xla_compile_seconds": exe.compile_seconds if cache == "miss" else None,
         },
-        # per pass: op totals before/after and the op counts by name after it
+        # per pass, in pipeline order: op totals before/after, the pass's own count of nodes it
+        # rewrote or removed, its time, and the op counts by name after it
         "passes": [
-            {"pass": name, "ops_before": b, "ops_after": a, "op_counts_after": ir_op_counts(text)}
-            for name, b, a, text in compiled.pass_report
+            {
+                "pass": name,
+                "ops_before": b,
+                "ops_after": a,
+                "changes": changes,
+                "seconds": round(seconds, 6),
+                "op_counts_after": ir_op_counts(text),
+            }
+            for name, b, a, text, seconds, changes in compiled.pass_report
         ],
         "imported_op_counts": ir_op_counts(compiled.imported_text),
         "op_counts": compiled.graph.op_counts(),

@@ -23,7 +23,21 @@ VALID_KEYS = (
 PRECISIONS = ("highest", "high", "default")
 FALLBACKS = ("eager", "error")
 SHARDINGS = ("replicated", "data_parallel", "fsdp", "tensor_parallel")
+#: Pass groups a `passes` option may switch as a whole (each pass's own name works too).
 PASSES = ("cleanup", "fusion")
+
+
+def pipeline() -> list[tuple[str, str, str]]:
+    """The IR passes in the fixed order they run: `[(name, group, description)]`."""
+    from . import _native
+
+    return [tuple(p) for p in _native.FxGraph.passes()]
+
+
+def pass_names() -> tuple[str, ...]:
+    """Every name `options["passes"]` accepts: the groups, then each pass in pipeline order."""
+    return PASSES + tuple(name for name, _group, _doc in pipeline())
+
 
 DEFAULT_CACHE_MAX_SIZE = "10G"
 
@@ -45,7 +59,13 @@ class Options:
     cache_max_bytes: int | None = None
 
     def pass_enabled(self, name: str) -> bool:
-        return bool(self.passes.get(name, True))
+        """Whether pass or group `name` runs: a pass's own entry wins over its group's."""
+        group = next((g for n, g, _ in pipeline() if n == name), None)
+        return bool(self.passes.get(name, self.passes.get(group, True)))
+
+    def enabled_passes(self) -> list[str]:
+        """The pipeline passes that run with these options, in order."""
+        return [name for name, _group, _doc in pipeline() if self.pass_enabled(name)]
 
 
 def _bad(key: str, value: Any, expected: str) -> ValueError:
@@ -135,10 +155,14 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
         raise _bad("sharding", sharding, " or ".join(repr(s) for s in SHARDINGS) + " or per-input specs")
 
     passes = options.get("passes", {})
-    if not isinstance(passes, dict) or not all(
-        k in PASSES and isinstance(v, bool) for k, v in passes.items()
-    ):
-        raise _bad("passes", passes, f"a dict of {{name: bool}} with names from {PASSES}")
+    valid = pass_names()
+    if not isinstance(passes, dict) or not all(isinstance(v, bool) for v in passes.values()):
+        raise _bad("passes", passes, f"a dict of {{name: bool}} with names from: {', '.join(valid)}")
+    unknown = sorted(str(k) for k in passes if k not in valid)
+    if unknown:
+        raise ValueError(
+            f"tpuc: unknown pass(es) {unknown} in option 'passes'; valid names are: {', '.join(valid)}"
+        )
 
     return Options(
         plugin=str(plugin) if plugin is not None else None,

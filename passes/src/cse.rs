@@ -1,0 +1,286 @@
+//! Common-subexpression elimination: a node with the same op, the same operands (after earlier
+//! merges), the same literal args and kwargs and the same result types as an earlier node is
+//! replaced by that node. Random ops, ops with side effects or in-place semantics, and
+//! uninitialized allocations are never merged; neither is a node whose result is a graph output
+//! (two outputs stay two tensors).
+
+use crate::rewrite::{output_nodes, prune, replace_uses};
+use std::collections::HashMap;
+use tpuc_frontend_fx::{Graph, Node, NodeId, ValueRef};
+
+/// Substrings of op names that mark an op as random, side-effecting or stateful.
+const NEVER: &[&str] = &[
+    "rand",
+    "dropout",
+    "bernoulli",
+    "normal",
+    "uniform",
+    "multinomial",
+    "poisson",
+    "exponential",
+    "geometric",
+    "cauchy",
+    "log_normal",
+    "seed",
+    "rng",
+    "assert",
+    "print",
+    "empty",
+    "_local_scalar_dense",
+    "sym_constrain",
+    "record_stream",
+    "profiler",
+    "collective",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "wait_tensor",
+];
+
+/// Whether merging two equal calls of `n` is safe: a pure, deterministic ATen op.
+fn mergeable(n: &Node) -> bool {
+    if n.is_input() || !n.op.starts_with("aten.") {
+        return false;
+    }
+    let base = n.op.split('.').nth(1).unwrap_or("");
+    // In-place ops (`add_`) and `out=` variants mutate.
+    if base.ends_with('_') || n.op.ends_with(".out") || n.kwargs.contains_key("out") {
+        return false;
+    }
+    !NEVER.iter().any(|w| n.op.contains(w))
+}
+
+/// The identity of a node for merging (its name left out). Literals print with `{:?}`, which
+/// tells `0.0` from `-0.0`.
+fn key(n: &Node) -> String {
+    format!("{}|{:?}|{:?}|{:?}", n.op, n.args, n.kwargs, n.results)
+}
+
+/// Merges equal nodes; returns how many it removed.
+pub fn common_subexpression_elimination(g: &mut Graph) -> usize {
+    let outputs = output_nodes(g);
+    let mut seen: HashMap<String, NodeId> = HashMap::new();
+    let mut removed = 0;
+    for id in g.topo_order() {
+        if !g.dag.contains_node(id) || !mergeable(g.node(id)) {
+            continue;
+        }
+        let k = key(g.node(id));
+        match seen.get(&k) {
+            Some(&first) if !outputs.contains(&id) => {
+                for r in 0..g.node(id).results.len() {
+                    replace_uses(
+                        g,
+                        ValueRef {
+                            node: id,
+                            result: r,
+                        },
+                        ValueRef {
+                            node: first,
+                            result: r,
+                        },
+                    );
+                }
+                prune(g, vec![id]);
+                removed += 1;
+            }
+            Some(_) => {}
+            None => {
+                seen.insert(k, id);
+            }
+        }
+    }
+    tracing::debug!(removed, "cse");
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{graph, run_snapshot};
+
+    #[test]
+    fn merges_equal_ops_transitively() {
+        let g = graph(
+            &[("x", "[2, 12, 64]")],
+            &[
+                (
+                    "a",
+                    "aten.arange.start_step",
+                    r#"{"args": [0, 12], "kwargs": {"device": {"device": "cpu"}}}"#,
+                    "int64:[12]",
+                ),
+                (
+                    "b",
+                    "aten.arange.start_step",
+                    r#"{"args": [0, 12], "kwargs": {"device": {"device": "cpu"}}}"#,
+                    "int64:[12]",
+                ),
+                (
+                    "ua",
+                    "aten.unsqueeze.default",
+                    r#"[{"node": "a"}, 0]"#,
+                    "int64:[1, 12]",
+                ),
+                (
+                    "ub",
+                    "aten.unsqueeze.default",
+                    r#"[{"node": "b"}, 0]"#,
+                    "int64:[1, 12]",
+                ),
+                (
+                    "s",
+                    "aten.add.Tensor",
+                    r#"[{"node": "ua"}, {"node": "ub"}]"#,
+                    "int64:[1, 12]",
+                ),
+                (
+                    "v1",
+                    "aten.view.default",
+                    r#"[{"node": "x"}, [24, 64]]"#,
+                    "[24, 64]",
+                ),
+                (
+                    "v2",
+                    "aten.view.default",
+                    r#"[{"node": "x"}, [24, 64]]"#,
+                    "[24, 64]",
+                ),
+                // a different literal: not merged
+                (
+                    "v3",
+                    "aten.view.default",
+                    r#"[{"node": "x"}, [-1, 64]]"#,
+                    "[24, 64]",
+                ),
+                (
+                    "m",
+                    "aten.mm.default",
+                    r#"[{"node": "v1"}, {"node": "v2"}]"#,
+                    "[24, 24]",
+                ),
+                (
+                    "n",
+                    "aten.mm.default",
+                    r#"[{"node": "v3"}, {"node": "v2"}]"#,
+                    "[24, 24]",
+                ),
+            ],
+            &["s", "m", "n"],
+        );
+        insta::assert_snapshot!(run_snapshot(g, common_subexpression_elimination));
+    }
+
+    #[test]
+    fn random_ops_outputs_and_signed_zeros_are_kept_apart() {
+        let g = graph(
+            &[("x", "[4]")],
+            &[
+                ("r1", "aten.rand.default", r#"[[4]]"#, "[4]"),
+                ("r2", "aten.rand.default", r#"[[4]]"#, "[4]"),
+                (
+                    "d1",
+                    "aten.native_dropout.default",
+                    r#"[{"node": "x"}, 0.5, true]"#,
+                    r#"{"tuple": [{"tensor": {"shape": [4], "dtype": "float32"}}, {"tensor": {"shape": [4], "dtype": "bool"}}]}"#,
+                ),
+                (
+                    "d2",
+                    "aten.native_dropout.default",
+                    r#"[{"node": "x"}, 0.5, true]"#,
+                    r#"{"tuple": [{"tensor": {"shape": [4], "dtype": "float32"}}, {"tensor": {"shape": [4], "dtype": "bool"}}]}"#,
+                ),
+                (
+                    "g1",
+                    "<built-in function getitem>",
+                    r#"[{"node": "d1"}, 0]"#,
+                    "[4]",
+                ),
+                (
+                    "g2",
+                    "<built-in function getitem>",
+                    r#"[{"node": "d2"}, 0]"#,
+                    "[4]",
+                ),
+                ("p", "aten.add.Tensor", r#"[{"node": "x"}, 0.0]"#, "[4]"),
+                ("q", "aten.add.Tensor", r#"[{"node": "x"}, -0.0]"#, "[4]"),
+                ("e1", "aten.exp.default", r#"[{"node": "x"}]"#, "[4]"),
+                ("e2", "aten.exp.default", r#"[{"node": "x"}]"#, "[4]"),
+                (
+                    "s",
+                    "aten.add.Tensor",
+                    r#"[{"node": "r1"}, {"node": "r2"}]"#,
+                    "[4]",
+                ),
+                (
+                    "t",
+                    "aten.add.Tensor",
+                    r#"[{"node": "g1"}, {"node": "g2"}]"#,
+                    "[4]",
+                ),
+                (
+                    "u",
+                    "aten.add.Tensor",
+                    r#"[{"node": "p"}, {"node": "q"}]"#,
+                    "[4]",
+                ),
+            ],
+            &["s", "t", "u", "e1", "e2"],
+        );
+        insta::assert_snapshot!(run_snapshot(g, common_subexpression_elimination));
+    }
+
+    #[test]
+    fn multi_result_ops_merge_per_result() {
+        let g = graph(
+            &[("x", "[2, 6]")],
+            &[
+                (
+                    "s1",
+                    "aten.split_with_sizes.default",
+                    r#"[{"node": "x"}, [3, 3], 1]"#,
+                    r#"{"tuple": [{"tensor": {"shape": [2, 3], "dtype": "float32"}}, {"tensor": {"shape": [2, 3], "dtype": "float32"}}]}"#,
+                ),
+                (
+                    "a1",
+                    "<built-in function getitem>",
+                    r#"[{"node": "s1"}, 1]"#,
+                    "[2, 3]",
+                ),
+                (
+                    "s2",
+                    "aten.split_with_sizes.default",
+                    r#"[{"node": "x"}, [3, 3], 1]"#,
+                    r#"{"tuple": [{"tensor": {"shape": [2, 3], "dtype": "float32"}}, {"tensor": {"shape": [2, 3], "dtype": "float32"}}]}"#,
+                ),
+                (
+                    "b0",
+                    "<built-in function getitem>",
+                    r#"[{"node": "s2"}, 0]"#,
+                    "[2, 3]",
+                ),
+                (
+                    "b1",
+                    "<built-in function getitem>",
+                    r#"[{"node": "s2"}, 1]"#,
+                    "[2, 3]",
+                ),
+                (
+                    "m",
+                    "aten.mul.Tensor",
+                    r#"[{"node": "a1"}, {"node": "b0"}]"#,
+                    "[2, 3]",
+                ),
+                (
+                    "n",
+                    "aten.mul.Tensor",
+                    r#"[{"node": "m"}, {"node": "b1"}]"#,
+                    "[2, 3]",
+                ),
+            ],
+            &["n"],
+        );
+        insta::assert_snapshot!(run_snapshot(g, common_subexpression_elimination));
+    }
+}
