@@ -552,20 +552,7 @@ impl<'a> Bucketer<'a> {
             } else {
                 self.view(lt, &shape, DType::Bool)
             };
-            acc = Some(match acc {
-                None => (m, shape),
-                Some((prev, pshape)) => {
-                    let bshape = broadcast_shape(&pshape, &shape);
-                    let v = self.emit(
-                        "and",
-                        "aten.logical_and.default",
-                        vec![Arg::Value(prev), Arg::Value(m)],
-                        vec![],
-                        TensorType::new_static(&bshape, DType::Bool),
-                    );
-                    (v, bshape)
-                }
-            });
+            acc = Some(self.and_masks(acc, (m, shape)));
         }
         let (mut m, shape) = acc.ok_or_else(|| self.err("internal: mask of an unpadded dim"))?;
         if sizes.len() > 1 {
@@ -582,6 +569,24 @@ impl<'a> Bucketer<'a> {
         }
         self.masks.insert(key, m);
         Ok(m)
+    }
+
+    /// `acc && m`, broadcasting; `m` alone when there is no `acc` yet.
+    fn and_masks(
+        &mut self,
+        acc: Option<(ValueRef, Vec<i64>)>,
+        m: (ValueRef, Vec<i64>),
+    ) -> (ValueRef, Vec<i64>) {
+        let Some((prev, pshape)) = acc else { return m };
+        let bshape = broadcast_shape(&pshape, &m.1);
+        let v = self.emit(
+            "and",
+            "aten.logical_and.default",
+            vec![Arg::Value(prev), Arg::Value(m.0)],
+            vec![],
+            TensorType::new_static(&bshape, DType::Bool),
+        );
+        (v, bshape)
     }
 
     fn view(&mut self, v: ValueRef, shape: &[i64], dtype: DType) -> ValueRef {
@@ -612,20 +617,7 @@ impl<'a> Bucketer<'a> {
             } else {
                 self.view(dm, &shape, DType::Bool)
             };
-            acc = Some(match acc {
-                None => (m, shape),
-                Some((prev, pshape)) => {
-                    let bshape = broadcast_shape(&pshape, &shape);
-                    let v = self.emit(
-                        "and",
-                        "aten.logical_and.default",
-                        vec![Arg::Value(prev), Arg::Value(m)],
-                        vec![],
-                        TensorType::new_static(&bshape, DType::Bool),
-                    );
-                    (v, bshape)
-                }
-            });
+            acc = Some(self.and_masks(acc, (m, shape)));
         }
         Ok(acc)
     }

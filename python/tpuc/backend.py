@@ -277,23 +277,7 @@ class CompiledGraph:
         return buckets.Plan(exe, out_types, pads, scalars, results, unpads, self.symfloats(bindings))
 
     def _run_bucketed(self, plan, args):
-        specs = []
-        keep = []
-        for i in self.tensor_slots:
-            t = args[i]
-            if t.device.type != "cpu":
-                t = t.cpu()
-            pad = plan.pads[i]
-            if pad is not None:
-                t = buckets.pad(t, pad)
-            elif not t.is_contiguous():
-                t = t.contiguous()
-            buf = self._device_arg(i, t) if t is args[i] else None
-            if buf is not None:
-                specs.append(buf)
-            else:
-                keep.append(t)
-                specs.append(_host_array(t))
+        specs, keep = self._input_specs(args, plan.pads)
         specs.extend(plan.scalar_arrays)
         outs = [torch.empty(s, dtype=d) for s, d in plan.out_types]
         plan.exe.run(specs, [_host_array(o) for o in outs])
@@ -307,6 +291,29 @@ class CompiledGraph:
             else:
                 result.append(value)
         return result
+
+    def _input_specs(self, args, pads=None) -> tuple[list, list]:
+        """What `Executable.run` takes for each tensor input (a resident DeviceBuffer or a host
+        array), and the temporaries that must outlive the call. `pads`: per input, the bucket
+        layout to pad it to, or None."""
+        specs = []
+        keep = []
+        for i in self.tensor_slots:
+            t = args[i]
+            if t.device.type != "cpu":
+                t = t.cpu()
+            pad = pads[i] if pads is not None else None
+            if pad is not None:
+                t = buckets.pad(t, pad)
+            elif not t.is_contiguous():
+                t = t.contiguous()
+            buf = self._device_arg(i, t) if t is args[i] else None
+            if buf is not None:
+                specs.append(buf)
+            else:
+                keep.append(t)
+                specs.append(_host_array(t))
+        return specs, keep
 
     def _device_arg(self, i: int, t: torch.Tensor):
         slot = self.slots[i]
@@ -331,20 +338,7 @@ class CompiledGraph:
             return self._run_bucketed(entry, args + entry.symfloats)
         exe, out_types, plan, floats = entry
         args += floats
-        specs = []
-        keep = []
-        for i in self.tensor_slots:
-            t = args[i]
-            if t.device.type != "cpu":
-                t = t.cpu()
-            if not t.is_contiguous():
-                t = t.contiguous()
-            buf = self._device_arg(i, t) if t is args[i] else None
-            if buf is not None:
-                specs.append(buf)
-            else:
-                keep.append(t)
-                specs.append(_host_array(t))
+        specs, keep = self._input_specs(args)
         outs = [torch.empty(s, dtype=d) for s, d in out_types]
         exe.run(specs, [_host_array(o) for o in outs])
         counters.count_execution()

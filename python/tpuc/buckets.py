@@ -84,6 +84,9 @@ def check_declared(gm: torch.fx.GraphModule, example_inputs, maxima: dict) -> No
     if frame is None:
         return
     with _frame_lock:
+        if not getattr(cid, "frame_compile_id", 0):
+            # The frame's first compile (frame ids restart after torch._dynamo.reset()).
+            _frame_maxima.pop(frame, None)
         declared = dict(_frame_maxima.get(frame, {}))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, ex in zip(placeholders, example_inputs, strict=False):
