@@ -20,32 +20,37 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def worker(start: int, end: int, include_known: bool) -> None:
+def worker(start: int, end: int, include_known: bool, dynamic: bool) -> None:
     """Runs seeds [start, end); one JSON line per program on stdout, a `begin` line before each."""
     import tempfile
 
     os.environ.setdefault("TPUC_CACHE_DIR", tempfile.mkdtemp(prefix="tpuc-fuzz-"))
+    import random
+
     from fuzz.gen import generate
-    from fuzz.runner import run
+    from fuzz.runner import run, run_dynamic
 
     for seed in range(start, end):
         print(json.dumps({"begin": seed}), flush=True)
         program = generate(seed, include_known=include_known)
-        t0 = time.perf_counter()
-        outcome = run(program)
-        print(
-            json.dumps(
-                {
-                    "seed": seed,
-                    "kind": outcome.kind,
-                    "type": outcome.error_type,
-                    "detail": outcome.detail,
-                    "seconds": round(time.perf_counter() - t0, 3),
-                    "nodes": len(program.nodes),
-                }
-            ),
-            flush=True,
-        )
+        modes = ["static", "dynamic"] if dynamic else ["static"]
+        for mode in modes:
+            t0 = time.perf_counter()
+            if mode == "static":
+                outcome = run(program)
+            else:
+                rng = random.Random(seed)
+                outcome = run_dynamic(program, (rng.randint(2, 16), rng.randint(2, 16)))
+            record = {
+                "seed": seed,
+                "mode": mode,
+                "kind": outcome.kind,
+                "type": outcome.error_type,
+                "detail": outcome.detail,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "nodes": len(program.nodes),
+            }
+            print(json.dumps(record), flush=True)
 
 
 def main(argv=None) -> int:
@@ -56,10 +61,15 @@ def main(argv=None) -> int:
     ap.add_argument("--report", default="fuzz_report.json")
     ap.add_argument("--save", action="store_true", help="shrink failures into tests/fuzz/regressions/")
     ap.add_argument("--include-known", action="store_true", help="also generate known (xfail) bugs")
+    ap.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="also run each program with dim 0 marked dynamic (max 16, buckets) at two sizes",
+    )
     ap.add_argument("--worker", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(*args.worker, args.include_known)
+        worker(*args.worker, args.include_known, args.dynamic)
         return 0
 
     t0 = time.time()
@@ -70,6 +80,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--worker", str(seed), str(stop)]
         if args.include_known:
             cmd.append("--include-known")
+        if args.dynamic:
+            cmd.append("--dynamic")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         current = None
         for line in proc.stdout:
@@ -81,7 +93,8 @@ def main(argv=None) -> int:
                 current = rec["begin"]
             else:
                 results.append(rec)
-                current = None
+                if rec.get("mode") != "static" or not args.dynamic:
+                    current = None
         rc = proc.wait()
         if current is not None:  # the worker died inside a program: a crash
             crashes.append({"seed": current, "returncode": rc})
@@ -89,7 +102,7 @@ def main(argv=None) -> int:
             seed = current + 1
         else:
             seed = stop
-        done = len(results)
+        done = len({r["seed"] for r in results})
         print(f"\r{done}/{args.count} programs, {time.time() - t0:.0f}s", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
 
@@ -97,14 +110,16 @@ def main(argv=None) -> int:
     errors = collections.Counter(r["type"] for r in results if r["kind"] == "error")
     bad = [r for r in results if r["kind"] in ("mismatch", "internal", "crash")]
     report = {
-        "programs": len(results),
+        "programs": len({r["seed"] for r in results}),
+        "runs": len(results),
+        "dynamic_runs": collections.Counter(r["kind"] for r in results if r.get("mode") == "dynamic"),
         "seconds": round(time.time() - t0, 1),
         "ok": kinds["ok"],
         "crashes": kinds["crash"],
         "silent_mismatches": kinds["mismatch"],
         "internal_errors": kinds["internal"],
         "clear_errors": dict(errors),
-        "invalid": kinds["invalid"],
+        "invalid": kinds["invalid"],  # dynamic runs whose dim Dynamo specialized, or no dim to mark
         "failures": bad,
         "error_examples": {t: next(r["detail"] for r in results if r["type"] == t) for t in errors},
     }

@@ -278,3 +278,63 @@ def save_regression(program: Program, outcome: Outcome, name: str, xfail: str | 
     path = REGRESSIONS / f"test_{re.sub(r'[^a-z0-9_]', '_', name.lower())}.py"
     path.write_text(reproducer(program, outcome, name, xfail))
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic dims with a declared maximum (bucketing)
+# ---------------------------------------------------------------------------------------------
+
+DYNAMIC_MAX = 16
+
+
+def dynamic_variant(program: Program, size: int) -> tuple[Program, list[int]] | None:
+    """`program` with dim 0 of its full-rank inputs set to `size`, and which inputs those are."""
+    rank = max(len(s) for s, _ in program.inputs)
+    if rank == 0:
+        return None
+    marked = [i for i, (s, _) in enumerate(program.inputs) if len(s) == rank and s[0] >= 2]
+    if not marked:
+        return None
+    d0 = program.inputs[marked[0]][0][0]
+    marked = [i for i in marked if program.inputs[i][0][0] == d0]
+    shapes = {i: (size, *program.inputs[i][0][1:]) for i in marked}
+    inputs = [(shapes.get(i, s), dt) for i, (s, dt) in enumerate(program.inputs)]
+    return Program(inputs, program.nodes, program.outputs, program.seed, program.special), marked
+
+
+def run_dynamic(program: Program, sizes: tuple[int, int]) -> Outcome:
+    """Marks dim 0 of the full-rank inputs dynamic (max DYNAMIC_MAX) and runs one compiled function
+    at two sizes of that dim: bucketed executables must give eager's results at both."""
+    variants = [dynamic_variant(program, s) for s in sizes]
+    if any(v is None or not _valid(v[0]) for v in variants):
+        return Outcome("invalid", "no dynamic dim")
+    torch._dynamo.reset()
+    fn = program.function()
+    compiled = compile_fn(fn)
+    try:
+        for v, marked in variants:
+            inputs = v.make_inputs()
+            expected = fn(*[x.clone() for x in inputs])
+            args = [x.clone() for x in inputs]
+            for i in marked:
+                torch._dynamo.mark_dynamic(args[i], 0, min=2, max=DYNAMIC_MAX)
+            try:
+                actual = compiled(*args)
+            except Exception as e:  # noqa: BLE001 - classify every failure
+                inner = _unwrap(e)
+                name = type(inner).__name__
+                msg = str(inner).strip().splitlines()[0][:300] if str(inner).strip() else ""
+                if "Constraint" in name or "UserError" in name or "specializ" in str(inner).lower():
+                    return Outcome("invalid", f"Dynamo specialized the dim: {msg}")
+                if isinstance(inner, (tpuc.TpucError, ValueError, NotImplementedError)):
+                    return Outcome("error", msg, name)
+                return Outcome("internal", f"{name}: {msg}", name)
+            diff = compare(actual, expected, exact_outputs(v))
+            if diff is not None:
+                reference = fn(*[_f64(x) for x in inputs])
+                diff = compare(actual, expected, exact_outputs(v), reference)
+            if diff is not None:
+                return Outcome("mismatch", f"dim 0 = {v.inputs[marked[0]][0][0]}: {diff}")
+    finally:
+        torch._dynamo.reset()
+    return Outcome("ok")

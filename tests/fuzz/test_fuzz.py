@@ -13,7 +13,7 @@ from fuzz.gen import generate
 from fuzz.runner import reproducer, run, shrink
 
 SEED = 20261202
-COUNT = int(os.environ.get("TPUC_FUZZ_COUNT", "200"))
+COUNT = int(os.environ.get("TPUC_FUZZ_COUNT", "150"))
 
 
 def test_fuzz_short_run():
@@ -28,4 +28,29 @@ def test_fuzz_short_run():
             failures.append(reproducer(small, small_outcome, f"seed{SEED + k}"))
     print(f"fuzz: {COUNT} programs: {dict(counts)}")
     assert counts["ok"] >= COUNT * 0.8, dict(counts)  # the generator makes mostly supported programs
+    assert not failures, "\n\n".join(failures)
+
+
+DYNAMIC_COUNT = int(os.environ.get("TPUC_FUZZ_DYNAMIC_COUNT", "30"))
+
+
+def test_fuzz_short_run_with_dynamic_dims():
+    # Dim 0 of the full-rank inputs marked dynamic with a declared maximum (so tpuc pads it to a
+    # bucket), one compiled function called at two sizes.
+    import random
+
+    from fuzz.runner import run_dynamic
+
+    counts: collections.Counter = collections.Counter()
+    failures = []
+    for k in range(DYNAMIC_COUNT):
+        seed = SEED + 7919 * (k + 1)
+        program = generate(seed)
+        rng = random.Random(seed)
+        outcome = run_dynamic(program, (rng.randint(2, 16), rng.randint(2, 16)))
+        counts[outcome.kind if outcome.kind != "error" else f"error:{outcome.error_type}"] += 1
+        if outcome.bad:
+            failures.append(f"seed {seed}: {outcome.detail}\n{program.source()}{program.inputs}")
+    print(f"fuzz (dynamic dims): {DYNAMIC_COUNT} programs: {dict(counts)}")
+    assert counts["ok"] >= DYNAMIC_COUNT * 0.3, dict(counts)
     assert not failures, "\n\n".join(failures)
