@@ -9,10 +9,10 @@ import torch.nn.functional as F
 import tpuc
 
 
-def check(fn, *args, rtol=1e-5, atol=1e-5, **options):
+def check(fn, *args, rtol=1e-5, atol=1e-5, equal_nan=False, **options):
     expected = fn(*args)
     actual = torch.compile(fn, backend="tpu", dynamic=False, options=options or None)(*args)
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=equal_nan)
     assert tpuc.stats()["fallback_ops"] == {}
     return actual
 
@@ -162,3 +162,103 @@ def test_tpuc_precompile_stays_the_function_after_the_backend_is_imported():
     # A submodule named like the function would replace `tpuc.precompile` once imported.
     check(lambda x: x + 1, torch.randn(3))
     assert callable(tpuc.precompile) and tpuc.precompile.__name__ == "precompile"
+
+
+def test_sort_topk_median_order_nans_and_ties_like_torch():
+    x = torch.tensor([[3.0, float("nan"), -1.0, 3.0, 0.0, -0.0], [2.0, 2.0, -5.0, float("nan"), 7.0, 1.0]])
+
+    def f(x):
+        return (
+            torch.sort(x, dim=1, stable=True),
+            torch.sort(x, dim=1, descending=True, stable=True),
+            torch.argsort(x, dim=0, stable=True),
+            torch.cummax(x, 1),
+            torch.cummin(x, 1),
+            torch.logcumsumexp(x, 1),
+            torch.searchsorted(torch.tensor([-1.0, 0.0, 2.0, 2.0, 7.0]), x, right=True),
+        )
+
+    check(f, x, equal_nan=True, fallback="error")
+    # Without ties (PyTorch leaves the order of tied indices unspecified for these).
+    y = torch.tensor(
+        [[3.5, float("nan"), -1.0, 3.0, 0.5, -0.25, 9.0], [2.0, 2.5, -5.0, float("nan"), 7.0, 1.0, 0.0]]
+    )
+    check(
+        lambda y: (
+            torch.topk(y, 3, dim=1),
+            torch.topk(y, 2, dim=1, largest=False),
+            torch.kthvalue(y, 2, dim=1),
+            torch.median(y, dim=1),
+            torch.nanmedian(y, dim=1),
+            torch.median(y[:, :3]),
+        ),
+        y,
+        equal_nan=True,
+        fallback="error",
+    )
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_and_index_reduce_modes(include_self):
+    x = torch.randn(4, 5)
+    src = torch.randn(6, 5)
+    idx = torch.tensor(
+        [[0, 1, 2, 3, 0], [0, 0, 1, 1, 2], [3, 3, 3, 0, 0], [1, 2, 3, 0, 1], [2, 2, 2, 2, 2], [0, 3, 1, 2, 0]]
+    )
+    index = torch.tensor([0, 2, 2, 3, 0, 1])
+
+    def f(x, src, idx, index):
+        out = []
+        for reduce in ("sum", "prod", "mean", "amax", "amin"):
+            out.append(x.scatter_reduce(0, idx, src, reduce, include_self=include_self))
+        for reduce in ("prod", "mean", "amax", "amin"):
+            out.append(x.index_reduce(0, index, src[:, :5], reduce, include_self=include_self))
+        return out
+
+    check(f, x, src, idx, index, fallback="error")
+
+
+def test_pooling_variants_and_transposed_convolution():
+    x = torch.randn(2, 4, 7, 9)
+    w = torch.randn(4, 3, 3, 2)
+    gw, gb = torch.rand(4) + 0.5, torch.randn(4)
+
+    def f(x, w, gw, gb):
+        return (
+            F.adaptive_avg_pool2d(x, (3, 4)),
+            F.adaptive_max_pool2d(x, (4, 5), return_indices=True),
+            F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+            F.avg_pool2d(x, (2, 3), 2, (1, 1), divisor_override=5),
+            F.conv_transpose2d(
+                x, w, stride=(2, 1), padding=(1, 0), output_padding=(1, 0), groups=2, dilation=(1, 2)
+            ),
+            F.group_norm(x, 2, gw, gb),
+        )
+
+    check(f, x, w, gw, gb, rtol=1e-4, atol=1e-4, fallback="error")
+
+
+def test_special_functions_and_inverse_trig():
+    x = torch.linspace(-4.75, 9.5, 41)
+    u = torch.linspace(-0.999, 0.999, 41)
+
+    def f(x, u):
+        return (
+            torch.lgamma(x),
+            torch.digamma(x),
+            torch.polygamma(1, x),
+            torch.polygamma(3, x.abs() + 0.1),
+            torch.erfinv(u),
+            torch.erfc(x),
+            torch.special.i0(x),
+            torch.special.i1e(x),
+            torch.asin(u),
+            torch.acos(u),
+            torch.atanh(u),
+            torch.asinh(x),
+            torch.sinh(x),
+            torch.special.chebyshev_polynomial_t(u, torch.arange(41.0) % 12),
+            torch.special.zeta(x.abs() + 1.5, x.abs() + 0.5),
+        )
+
+    check(f, x, u, rtol=2e-5, atol=1e-5, fallback="error")

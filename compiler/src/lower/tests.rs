@@ -3843,3 +3843,40 @@ fn num_hurwitz_zeta_and_spherical_j0() {
     );
     assert_rel(&got, &[1.0, 1f64.sin(), (2.5f32 as f64).sin() / 2.5], 1e-7);
 }
+
+#[test]
+fn num_nan_through_reduction_regions() {
+    // The plugin's max/min inside reduce regions skip NaNs; these rules must not.
+    let nan = f32::NAN;
+    let g = op(
+        &[("x", &[4], "float32")],
+        "aten.logcumsumexp.default",
+        json!([n("x"), 0]),
+        nokw(),
+        f32t(&[4]),
+    );
+    let out = run(&g, &[Buf::F32(vec![1.0, nan, 2.0, 3.0])]);
+    assert_eq!(out[0].f32()[0], 1.0);
+    assert!(out[0].f32()[1..].iter().all(|v| v.is_nan()), "{:?}", out[0]);
+    let g = op(
+        &[
+            ("x", &[2], "float32"),
+            ("i", &[4], "int64"),
+            ("s", &[4], "float32"),
+        ],
+        "aten.scatter_reduce.two",
+        json!([n("x"), 0, n("i"), n("s"), "amax"]),
+        nokw(),
+        f32t(&[2]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![0.0, 0.0]),
+            Buf::I64(vec![0, 0, 1, 1]),
+            Buf::F32(vec![1.0, nan, 2.0, 3.0]),
+        ],
+    );
+    assert!(out[0].f32()[0].is_nan());
+    assert_eq!(out[0].f32()[1], 3.0);
+}

@@ -409,7 +409,7 @@ fn cumprod<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 }
 
 /// `logcumsumexp(self, dim)`: a scan combining by log(e^a + e^b) = max + log1p(e^(min - max)),
-/// exact for -inf (nothing yet) and +inf.
+/// exact for -inf (nothing yet) and +inf; NaN from the first NaN on.
 fn logcumsumexp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let out = cx.out_dtype()?;
@@ -434,7 +434,10 @@ fn logcumsumexp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             &e.compare(&mn, &e.k(f64::NEG_INFINITY, acc)?, "EQ")?,
             &e.compare(&mx, &e.k(f64::INFINITY, acc)?, "EQ")?,
         )?;
-        Ok(vec![e.select(&edge, &mx, &r, acc)?])
+        let r = e.select(&edge, &mx, &r, acc)?;
+        // The plugin's maximum inside reductions skips NaNs: propagate them explicitly.
+        let nan = e.or(&e.isnan(&a[0])?, &e.isnan(&a[1])?)?;
+        Ok(vec![e.select(&nan, &e.add(&a[0], &a[1])?, &r, acc)?])
     })?;
     let s = scan(cx.e, &[&xs], &[&init], d, region)?.remove(0);
     Ok(vec![cx.e.convert(&s, out)?])

@@ -993,6 +993,13 @@ fn reduce_into<'c, 'b>(
         e.select(&touched, &identity, x, dt)?
     };
     let r = scatter(&base, src, kind)?;
+    if matches!(kind, ReduceKind::Max | ReduceKind::Min) && dt.is_float() {
+        // The plugin's max/min inside reductions skip NaNs; PyTorch's amax/amin keep them.
+        let none = e.splat(Scalar::Bool(false), &x.shape, DType::Bool)?;
+        let got_nan = scatter(&none, &e.isnan(src)?, ReduceKind::Or)?;
+        let nan = e.splat(Scalar::Float(f64::NAN), &[], dt)?;
+        return e.select(&got_nan, &nan, &r, dt);
+    }
     if reduce != "mean" {
         return Ok(r);
     }
