@@ -161,7 +161,8 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
     unknown = sorted(str(k) for k in passes if k not in valid)
     if unknown:
         raise ValueError(
-            f"tpuc: unknown pass(es) {unknown} in option 'passes'; valid names are: {', '.join(valid)}"
+            f"tpuc: bad value for option 'passes': {passes!r} (unknown pass(es) {unknown}; "
+            f"valid names are: {', '.join(valid)})"
         )
 
     return Options(
