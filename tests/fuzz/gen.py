@@ -525,7 +525,49 @@ def op_misc(rng, vals, bits):
     return "{0} + 0", [i], b
 
 
+EXTRA_UNARY = [
+    ("torch.roll({0}, 1, {d})", "any"),
+    ("torch.cummax({0}, {d})[0]", "num"),
+    ("torch.cummin({0}, {d})[1]", "exact"),
+    ("torch.argsort({0}, {d}, stable=True)", "exact"),
+    ("torch.diff({0}, dim={d})", "num"),
+    ("torch.nan_to_num({0}, nan=0.5, posinf=3.0, neginf=-3.0)", "float"),
+    ("torch.isnan({0}) | torch.isinf({0})", "float"),
+    ("{0}.masked_fill({0} > 1, -2.0)", "float_exact"),
+    ("torch.tril({0})", "2d"),
+    ("torch.triu({0}, 1)", "2d"),
+    ("torch.cumprod({0}.clamp(-2, 2), {d})", "float"),
+    ("torch.index_select({0}, {d}, torch.tensor([0, 0], dtype=torch.long))", "any"),
+    ("torch.gather({0}, {d}, torch.zeros_like({0}, dtype=torch.long))", "any"),
+    ("torch.nn.functional.one_hot({0}.abs().clamp(max=4), 5)", "int"),
+    ("torch.clamp({0}, min={0}.amin(), max={0}.amax() * 0.5)", "float_exact"),
+]
+
+
+def op_extra(rng, vals, bits):
+    expr, need = rng.choice(EXTRA_UNARY)
+    preds = {
+        "any": lambda t, b: t.dim() >= 1,
+        "num": lambda t, b: t.dim() >= 1 and t.dtype != torch.bool,
+        "exact": lambda t, b: t.dim() >= 1 and t.dtype != torch.bool and _exact(t, b),
+        "float": lambda t, b: t.dtype == torch.float32,
+        "float_exact": lambda t, b: t.dtype == torch.float32 and b is not None,
+        "2d": lambda t, b: t.dim() >= 2,
+        "int": lambda t, b: t.dtype == torch.int64,
+    }
+    i = _pick(rng, vals, bits, preds[need])
+    if i is None:
+        return None
+    t = vals[i]
+    e = expr.replace("{d}", str(_dim(rng, t)))
+    nb = bits[i] if t.dtype == torch.float32 and "cumprod" not in e and "nan_to_num" not in e else None
+    if "nan_to_num" in e and bits[i] is not None:
+        nb = max(bits[i], 3)
+    return e, [i], nb
+
+
 OPS = [
+    (op_extra, 2),
     (op_unary, 5),
     (op_int_unary, 1),
     (op_bool_unary, 1),
