@@ -3880,3 +3880,23 @@ fn num_nan_through_reduction_regions() {
     assert!(out[0].f32()[0].is_nan());
     assert_eq!(out[0].f32()[1], 3.0);
 }
+
+#[test]
+fn num_max_pool3d_indices_flat_in_volume() {
+    // [1, 1, 2, 2, 3] volume, kernel 2, stride (1, 1, 1): outputs [1, 1, 1, 1, 2]; the index is
+    // (d * H + h) * W + w of the winner.
+    let x = vec![
+        0.0f32, 1.0, 2.0, 3.0, 9.0, 5.0, //
+        6.0, 7.0, 8.0, 4.0, 10.0, 1.0,
+    ];
+    let g = op(
+        &[("x", &[1, 1, 2, 2, 3], "float32")],
+        "aten.max_pool3d_with_indices.default",
+        json!([n("x"), [2, 2, 2], [1, 1, 1]]),
+        nokw(),
+        tuple(vec![f32t(&[1, 1, 1, 1, 2]), t(&[1, 1, 1, 1, 2], "int64")]),
+    );
+    let out = run(&g, &[Buf::F32(x)]);
+    assert_eq!(out[0].f32(), &[10.0, 10.0]);
+    assert_eq!(out[1].i64(), &[10, 10]);
+}

@@ -317,7 +317,7 @@ fn max_pool2d_with_indices<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let w = window(cx, Some(4), nsp)?;
     let (shape, _) = cx.out(0)?;
-    if cx.result_used(1) && nsp == 2 {
+    if cx.result_used(1) {
         let (v, i) = max_pool_with_indices(cx, &x, &w, &shape)?;
         return Ok(vec![v, i]);
     }
@@ -539,8 +539,8 @@ fn adaptive_max_pool<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     Ok(vec![v, i])
 }
 
-/// Max pooling that also returns, for each output, the flat index (`h * W + w`) of the chosen
-/// input element in its plane, chosen as PyTorch's CPU kernel does: windows are scanned in order,
+/// Max pooling that also returns, for each output, the flat index (`h * W + w`; in 3-D `(d * H + h) * W + w`) of the chosen
+/// input element in its plane (volume), chosen as PyTorch's CPU kernel does: windows are scanned in order,
 /// the first valid element starts, a later one wins when it is greater or NaN.
 fn max_pool_with_indices<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
@@ -550,21 +550,19 @@ fn max_pool_with_indices<'c, 'b>(
 ) -> R<(T<'c, 'b>, T<'c, 'b>)> {
     let e = cx.e;
     let r = x.rank();
-    let (hd, wd) = (r - 2, r - 1);
-    let (ih, iw) = (x.shape[hd], x.shape[wd]);
-    let (oh, ow) = (out_shape[hd], out_shape[wd]);
+    let nsp = w.kernel.len();
+    let sp: Vec<usize> = (r - nsp..r).collect();
     // Pad with -inf so every window slice stays inside the padded tensor.
     let mut lo = vec![0; r];
     let mut hi = vec![0; r];
-    for (k, (d, n, o)) in [(hd, ih, oh), (wd, iw, ow)].into_iter().enumerate() {
+    let mut padded_shape = x.shape.clone();
+    for (k, &d) in sp.iter().enumerate() {
         lo[d] = w.padding[k];
-        let needed = (o - 1) * w.stride[k] + (w.kernel[k] - 1) * w.dilation[k] + 1;
-        hi[d] = (needed - n - w.padding[k]).max(0);
+        let needed = (out_shape[d] - 1) * w.stride[k] + (w.kernel[k] - 1) * w.dilation[k] + 1;
+        hi[d] = (needed - x.shape[d] - w.padding[k]).max(0);
+        padded_shape[d] += lo[d] + hi[d];
     }
     let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &[], x.dtype)?;
-    let mut padded_shape = x.shape.clone();
-    padded_shape[hd] += lo[hd] + hi[hd];
-    padded_shape[wd] += lo[wd] + hi[wd];
     let xp = e.op(
         "stablehlo.pad",
         &[x, &ninf],
@@ -577,72 +575,80 @@ fn max_pool_with_indices<'c, 'b>(
         x.dtype,
     )?;
     let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
-    let oy = e.iota(out_shape, hd as i64, DType::Int64)?;
-    let ox = e.iota(out_shape, wd as i64, DType::Int64)?;
+    let outs: Vec<T> = sp
+        .iter()
+        .map(|&d| e.iota(out_shape, d as i64, DType::Int64))
+        .collect::<R<_>>()?;
+    // Every tap of the window, in row-major order (the order PyTorch's kernel scans).
+    let mut taps: Vec<Vec<i64>> = vec![vec![]];
+    for &k in &w.kernel {
+        taps = taps
+            .into_iter()
+            .flat_map(|t| {
+                (0..k).map(move |i| {
+                    let mut t = t.clone();
+                    t.push(i);
+                    t
+                })
+            })
+            .collect();
+    }
     let mut best: Option<(T, T)> = None;
-    for ky in 0..w.kernel[0] {
-        for kx in 0..w.kernel[1] {
-            let mut start = vec![0; r];
-            let mut limit = padded_shape.clone();
-            let mut strides = vec![1; r];
-            start[hd] = ky * w.dilation[0];
-            start[wd] = kx * w.dilation[1];
-            limit[hd] = start[hd] + (oh - 1) * w.stride[0] + 1;
-            limit[wd] = start[wd] + (ow - 1) * w.stride[1] + 1;
-            strides[hd] = w.stride[0];
-            strides[wd] = w.stride[1];
-            let cand = e.slice(&xp, &start, &limit, &strides)?;
-            // Input coordinates of this tap: o * stride + k * dilation - padding.
-            let coord = |o: &T<'c, 'b>, k: usize, tap: i64| -> R<T<'c, 'b>> {
-                let t = e.binary("stablehlo.multiply", o, &i64k(w.stride[k])?, DType::Int64)?;
-                e.binary(
-                    "stablehlo.add",
-                    &t,
-                    &i64k(tap * w.dilation[k] - w.padding[k])?,
-                    DType::Int64,
-                )
-            };
-            let iy = coord(&oy, 0, ky)?;
-            let ix = coord(&ox, 1, kx)?;
-            let in_range = |c: &T<'c, 'b>, n: i64| -> R<T<'c, 'b>> {
-                let ge = e.compare(c, &i64k(0)?, "GE")?;
-                let lt = e.compare(c, &i64k(n)?, "LT")?;
-                e.binary("stablehlo.and", &ge, &lt, DType::Bool)
-            };
-            let valid = e.binary(
-                "stablehlo.and",
-                &in_range(&iy, ih)?,
-                &in_range(&ix, iw)?,
-                DType::Bool,
+    for (n_tap, tap) in taps.iter().enumerate() {
+        let mut start = vec![0; r];
+        let mut limit = padded_shape.clone();
+        let mut strides = vec![1; r];
+        for (k, &d) in sp.iter().enumerate() {
+            start[d] = tap[k] * w.dilation[k];
+            limit[d] = start[d] + (out_shape[d] - 1) * w.stride[k] + 1;
+            strides[d] = w.stride[k];
+        }
+        let cand = e.slice(&xp, &start, &limit, &strides)?;
+        // Input coordinates of this tap: o * stride + k * dilation - padding; valid inside the
+        // input; the flat index within the spatial volume.
+        let mut valid: Option<T> = None;
+        let mut flat: Option<T> = None;
+        for (k, &d) in sp.iter().enumerate() {
+            let c = e.add(
+                &e.mul(&outs[k], &i64k(w.stride[k])?)?,
+                &i64k(tap[k] * w.dilation[k] - w.padding[k])?,
             )?;
-            let flat = e.binary(
-                "stablehlo.add",
-                &e.binary("stablehlo.multiply", &iy, &i64k(iw)?, DType::Int64)?,
-                &ix,
-                DType::Int64,
+            let ok = e.and(
+                &e.compare(&c, &i64k(0)?, "GE")?,
+                &e.compare(&c, &i64k(x.shape[d])?, "LT")?,
             )?;
-            best = Some(match best {
-                None => (cand, flat),
-                Some((bv, bi)) => {
-                    let greater = e.compare(&cand, &bv, "GT")?;
-                    let nan = e.compare(&cand, &cand, "NE")?;
-                    let better = e.binary("stablehlo.or", &greater, &nan, DType::Bool)?;
-                    // A tap is taken when it is better, or when nothing valid was taken yet.
-                    let none_yet = e.compare(&bi, &i64k(0)?, "LT")?;
-                    let take = e.binary("stablehlo.or", &better, &none_yet, DType::Bool)?;
-                    let take = e.binary("stablehlo.and", &take, &valid, DType::Bool)?;
-                    (
-                        e.select(&take, &cand, &bv, x.dtype)?,
-                        e.select(&take, &flat, &bi, DType::Int64)?,
-                    )
-                }
+            valid = Some(match valid {
+                None => ok,
+                Some(v) => e.and(&v, &ok)?,
             });
-            // The first tap may fall into padding: mark its index invalid (-1).
-            if ky == 0 && kx == 0 {
-                let (bv, bi) = best.take().expect("set above");
-                let bi = e.select(&valid, &bi, &i64k(-1)?, DType::Int64)?;
-                best = Some((bv, bi));
+            flat = Some(match flat {
+                None => c,
+                Some(f) => e.add(&e.mul(&f, &i64k(x.shape[d])?)?, &c)?,
+            });
+        }
+        let (valid, flat) = match (valid, flat) {
+            (Some(v), Some(f)) => (v, f),
+            _ => return Err(cx.err("max pooling without spatial dims")),
+        };
+        best = Some(match best {
+            None => (cand, flat),
+            Some((bv, bi)) => {
+                let greater = e.compare(&cand, &bv, "GT")?;
+                let better = e.or(&greater, &e.isnan(&cand)?)?;
+                // A tap is taken when it is better, or when nothing valid was taken yet.
+                let none_yet = e.compare(&bi, &i64k(0)?, "LT")?;
+                let take = e.and(&e.or(&better, &none_yet)?, &valid)?;
+                (
+                    e.select(&take, &cand, &bv, x.dtype)?,
+                    e.select(&take, &flat, &bi, DType::Int64)?,
+                )
             }
+        });
+        // The first tap may fall into padding: mark its index invalid (-1).
+        if n_tap == 0 {
+            let (bv, bi) = best.take().expect("set above");
+            let bi = e.select(&valid, &bi, &i64k(-1)?, DType::Int64)?;
+            best = Some((bv, bi));
         }
     }
     best.ok_or_else(|| cx.err("max pooling with an empty window"))
