@@ -40,7 +40,8 @@ def worker(start: int, end: int, include_known: bool, dynamic: bool) -> None:
                 outcome = run(program)
             else:
                 rng = random.Random(seed)
-                outcome = run_dynamic(program, (rng.randint(2, 16), rng.randint(2, 16)))
+                sizes = (rng.randint(2, 16), rng.randint(2, 16))
+                outcome = run_dynamic(program, sizes, include_known=include_known)
             record = {
                 "seed": seed,
                 "mode": mode,
