@@ -509,6 +509,28 @@ impl Executable {
             .map_err(compile_err)
     }
 
+    /// Times `n` bare PJRT executions on resident `args` (DeviceBuffers; outputs stay on the
+    /// device and are dropped): the floor that `run` adds its per-call work to. Seconds per call.
+    fn bare_execute_seconds(
+        &self,
+        py: Python<'_>,
+        args: Vec<Py<DeviceBuffer>>,
+        n: usize,
+    ) -> PyResult<Vec<f64>> {
+        let exe = self.compiled.exe.clone();
+        py.detach(|| {
+            let bufs: Vec<&Buffer> = args.iter().map(|d| &d.get().buffer).collect();
+            let mut times = Vec::with_capacity(n);
+            for _ in 0..n {
+                let t0 = std::time::Instant::now();
+                drop(exe.execute(&bufs)?);
+                times.push(t0.elapsed().as_secs_f64());
+            }
+            Ok(times)
+        })
+        .map_err(pjrt_err)
+    }
+
     /// `[(shape, dtype)]` of the executable's outputs.
     #[getter]
     fn output_types(&self) -> Vec<(Vec<i64>, String)> {
