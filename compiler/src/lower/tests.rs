@@ -3900,3 +3900,39 @@ fn num_max_pool3d_indices_flat_in_volume() {
     assert_eq!(out[0].f32(), &[10.0, 10.0]);
     assert_eq!(out[1].i64(), &[10, 10]);
 }
+
+#[test]
+fn num_batch_norm_with_update_functional() {
+    // x [2, 2]: channel 0 is {1, 3} (mean 2, biased var 1, unbiased 2), channel 1 is {0, 0}.
+    let g = op(
+        &[
+            ("x", &[2, 2], "float32"),
+            ("rm", &[2], "float32"),
+            ("rv", &[2], "float32"),
+        ],
+        "aten._batch_norm_with_update_functional.default",
+        json!([n("x"), null, null, n("rm"), n("rv"), 0.1, 1e-5]),
+        nokw(),
+        tuple(vec![
+            f32t(&[2, 2]),
+            f32t(&[2]),
+            f32t(&[2]),
+            t(&[0], "uint8"),
+            f32t(&[2]),
+            f32t(&[2]),
+        ]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![1.0, 0.0, 3.0, 0.0]),
+            Buf::F32(vec![0.0, 1.0]),
+            Buf::F32(vec![1.0, 1.0]),
+        ],
+    );
+    assert_close(out[0].f32(), &[-1.0, 0.0, 1.0, 0.0], 1e-5);
+    assert_close(out[1].f32(), &[2.0, 0.0], 1e-6);
+    assert_eq!(out[3], Buf::Raw(DType::Uint8, vec![]));
+    assert_close(out[4].f32(), &[0.2, 0.9], 1e-6);
+    assert_close(out[5].f32(), &[1.1, 0.9], 1e-6);
+}

@@ -21,6 +21,10 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.avg_pool3d.default", avg_pool),
     ("aten.native_group_norm.default", native_group_norm),
     (
+        "aten._batch_norm_with_update_functional.default",
+        batch_norm_with_update,
+    ),
+    (
         "aten.max_pool3d_with_indices.default",
         max_pool2d_with_indices,
     ),
@@ -771,14 +775,37 @@ fn rsqrt_eps<'c, 'b>(e: &Emitter<'c, 'b>, var: &T<'c, 'b>, eps: f64) -> R<T<'c, 
 /// momentum, eps) -> (out, save_mean, save_rstd, new_running_mean, new_running_var)`. The new
 /// running variance uses the unbiased batch variance, as PyTorch does.
 fn batch_norm_functional<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let training = cx.bool_or(5, "training", true)?;
+    let momentum = cx.float_or(6, "momentum", 0.1)?;
+    let eps = cx.float_or(7, "eps", 1e-5)?;
+    batch_norm_update(cx, training, momentum, eps, &[0, 1, 2, 3, 4])
+}
+
+/// `_batch_norm_with_update_functional(x, weight, bias, running_mean, running_var, momentum,
+/// eps) -> (out, save_mean, save_rstd, reserve, new_running_mean, new_running_var)`: training
+/// BatchNorm, `reserve` empty.
+fn batch_norm_with_update<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let momentum = cx.float_or(5, "momentum", 0.1)?;
+    let eps = cx.float_or(6, "eps", 1e-5)?;
+    let mut r = batch_norm_update(cx, true, momentum, eps, &[0, 1, 2, 4, 5])?;
+    r.insert(3, empty_or_unused(cx, 3)?);
+    Ok(r)
+}
+
+/// BatchNorm with running statistics: (out, save_mean, save_rstd, new_running_mean,
+/// new_running_var), typed like results `outs` of the node.
+fn batch_norm_update<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+    outs: &[usize],
+) -> V<'c, 'b> {
     let x = cx.tensor(0, "input")?;
     let w = cx.opt_tensor(1, "weight")?;
     let b = cx.opt_tensor(2, "bias")?;
     let rm = cx.tensor(3, "running_mean")?;
     let rv = cx.tensor(4, "running_var")?;
-    let training = cx.bool_or(5, "training", true)?;
-    let momentum = cx.float_or(6, "momentum", 0.1)?;
-    let eps = cx.float_or(7, "eps", 1e-5)?;
     let (_, out) = cx.out(0)?;
     let acc = acc_dtype(out);
     let e = cx.e;
@@ -789,10 +816,10 @@ fn batch_norm_functional<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let y = normalize(e, &xf, &mean, &rstd, w.as_ref(), b.as_ref())?;
         return Ok(vec![
             e.convert(&y, out)?,
-            empty_or_unused(cx, 1)?,
-            empty_or_unused(cx, 2)?,
-            e.convert(&rm, cx.out(3)?.1)?,
-            e.convert(&rv, cx.out(4)?.1)?,
+            empty_or_unused(cx, outs[1])?,
+            empty_or_unused(cx, outs[2])?,
+            e.convert(&rm, cx.out(outs[3])?.1)?,
+            e.convert(&rv, cx.out(outs[4])?.1)?,
         ]);
     }
     let (mean, var, n) = batch_stats(e, &xf)?;
@@ -817,10 +844,10 @@ fn batch_norm_functional<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     )?;
     Ok(vec![
         e.convert(&y, out)?,
-        e.convert(&mean, cx.out(1)?.1)?,
-        e.convert(&rstd, cx.out(2)?.1)?,
-        blend(&rm, &mean, cx.out(3)?.1)?,
-        blend(&rv, &unbiased, cx.out(4)?.1)?,
+        e.convert(&mean, cx.out(outs[1])?.1)?,
+        e.convert(&rstd, cx.out(outs[2])?.1)?,
+        blend(&rm, &mean, cx.out(outs[3])?.1)?,
+        blend(&rv, &unbiased, cx.out(outs[4])?.1)?,
     ])
 }
 
