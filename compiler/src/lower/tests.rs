@@ -3936,3 +3936,49 @@ fn num_batch_norm_with_update_functional() {
     assert_close(out[4].f32(), &[0.2, 0.9], 1e-6);
     assert_close(out[5].f32(), &[1.1, 0.9], 1e-6);
 }
+
+#[test]
+fn num_segment_reduce_lengths_and_offsets() {
+    let data = vec![1.0f32, 2.0, 3.0, 4.0, 5.0];
+    let seg = |reduce: &str, kwargs: Value, name: &str, bounds: Vec<i64>| {
+        let len = bounds.len() as i64;
+        let mut kw = kwargs.as_object().cloned().unwrap_or_default();
+        kw.insert(name.into(), n("b"));
+        let g = op(
+            &[("x", &[5], "float32"), ("b", &[len], "int64")],
+            "aten.segment_reduce.default",
+            json!([n("x"), reduce]),
+            Value::Object(kw),
+            f32t(&[4]),
+        );
+        run(&g, &[Buf::F32(data.clone()), Buf::I64(bounds)])[0]
+            .f32()
+            .to_vec()
+    };
+    // Segments {}, {1}, {2, 3}, {4, 5}.
+    let lengths = vec![0, 1, 2, 2];
+    let offsets = vec![0, 0, 1, 3, 5];
+    assert_eq!(
+        seg("sum", json!({}), "lengths", lengths.clone()),
+        vec![0.0, 1.0, 5.0, 9.0]
+    );
+    assert_rel(
+        &seg("mean", json!({}), "lengths", lengths.clone()),
+        &[f64::NAN, 1.0, 2.5, 4.5],
+        0.0,
+    );
+    // With initial: the empty segment gives it, the others start from it.
+    assert_eq!(
+        seg("max", json!({"initial": 2.5}), "offsets", offsets.clone()),
+        vec![2.5, 2.5, 3.0, 5.0]
+    );
+    assert_eq!(
+        // (initial + sum) / len: (1 + 1) / 1, (1 + 2 + 3) / 2, (1 + 4 + 5) / 2.
+        seg("mean", json!({"initial": 1}), "offsets", offsets),
+        vec![1.0, 2.0, 3.0, 5.0]
+    );
+    assert_eq!(
+        seg("prod", json!({}), "lengths", lengths),
+        vec![1.0, 1.0, 6.0, 20.0]
+    );
+}

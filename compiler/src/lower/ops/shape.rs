@@ -59,6 +59,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.put.default", put),
     ("aten.masked_scatter.default", masked_scatter),
     ("aten.nonzero_static.default", nonzero_static),
+    ("aten.segment_reduce.default", segment_reduce),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -1225,4 +1226,102 @@ fn nonzero_static<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let s = e.scatter(&base, &idx, &coords, &[1], &[0], &[0], false)?;
     let s = e.slice(&s, &[0, 0], &[size, nd], &[1, 1])?;
     Ok(vec![e.convert(&s, out)?])
+}
+
+/// `segment_reduce(data, reduce, *, lengths | offsets, axis=0, unsafe, initial)` with 1-D
+/// `lengths` / `offsets`: consecutive segments of `data` along `axis` reduced (`sum`, `prod`,
+/// `mean`, `max`, `min`), each starting from `initial` (else the identity); an empty segment
+/// gives `initial`, or for `mean` without it NaN. Segment ids come from comparing positions with
+/// the segment ends, so lengths may be runtime values.
+fn segment_reduce<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let data = cx.tensor(0, "data")?;
+    let reduce = match cx.arg(1, "reduce") {
+        Some(Arg::Str(s)) => s.clone(),
+        other => return Err(cx.err(format!("`reduce`: expected a string, got {other:?}"))),
+    };
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let axis = cx.dim(cx.int_or(5, "axis", 0)?, data.rank())? as usize;
+    let initial = match cx.arg(7, "initial") {
+        None | Some(Arg::None) => None,
+        _ => Some(cx.scalar(7, "initial")?),
+    };
+    // Segment boundaries [S + 1] (int64).
+    let offsets = match (cx.opt_tensor(2, "lengths")?, cx.opt_tensor(4, "offsets")?) {
+        (Some(l), _) => {
+            if l.rank() != 1 {
+                return Err(cx.err("segment_reduce: only 1-D lengths are supported"));
+            }
+            let l = e.convert(&l, DType::Int64)?;
+            let ends = crate::lower::ops::reduce::running_sum(e, &l, 0)?;
+            let zero = e.splat(Scalar::Int(0), &[1], DType::Int64)?;
+            e.op(
+                "stablehlo.concatenate",
+                &[&zero, &ends],
+                &[("dimension", "0 : i64".into())],
+                &[l.shape[0] + 1],
+                DType::Int64,
+            )?
+        }
+        (None, Some(o)) => {
+            if o.rank() != 1 {
+                return Err(cx.err("segment_reduce: only 1-D offsets are supported"));
+            }
+            e.convert(&o, DType::Int64)?
+        }
+        (None, None) => return Err(cx.err("segment_reduce needs lengths or offsets")),
+    };
+    let segs = offsets.shape[0] - 1;
+    let n = data.shape[axis];
+    let dt = acc_dtype_of(out);
+    let x = e.convert(&data, dt)?;
+    // Segment of position j: how many segment ends are <= j (S for positions past the end).
+    let ends = e.slice(&offsets, &[1], &[segs + 1], &[1])?;
+    let grid = [n, segs];
+    let before = e.compare(
+        &e.broadcast_in_dim(&ends, &grid, &[1])?,
+        &e.iota(&grid, 0, DType::Int64)?,
+        "LE",
+    )?;
+    let seg = e.reduce(
+        &e.convert(&before, DType::Int64)?,
+        &[1],
+        ReduceKind::Sum,
+        false,
+    )?;
+    let full = e.broadcast_in_dim(&seg, &data.shape, &[axis as i64])?;
+    let coords = along_dim_coords(e, &full, axis, segs + 1)?;
+    let mut base_shape = data.shape.clone();
+    base_shape[axis] = segs + 1;
+    let (kind_name, identity) = match reduce.as_str() {
+        "sum" | "mean" => ("sum", Scalar::Int(0)),
+        "prod" => ("prod", Scalar::Int(1)),
+        "max" => ("amax", Scalar::Float(f64::NEG_INFINITY)),
+        "min" => ("amin", Scalar::Float(f64::INFINITY)),
+        other => return Err(cx.err(format!("unknown reduce {other:?}"))),
+    };
+    let base = e.splat(initial.unwrap_or(identity), &base_shape, dt)?;
+    let r = reduce_into(cx, &base, &coords, &x, kind_name, true)?;
+    let mut limit = base_shape.clone();
+    limit[axis] = segs;
+    let r = e.slice(&r, &vec![0; r.rank()], &limit, &vec![1; r.rank()])?;
+    if reduce != "mean" {
+        return Ok(vec![e.convert(&e.reshape(&r, &shape)?, out)?]);
+    }
+    let starts = e.slice(&offsets, &[0], &[segs], &[1])?;
+    let len = e.broadcast_in_dim(&e.sub(&ends, &starts)?, &r.shape, &[axis as i64])?;
+    let zero = e.splat(Scalar::Int(0), &[], DType::Int64)?;
+    let empty = e.compare(&len, &zero, "EQ")?;
+    let mean = e.div(&r, &e.convert(&len, dt)?)?;
+    let when_empty = match initial {
+        Some(_) => r.clone(),
+        None => e.splat(Scalar::Float(f64::NAN), &r.shape, dt)?,
+    };
+    let m = e.select(&empty, &when_empty, &mean, dt)?;
+    Ok(vec![e.convert(&e.reshape(&m, &shape)?, out)?])
+}
+
+/// Float accumulation for low-precision floats; other dtypes as they are.
+fn acc_dtype_of(d: DType) -> DType {
+    crate::lower::ops::reduce::acc_dtype(d)
 }
