@@ -3982,3 +3982,38 @@ fn num_segment_reduce_lengths_and_offsets() {
         vec![1.0, 1.0, 6.0, 20.0]
     );
 }
+
+#[test]
+fn num_trilinear_as_bilinear() {
+    // bilinear: out[b, o] = sum_ij x1[b, i] W[o, i, j] x2[b, j], as _trilinear(x1, W, x2,
+    // [1, 3], [0], [1, 2], [2, 3]).
+    let x1 = vec![1.0f32, 2.0, -1.0, 0.5];
+    let w: Vec<f32> = (0..12).map(|i| i as f32 * 0.25 - 1.0).collect();
+    let x2 = vec![3.0f32, -2.0, 1.0, 1.0, 0.0, 2.0];
+    let mut want = Vec::new();
+    for b in 0..2 {
+        for o in 0..2 {
+            let mut s = 0.0;
+            for i in 0..2 {
+                for j in 0..3 {
+                    s +=
+                        x1[b * 2 + i] as f64 * w[(o * 2 + i) * 3 + j] as f64 * x2[b * 3 + j] as f64;
+                }
+            }
+            want.push(s);
+        }
+    }
+    let g = op(
+        &[
+            ("a", &[2, 2], "float32"),
+            ("w", &[2, 2, 3], "float32"),
+            ("c", &[2, 3], "float32"),
+        ],
+        "aten._trilinear.default",
+        json!([n("a"), n("w"), n("c"), [1, 3], [0], [1, 2], [2, 3], 1]),
+        nokw(),
+        f32t(&[2, 2]),
+    );
+    let out = run(&g, &[Buf::F32(x1), Buf::F32(w), Buf::F32(x2)]);
+    assert_close(out[0].f32(), &want, 1e-6);
+}

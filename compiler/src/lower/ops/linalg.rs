@@ -19,6 +19,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.dist.default", dist),
     ("aten._cdist_forward.default", cdist),
     ("aten._pdist_forward.default", pdist),
+    ("aten._trilinear.default", trilinear),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -524,4 +525,48 @@ fn pdist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     };
     let d = e.sub(&rows(&is)?, &rows(&js)?)?;
     Ok(vec![e.convert(&pnorm(e, &d, 1, p)?, out)?])
+}
+
+/// `_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)` (what `bilinear`
+/// becomes): each input with size-1 dims inserted at its `expand` positions, multiplied with
+/// broadcasting, summed over `sumdim`.
+fn trilinear<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let (shape, out) = cx.out(0)?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let mut prod: Option<T> = None;
+    for k in 0..3 {
+        let t = cx.tensor(k, &format!("i{}", k + 1))?;
+        let mut expand = cx.ints_or(k + 3, &format!("expand{}", k + 1), &[])?;
+        expand.sort();
+        let mut s = t.shape.clone();
+        for &d in &expand {
+            let d = d as usize;
+            if d > s.len() {
+                return Err(cx.err("_trilinear: expand dim out of range"));
+            }
+            s.insert(d, 1);
+        }
+        let t = e.reshape(&e.convert(&t, acc)?, &s)?;
+        prod = Some(match prod {
+            None => t,
+            Some(p) => {
+                let full = crate::lower::emit::broadcast_shapes(&p.shape, &t.shape)
+                    .ok_or_else(|| cx.err("_trilinear operands do not broadcast"))?;
+                e.mul(&e.broadcast_to(&p, &full)?, &e.broadcast_to(&t, &full)?)?
+            }
+        });
+    }
+    let prod = prod.ok_or_else(|| cx.err("_trilinear without operands"))?;
+    let sumdim = cx.ints_or(6, "sumdim", &[])?;
+    let dims = sumdim
+        .iter()
+        .map(|&d| cx.dim(d, prod.rank()))
+        .collect::<R<Vec<_>>>()?;
+    let r = if dims.is_empty() {
+        prod
+    } else {
+        e.reduce(&prod, &dims, ReduceKind::Sum, false)?
+    };
+    Ok(vec![e.convert(&e.reshape(&r, &shape)?, out)?])
 }
