@@ -1568,22 +1568,27 @@ fn err_bad_rounding_mode_names_node() {
 
 #[test]
 fn err_unread_result_is_fine_but_read_one_is_not() {
-    // batch norm's saved mean/rstd are not computed: reading one must be an error, not zeros.
-    let g = op_outs(
-        &[
-            ("x", &[1, 2, 2, 2], "float32"),
-            ("w", &[2], "float32"),
-            ("b", &[2], "float32"),
-            ("m", &[2], "float32"),
-            ("v", &[2], "float32"),
-        ],
-        "aten._native_batch_norm_legit_no_training.default",
-        json!([n("x"), n("w"), n("b"), n("m"), n("v"), 0.1, 1e-5]),
-        nokw(),
-        tuple(vec![f32t(&[1, 2, 2, 2]), f32t(&[0]), f32t(&[0])]),
-        Some(&[0, 1]),
-    );
-    let err = lower(&g, &LowerOptions::default()).unwrap_err();
+    // Eval-mode batch norm returns its saved mean/rstd empty (shape [0], as PyTorch does):
+    // reading them is fine. Had FX recorded real statistics, reading one must be an error, not
+    // zeros.
+    let graph = |stats: &[i64]| {
+        op_outs(
+            &[
+                ("x", &[1, 2, 2, 2], "float32"),
+                ("w", &[2], "float32"),
+                ("b", &[2], "float32"),
+                ("m", &[2], "float32"),
+                ("v", &[2], "float32"),
+            ],
+            "aten._native_batch_norm_legit_no_training.default",
+            json!([n("x"), n("w"), n("b"), n("m"), n("v"), 0.1, 1e-5]),
+            nokw(),
+            tuple(vec![f32t(&[1, 2, 2, 2]), f32t(stats), f32t(stats)]),
+            Some(&[0, 1]),
+        )
+    };
+    lower(&graph(&[0]), &LowerOptions::default()).expect("empty statistics lower");
+    let err = lower(&graph(&[2]), &LowerOptions::default()).unwrap_err();
     assert!(err.to_string().contains("result 1 is read"), "{err}");
 }
 
