@@ -163,12 +163,6 @@ def fn_arith(x):
     return (x * 2 + 1).sum(0), x.abs() - x
 
 
-UINT8_ABS = (
-    "tpuc bug (lowering): aten.abs on uint8 emits stablehlo.abs on ui8, which StableHLO rejects "
-    "(PJRT compile error); abs of an unsigned type is the identity"
-)
-
-
 @pytest.mark.parametrize(
     "dtype",
     [
@@ -176,9 +170,7 @@ UINT8_ABS = (
         torch.float16,
         torch.bfloat16,
         torch.int8,
-        pytest.param(
-            torch.uint8, marks=pytest.mark.xfail(strict=True, reason=UINT8_ABS, raises=tpuc.TpucError)
-        ),
+        torch.uint8,
     ],
 )
 def test_other_dtypes_give_eager_results(dtype):

@@ -23,20 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 # tpuc bugs found by this fuzzer and not fixed yet (their regression tests are xfail): the
-# generator avoids what triggers them unless asked, so that runs find new bugs.
-KNOWN_BUGS = {
-    "sign_nan": "aten.sign of NaN is NaN in tpuc (stablehlo.sign), 0 in eager",
-    "minmax_nan": "aten.maximum/minimum drop a NaN in the second operand on XLA CPU (stablehlo.maximum)",
-}
+# generator avoids what triggers them unless asked, so that runs find new bugs. (Fixed and now
+# plain regression tests: sign of NaN, maximum/minimum with a NaN in the second operand.)
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _known_bug(expr: str, args: list[torch.Tensor]) -> str | None:
     """The KNOWN_BUGS key that a node would trigger, if any."""
-    nan = any(a.dtype.is_floating_point and bool(a.isnan().any()) for a in args)
-    if nan and "torch.sign(" in expr:
-        return "sign_nan"
-    if nan and ("torch.maximum(" in expr or "torch.minimum(" in expr):
-        return "minmax_nan"
     return None
 
 

@@ -1,6 +1,5 @@
 """Fuzzer regression minmax_nan_seed90: mismatch: output 0: NaN at different places (0 vs eager 1)"""
 
-import pytest
 import torch
 from fuzz.runner import run_fn
 
@@ -19,10 +18,6 @@ def inputs():
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tpuc bug (lowering): aten.maximum/minimum drop a NaN in the second operand on XLA CPU (stablehlo.maximum)",
-)
 def test_minmax_nan_seed90():
     outcome = run_fn(program, inputs(), exact=[True])
     assert outcome.kind in ("ok", "error"), outcome.detail

@@ -1,6 +1,5 @@
 """Fuzzer regression sign_nan_seed12: mismatch: output 0: NaN at different places (1 vs eager 0)"""
 
-import pytest
 import torch
 from fuzz.runner import run_fn
 
@@ -21,9 +20,6 @@ def inputs():
     ]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="tpuc bug (lowering): aten.sign of NaN is NaN in tpuc (stablehlo.sign), 0 in eager"
-)
 def test_sign_nan_seed12():
     outcome = run_fn(program, inputs(), exact=[True])
     assert outcome.kind in ("ok", "error"), outcome.detail

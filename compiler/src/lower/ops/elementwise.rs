@@ -289,11 +289,25 @@ fn pow<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 }
 
 fn maximum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    binary_arith(cx, "stablehlo.maximum")
+    nan_propagating(cx, "stablehlo.maximum")
 }
 
 fn minimum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    binary_arith(cx, "stablehlo.minimum")
+    nan_propagating(cx, "stablehlo.minimum")
+}
+
+/// maximum/minimum with torch's NaN rule: a NaN in either operand wins (the CPU plugin's
+/// max/min drops a NaN in the second operand).
+fn nan_propagating<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
+    let out = cx.out_dtype()?;
+    if !out.is_float() {
+        return binary_arith(cx, name);
+    }
+    let (a, b) = operands(cx)?;
+    let (a, b) = cx.e.coerce(&a, &b, out)?;
+    let r = cx.e.op(name, &[&a, &b], &[], &a.shape.clone(), out)?;
+    let r = cx.e.select(&cx.e.isnan(&b)?, &b, &r, out)?;
+    Ok(vec![cx.e.select(&cx.e.isnan(&a)?, &a, &r, out)?])
 }
 
 /// Python-style remainder: the result takes the sign of the divisor.
@@ -338,6 +352,9 @@ fn neg<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     unary_same(cx, "stablehlo.negate")
 }
 fn abs<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    if matches!(cx.out_dtype()?, DType::Bool | DType::Uint8) {
+        return identity(cx); // unsigned: StableHLO's abs takes signed types only
+    }
     unary_same(cx, "stablehlo.abs")
 }
 fn sign<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
@@ -347,7 +364,14 @@ fn sign<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let nz = cx.e.convert(&x, DType::Bool)?;
         return Ok(vec![cx.e.convert(&nz, x.dtype)?]);
     }
-    unary_same(cx, "stablehlo.sign")
+    let out = cx.out_dtype()?;
+    let r = cx.e.unary("stablehlo.sign", &cx.e.convert(&x, out)?)?;
+    if !out.is_float() {
+        return Ok(vec![r]);
+    }
+    // torch.sign(NaN) is 0; StableHLO's sign keeps the NaN.
+    let zero = cx.e.splat(Scalar::Int(0), &[], out)?;
+    Ok(vec![cx.e.select(&cx.e.isnan(&r)?, &zero, &r, out)?])
 }
 fn floor<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     if !cx.out_dtype()?.is_float() {
