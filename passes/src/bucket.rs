@@ -1258,10 +1258,6 @@ impl<'a> Bucketer<'a> {
             ("sum" | "prod" | "any" | "all" | "max" | "min", "default") => {
                 ((0..rank).collect(), false)
             }
-            ("argmax" | "argmin", _) => (
-                self.dims_arg(n.args.get(1).or(n.kwargs.get("dim")), rank)?,
-                self.bool_arg(n, 2, "keepdim", false),
-            ),
             _ => (
                 self.dims_arg(n.args.get(1).or(n.kwargs.get("dim")), rank)?,
                 self.bool_arg(n, 2, "keepdim", false),
@@ -1273,8 +1269,9 @@ impl<'a> Bucketer<'a> {
             "prod" | "all" => Fill::One,
             _ => Fill::Zero,
         };
-        let positional = matches!(base, "argmax" | "argmin" | "max" | "min") && n.results.len() > 1
-            || matches!(base, "argmax" | "argmin");
+        // Results that are positions (argmax, max.dim's indices) need one run per reduced dim.
+        let positional = matches!(base, "argmax" | "argmin")
+            || matches!(base, "max" | "min") && n.results.len() > 1;
         if positional
             && dims
                 .iter()
@@ -1285,17 +1282,7 @@ impl<'a> Bucketer<'a> {
         let mut replace = HashMap::new();
         let masked = self.masked(x, &dims, fill)?;
         replace.insert(x, masked);
-        let reduced = |l: &Layout| -> Layout {
-            l.iter()
-                .enumerate()
-                .filter_map(|(i, d)| match (dims.contains(&i), keepdim) {
-                    (false, _) => Some(d.clone()),
-                    (true, true) => Some(clean(1)),
-                    (true, false) => None,
-                })
-                .collect()
-        };
-        let out = reduced(&lx);
+        let out = reduced_layout(&lx, &dims, keepdim);
         let layouts = n
             .results
             .iter()
@@ -1333,15 +1320,7 @@ impl<'a> Bucketer<'a> {
         };
         let keepdim = !default && self.bool_arg(n, 2, "keepdim", false);
         let ty = self.result_type(n, 0)?;
-        let out: Layout = lx
-            .iter()
-            .enumerate()
-            .filter_map(|(i, d)| match (dims.contains(&i), keepdim) {
-                (false, _) => Some(d.clone()),
-                (true, true) => Some(clean(1)),
-                (true, false) => None,
-            })
-            .collect();
+        let out = reduced_layout(&lx, &dims, keepdim);
         if !dims.iter().any(|&d| dim_padded(&lx[d])) {
             return self.copy_with(id, n, vec![Some(out)]);
         }
@@ -1387,15 +1366,7 @@ impl<'a> Bucketer<'a> {
             Some(Arg::Float(c)) if c.fract() == 0.0 => *c as i64,
             _ => return Err(self.err("non-integer correction")),
         };
-        let out: Layout = lx
-            .iter()
-            .enumerate()
-            .filter_map(|(i, d)| match (dims.contains(&i), keepdim) {
-                (false, _) => Some(d.clone()),
-                (true, true) => Some(clean(1)),
-                (true, false) => None,
-            })
-            .collect();
+        let out = reduced_layout(&lx, &dims, keepdim);
         if !dims.iter().any(|&d| dim_padded(&lx[d])) {
             let layouts = n.results.iter().map(|_| Some(out.clone())).collect();
             return self.copy_with(id, n, layouts);
@@ -1940,6 +1911,18 @@ impl<'a> Bucketer<'a> {
         }
         self.copy_with(id, n, vec![Some(l)])
     }
+}
+
+/// The layout after reducing `dims`: dropped, or size 1 with `keepdim`.
+fn reduced_layout(l: &Layout, dims: &[usize], keepdim: bool) -> Layout {
+    l.iter()
+        .enumerate()
+        .filter_map(|(i, d)| match (dims.contains(&i), keepdim) {
+            (false, _) => Some(d.clone()),
+            (true, true) => Some(clean(1)),
+            (true, false) => None,
+        })
+        .collect()
 }
 
 fn same_size(a: &DimLayout, b: &DimLayout) -> bool {

@@ -211,23 +211,15 @@ class CompiledGraph:
     def bucket_graph(self, chosen: dict, bindings: dict):
         """(key, bucketed graph) for the bucket sizes `chosen` (other symbols at their values in
         `bindings`); raises TpucError when the pass cannot make this graph exact."""
-        others = tuple(sorted((k, v) for k, v in bindings.items() if k not in chosen))
-        key = (tuple(sorted(chosen.items())), others)
         sizes = {**bindings, **chosen}
-        return key, _native.bucket_graph(self.graph, [s for s, b in chosen.items() if b > 1], sizes)
+        bg = _native.bucket_graph(self.graph, [s for s, b in chosen.items() if b > 1], sizes)
+        return _bucket_key(chosen, bindings), bg
 
-    def add_bucket_executable(self, key, exe, bg, sizes: dict) -> None:
+    def add_bucket_executable(self, key, exe, bg) -> None:
         record_compile(exe)
         if self.opts.dump_dir is not None:
-            chosen = dict(key[0])
-            dump.write(
-                self,
-                exe,
-                {
-                    **{k: v for k, v in sizes.items() if k not in chosen},
-                    **{f"{k}_bucket": v for k, v in chosen.items()},
-                },
-            )
+            chosen, others = key
+            dump.write(self, exe, {**dict(others), **{f"{k}_bucket": v for k, v in chosen}})
         log.debug("tpuc: compiled %s for bucket %s (%s)", self.name, key[0], exe.cache)
         self.bucket_exes[key] = (exe, bg)
 
@@ -240,8 +232,7 @@ class CompiledGraph:
     def bucket_executable(self, chosen: dict, bindings: dict):
         """(executable, bucketed graph) for one bucket, compiled once; None when the bucketing
         pass cannot make this graph exact (the graph is then compiled per shape)."""
-        others = tuple(sorted((k, v) for k, v in bindings.items() if k not in chosen))
-        hit = self.bucket_exes.get((tuple(sorted(chosen.items())), others))
+        hit = self.bucket_exes.get(_bucket_key(chosen, bindings))
         if hit is not None:
             return hit
         try:
@@ -250,7 +241,7 @@ class CompiledGraph:
         except _native.TpucError as e:
             self.not_bucketable(e)
             return None
-        self.add_bucket_executable(key, exe, bg, {**bindings, **chosen})
+        self.add_bucket_executable(key, exe, bg)
         return exe, bg
 
     def _bucket_plan(self, bindings: dict):
@@ -354,6 +345,12 @@ class CompiledGraph:
 
 
 _EAGER = ("eager",)
+
+
+def _bucket_key(chosen: dict, bindings: dict) -> tuple:
+    """Identifies one bucket's executable: the bucket sizes and every other symbol's value."""
+    others = tuple(sorted((k, v) for k, v in bindings.items() if k not in chosen))
+    return tuple(sorted(chosen.items())), others
 
 
 def _lowering_fallback(e: Exception, graph_name: str) -> None:

@@ -115,20 +115,19 @@ def _precompile_buckets(cg, combos, opts, progress, report) -> None:
     jobs = []
     try:
         for chosen in combos:
-            key, bg = cg.bucket_graph(chosen, cg.last_bindings)
-            done = cg.bucket_exes.get(key)
+            done = cg.bucket_exes.get(backend._bucket_key(chosen, cg.last_bindings))
             if done is not None:  # the example call's own bucket
                 report["executables"] += 1
                 report["compiled" if done[0].cache == "miss" else "from_cache"] += 1
                 continue
-            jobs.append((key, bg, chosen))
+            jobs.append(cg.bucket_graph(chosen, cg.last_bindings))
     except _native.TpucError as e:
         cg.not_bucketable(e)
         return
     exes = cg.runtime.compile_graphs(
-        [bg.graph for _, bg, _ in jobs], opts.precision, *backend.cache_args(opts), progress=progress
+        [bg.graph for _, bg in jobs], opts.precision, *backend.cache_args(opts), progress=progress
     )
-    for (key, bg, chosen), exe in zip(jobs, exes, strict=True):
-        cg.add_bucket_executable(key, exe, bg, {**cg.last_bindings, **chosen})
+    for (key, bg), exe in zip(jobs, exes, strict=True):
+        cg.add_bucket_executable(key, exe, bg)
         report["executables"] += 1
         report["compiled" if exe.cache == "miss" else "from_cache"] += 1
