@@ -16,6 +16,7 @@ use tpuc_cache::{
     host_cpu_fingerprint, CacheError, CacheKey, DiskCache, ExecutableCache, KeyBuilder,
 };
 use tpuc_frontend_fx::{DType, Graph};
+use tpuc_passes::sharding::{ShardingError, ShardingRequest};
 use tpuc_passes::SpecializeError;
 
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +29,8 @@ pub enum CompileError {
     Specialize(#[from] SpecializeError),
     #[error(transparent)]
     Cache(#[from] CacheError),
+    #[error("sharding: {0}")]
+    Sharding(#[from] ShardingError),
     #[error("{0}")]
     Run(String),
 }
@@ -167,11 +170,52 @@ impl Engine {
         precision: Precision,
         disk: &DiskCacheOptions,
     ) -> Result<Compiled, CompileError> {
+        self.compile_sharded(graph, bindings, precision, disk, None)
+    }
+
+    /// Like [`Engine::compile`]; with a sharding request, the sharding pass lays the graph out
+    /// over the request's mesh and XLA partitions it into one program per device (SPMD).
+    pub fn compile_sharded(
+        &self,
+        graph: &Graph,
+        bindings: &HashMap<String, i64>,
+        precision: Precision,
+        disk: &DiskCacheOptions,
+        sharding: Option<&ShardingRequest>,
+    ) -> Result<Compiled, CompileError> {
         let t0 = Instant::now();
         let specialized = tpuc_passes::specialize(graph, bindings)?;
-        let lowered = lower::lower(&specialized, &LowerOptions { precision })?;
+        let plan = match sharding {
+            Some(req) => {
+                let devices = self.client.addressable_device_count();
+                if req.mesh.size() as usize > devices {
+                    return Err(ShardingError(format!(
+                        "mesh {:?} ({:?}) needs {} devices; the {} plugin has {devices} \
+                         (on the CPU plugin set TPUC_CPU_DEVICES)",
+                        req.mesh.shape,
+                        req.mesh.axes,
+                        req.mesh.size(),
+                        self.platform
+                    ))
+                    .into());
+                }
+                Some(tpuc_passes::sharding::shard(&specialized, req)?)
+            }
+            None => None,
+        };
+        let mut options = CompileOptions::default();
+        if let Some(p) = &plan {
+            options.num_partitions = p.mesh.size();
+            options.use_spmd_partitioning = true;
+        }
+        let lowered = lower::lower(
+            &specialized,
+            &LowerOptions {
+                precision,
+                sharding: plan,
+            },
+        )?;
         let lower_seconds = t0.elapsed().as_secs_f64();
-        let options = CompileOptions::default();
         let key = KeyBuilder::new()
             .part("module", lowered.mlir.as_bytes())
             .part("compile_options", &options.encode())
@@ -341,6 +385,15 @@ impl Engine {
     /// `a.ptr` must point to `a.nbytes` readable bytes, alive as long as the buffer on the CPU
     /// plugin.
     pub unsafe fn upload(&self, a: &HostArray) -> Result<Buffer, PjrtError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.upload_to(a, 0) }
+    }
+
+    /// [`Engine::upload`] to device `device` (an index into the client's addressable devices).
+    ///
+    /// # Safety
+    /// As for [`Engine::upload`].
+    pub unsafe fn upload_to(&self, a: &HostArray, device: usize) -> Result<Buffer, PjrtError> {
         let semantics = if self.host_zero_copy {
             HostBufferSemantics::ImmutableZeroCopy
         } else {
@@ -354,7 +407,7 @@ impl Engine {
                 element_type(a.dtype),
                 &a.shape,
                 semantics,
-                0,
+                device,
             )
         }
     }
@@ -417,17 +470,116 @@ impl Engine {
             )));
         }
         for (buf, out) in results.iter().zip(outputs) {
-            if self.host_zero_copy && buf.on_device_size()? == out.nbytes {
-                // CPU plugin: device memory is host memory in the dense row-major layout, and
-                // execute has finished, so a plain copy avoids ToHostBuffer's async round trip
-                // (about half of the per-call cost of a small graph).
-                let src = buf.device_pointer()? as *const u8;
-                // SAFETY: `src` is valid for `nbytes` while `buf` lives; `out` is the caller's
-                // writable, non-aliasing host memory of that length.
-                unsafe { std::ptr::copy_nonoverlapping(src, out.ptr as *mut u8, out.nbytes) };
-            } else {
-                // SAFETY: forwarded from the caller.
-                unsafe { buf.to_host(out.ptr as *mut u8, out.nbytes)? };
+            // SAFETY: forwarded from the caller.
+            unsafe { self.fetch(buf, out)? };
+        }
+        Ok(())
+    }
+
+    /// Copies a finished output buffer into host memory.
+    ///
+    /// # Safety
+    /// `out` must be writable for `out.nbytes` bytes and not alias the buffer.
+    unsafe fn fetch(&self, buf: &Buffer, out: &HostArray) -> Result<(), PjrtError> {
+        if self.host_zero_copy && buf.on_device_size()? == out.nbytes {
+            // CPU plugin: device memory is host memory in the dense row-major layout, and
+            // execute has finished, so a plain copy avoids ToHostBuffer's async round trip
+            // (about half of the per-call cost of a small graph).
+            let src = buf.device_pointer()? as *const u8;
+            // SAFETY: `src` is valid for `nbytes` while `buf` lives; `out` is the caller's
+            // writable, non-aliasing host memory of that length.
+            unsafe { std::ptr::copy_nonoverlapping(src, out.ptr as *mut u8, out.nbytes) };
+            Ok(())
+        } else {
+            // SAFETY: forwarded from the caller.
+            unsafe { buf.to_host(out.ptr as *mut u8, out.nbytes) }
+        }
+    }
+
+    /// Runs a sharded executable: `args[d]` are device `d`'s pieces of every input (the shapes
+    /// of its plan's shards), and each `Some` entry of `outputs[d]` receives device `d`'s piece of
+    /// that output (`None`: not read, e.g. a second copy of a replicated piece).
+    ///
+    /// # Safety
+    /// As for [`Engine::run`], for every host array of every device.
+    pub unsafe fn run_sharded(
+        &self,
+        compiled: &Compiled,
+        args: &[Vec<RunArg>],
+        outputs: &[Vec<Option<HostArray>>],
+    ) -> Result<(), CompileError> {
+        let sig = &compiled.lowered;
+        let plan = sig
+            .sharding
+            .as_ref()
+            .ok_or_else(|| CompileError::Run("executable is not sharded".into()))?;
+        let n = plan.mesh.size() as usize;
+        if args.len() != n || outputs.len() != n {
+            return Err(CompileError::Run(format!(
+                "sharded executable runs on {n} devices, got {} argument and {} output lists",
+                args.len(),
+                outputs.len()
+            )));
+        }
+        let mut owned: Vec<Vec<Option<Buffer>>> = Vec::with_capacity(n);
+        for (d, (dev_args, dev_outs)) in args.iter().zip(outputs).enumerate() {
+            if dev_args.len() != sig.inputs.len() || dev_outs.len() != sig.outputs.len() {
+                return Err(CompileError::Run(format!(
+                    "device {d}: executable takes {} inputs and {} outputs, got {} and {}",
+                    sig.inputs.len(),
+                    sig.outputs.len(),
+                    dev_args.len(),
+                    dev_outs.len()
+                )));
+            }
+            let mut bufs = Vec::with_capacity(dev_args.len());
+            for (i, a) in dev_args.iter().enumerate() {
+                let RunArg::Host(h) = a else {
+                    bufs.push(None);
+                    continue;
+                };
+                let (shape, dtype) = &sig.inputs[i];
+                let want = plan.inputs[i].shard_shape(shape, &plan.mesh);
+                if h.shape != want || h.dtype != *dtype {
+                    return Err(CompileError::Run(format!(
+                        "device {d}, input {i}: expects a {dtype}{want:?} shard, got {}{:?}",
+                        h.dtype, h.shape
+                    )));
+                }
+                // SAFETY: forwarded from the caller; buffers are dropped before return.
+                bufs.push(Some(unsafe { self.upload_to(h, d)? }));
+            }
+            owned.push(bufs);
+        }
+        let lists: Vec<Vec<&Buffer>> = args
+            .iter()
+            .zip(&owned)
+            .map(|(dev_args, bufs)| {
+                dev_args
+                    .iter()
+                    .zip(bufs)
+                    .map(|(a, b)| match (a, b) {
+                        (RunArg::Device(b), _) => *b,
+                        (RunArg::Host(_), Some(b)) => b,
+                        (RunArg::Host(_), None) => unreachable!("every host arg was uploaded"),
+                    })
+                    .collect()
+            })
+            .collect();
+        let results = compiled.exe.execute_sharded(&lists)?;
+        for (d, (bufs, outs)) in results.iter().zip(outputs).enumerate() {
+            if bufs.len() != outs.len() {
+                return Err(CompileError::Run(format!(
+                    "device {d} returned {} outputs, expected {}",
+                    bufs.len(),
+                    outs.len()
+                )));
+            }
+            for (buf, out) in bufs.iter().zip(outs) {
+                if let Some(out) = out {
+                    // SAFETY: forwarded from the caller.
+                    unsafe { self.fetch(buf, out)? };
+                }
             }
         }
         Ok(())

@@ -15,6 +15,7 @@ mod dce;
 mod fold_constants;
 mod fold_views;
 mod rewrite;
+pub mod sharding;
 mod specialize;
 
 pub use bucket::{bucket, Atom, BucketError, Bucketed, DimLayout, Layout};

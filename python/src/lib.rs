@@ -5,9 +5,9 @@
 mod bucket;
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,6 +18,7 @@ use tpuc_compiler::pipeline::{
 };
 use tpuc_compiler::pjrt::{Buffer, PjrtError};
 use tpuc_frontend_fx::{DType, Dim, Graph, InputKind, Output};
+use tpuc_passes::sharding::{Mesh, Role, ShardingRequest, Slot, Spec, Strategy};
 
 create_exception!(
     _native,
@@ -36,6 +37,12 @@ create_exception!(
     PjrtError_,
     TpucError,
     "An error reported by the PJRT plugin (the message is the plugin's)."
+);
+create_exception!(
+    _native,
+    ShardingError,
+    PyValueError,
+    "A mesh or sharding spec that cannot apply (the message names the tensor, dim and mesh axis)."
 );
 create_exception!(
     _native,
@@ -73,6 +80,7 @@ fn compile_err(e: CompileError) -> PyErr {
         CompileError::Lower(l) => lower_err(l),
         CompileError::Pjrt(p) => pjrt_err(p),
         CompileError::Cache(c) => cache_err(c),
+        CompileError::Sharding(e) => ShardingError::new_err(format!("tpuc: {e}")),
         other => TpucError::new_err(other.to_string()),
     }
 }
@@ -356,7 +364,11 @@ impl Runtime {
 
     /// Specializes `graph` to `bindings`, lowers and compiles it, or loads it from the caches
     /// (GIL released).
-    #[pyo3(signature = (graph, bindings, precision, cache_dir=None, cache_max_bytes=None))]
+    /// `sharding`: a dict with `mesh_shape`, `mesh_axes`, `strategy`, `inputs` and `outputs`
+    /// (one `(role, name, fixed spec or None)` per tensor input/output) and `batch` (or None); a
+    /// spec is a list with, per dim, the list of mesh axis indices it is split over.
+    #[pyo3(signature = (graph, bindings, precision, cache_dir=None, cache_max_bytes=None, sharding=None))]
+    #[allow(clippy::too_many_arguments)]
     fn compile(
         &self,
         py: Python<'_>,
@@ -365,15 +377,27 @@ impl Runtime {
         precision: &str,
         cache_dir: Option<PathBuf>,
         cache_max_bytes: Option<u64>,
+        sharding: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Executable> {
         let precision = parse_precision(precision)?;
         let disk = DiskCacheOptions {
             dir: cache_dir,
             max_bytes: cache_max_bytes,
         };
+        let request = sharding.map(sharding_request).transpose()?;
         let engine = self.engine.clone();
         let compiled = py
-            .detach(|| no_panic(|| engine.compile(&graph.graph, &bindings, precision, &disk)))?
+            .detach(|| {
+                no_panic(|| {
+                    engine.compile_sharded(
+                        &graph.graph,
+                        &bindings,
+                        precision,
+                        &disk,
+                        request.as_ref(),
+                    )
+                })
+            })?
             .map_err(compile_err)?;
         Ok(self.executable(compiled))
     }
@@ -441,12 +465,19 @@ impl Runtime {
             .collect()
     }
 
-    /// Puts a host array on device 0 (aliasing it on the CPU plugin).
-    fn upload(&self, array: &Bound<'_, PyTuple>) -> PyResult<DeviceBuffer> {
+    /// Puts a host array on device `device` (aliasing it on the CPU plugin).
+    #[pyo3(signature = (array, device=0))]
+    fn upload(&self, array: &Bound<'_, PyTuple>, device: usize) -> PyResult<DeviceBuffer> {
         let a = host_array(array)?;
+        let devices = self.engine.client().addressable_device_count();
+        if device >= devices {
+            return Err(TpucError::new_err(format!(
+                "device {device} does not exist (the plugin has {devices})"
+            )));
+        }
         // SAFETY: the Python caller passes a live, contiguous tensor's data pointer and keeps the
         // tensor alive as long as this DeviceBuffer.
-        let buffer = unsafe { self.engine.upload(&a) }.map_err(pjrt_err)?;
+        let buffer = unsafe { self.engine.upload_to(&a, device) }.map_err(pjrt_err)?;
         Ok(DeviceBuffer { buffer })
     }
 }
@@ -456,6 +487,76 @@ impl Runtime {
         Executable {
             engine: self.engine.clone(),
             compiled: Arc::new(compiled),
+        }
+    }
+}
+
+fn sharding_request(d: &Bound<'_, PyDict>) -> PyResult<ShardingRequest> {
+    fn item<'py, X: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<X> {
+        d.get_item(key)?
+            .ok_or_else(|| PyValueError::new_err(format!("sharding request lacks `{key}`")))?
+            .extract()
+            .map_err(Into::into)
+    }
+    let slots = |key: &str| -> PyResult<Vec<Slot>> {
+        type RawSlot = (String, String, Option<Vec<Vec<usize>>>);
+        let raw: Vec<RawSlot> = item(d, key)?;
+        raw.into_iter()
+            .map(|(role, name, fixed)| {
+                let role = match role.as_str() {
+                    "parameter" => Role::Parameter,
+                    "buffer" => Role::Buffer,
+                    "data" => Role::Data,
+                    "other" => Role::Other,
+                    r => return Err(PyValueError::new_err(format!("unknown role {r:?}"))),
+                };
+                Ok(Slot {
+                    role,
+                    name,
+                    fixed: fixed.map(Spec),
+                })
+            })
+            .collect()
+    };
+    let strategy: String = item(d, "strategy")?;
+    let mesh = Mesh::new(item(d, "mesh_shape")?, item(d, "mesh_axes")?)
+        .map_err(|e| ShardingError::new_err(format!("tpuc: {e}")))?;
+    Ok(ShardingRequest {
+        mesh,
+        strategy: Strategy::parse(&strategy)
+            .ok_or_else(|| PyValueError::new_err(format!("unknown strategy {strategy:?}")))?,
+        inputs: slots("inputs")?,
+        outputs: slots("outputs")?,
+        batch: item(d, "batch")?,
+    })
+}
+
+/// `(mesh_shape, mesh_axes, input_specs, output_specs)`, as `Executable.sharding` returns it.
+type ShardingLayout = (
+    Vec<i64>,
+    Vec<String>,
+    Vec<Vec<Vec<usize>>>,
+    Vec<Vec<Vec<usize>>>,
+);
+
+/// A run argument: a resident DeviceBuffer or a host array tuple.
+enum PyArg {
+    Host(HostArray),
+    Device(Py<DeviceBuffer>),
+}
+
+impl PyArg {
+    fn extract(a: &Bound<'_, PyAny>) -> PyResult<PyArg> {
+        match a.cast::<DeviceBuffer>() {
+            Ok(d) => Ok(PyArg::Device(d.clone().unbind())),
+            Err(_) => Ok(PyArg::Host(host_array(a.cast::<PyTuple>()?)?)),
+        }
+    }
+
+    fn as_run_arg(&self) -> RunArg<'_> {
+        match self {
+            PyArg::Host(h) => RunArg::Host(h.clone()),
+            PyArg::Device(d) => RunArg::Device(&d.get().buffer),
         }
     }
 }
@@ -477,36 +578,68 @@ impl Executable {
         args: &Bound<'_, PyList>,
         outs: &Bound<'_, PyList>,
     ) -> PyResult<()> {
-        let mut hosts: Vec<Option<HostArray>> = Vec::with_capacity(args.len());
-        let mut devs: Vec<Option<Py<DeviceBuffer>>> = Vec::with_capacity(args.len());
-        for a in args.iter() {
-            if let Ok(d) = a.cast::<DeviceBuffer>() {
-                devs.push(Some(d.clone().unbind()));
-                hosts.push(None);
-            } else {
-                hosts.push(Some(host_array(a.cast::<PyTuple>()?)?));
-                devs.push(None);
-            }
-        }
+        let args: Vec<PyArg> = args
+            .iter()
+            .map(|a| PyArg::extract(&a))
+            .collect::<PyResult<_>>()?;
         let outs: Vec<HostArray> = outs
             .iter()
             .map(|o| host_array(o.cast::<PyTuple>()?))
             .collect::<PyResult<_>>()?;
-        let run_args: Vec<RunArg> = hosts
-            .into_iter()
-            .zip(&devs)
-            .map(|(h, d)| match (h, d) {
-                (Some(h), _) => RunArg::Host(h),
-                (None, Some(d)) => RunArg::Device(&d.get().buffer),
-                (None, None) => unreachable!(),
-            })
-            .collect();
+        let run_args: Vec<RunArg> = args.iter().map(PyArg::as_run_arg).collect();
         let engine = &self.engine;
         let compiled = &self.compiled;
         // SAFETY: the Python caller passes live, contiguous tensors' pointers (outputs freshly
         // allocated, so not aliasing inputs) and holds them for the duration of this call.
         py.detach(|| unsafe { engine.run(compiled, &run_args, &outs) })
             .map_err(compile_err)
+    }
+
+    /// Runs a sharded executable: `args[d]` holds device `d`'s piece of each input (a host
+    /// array tuple or a DeviceBuffer on device `d`), `outs[d]` a host array tuple per output to
+    /// receive device `d`'s piece, or None to skip it. GIL released while running.
+    fn run_sharded(
+        &self,
+        py: Python<'_>,
+        args: Vec<Vec<Bound<'_, PyAny>>>,
+        outs: Vec<Vec<Option<Bound<'_, PyTuple>>>>,
+    ) -> PyResult<()> {
+        let args: Vec<Vec<PyArg>> = args
+            .iter()
+            .map(|dev| dev.iter().map(PyArg::extract).collect())
+            .collect::<PyResult<_>>()?;
+        let outs: Vec<Vec<Option<HostArray>>> = outs
+            .iter()
+            .map(|dev| {
+                dev.iter()
+                    .map(|o| o.as_ref().map(host_array).transpose())
+                    .collect()
+            })
+            .collect::<PyResult<_>>()?;
+        let run_args: Vec<Vec<RunArg>> = args
+            .iter()
+            .map(|dev| dev.iter().map(PyArg::as_run_arg).collect())
+            .collect();
+        let engine = &self.engine;
+        let compiled = &self.compiled;
+        // SAFETY: the Python caller passes live, contiguous tensors' pointers (outputs freshly
+        // allocated, so not aliasing inputs) and holds them for the duration of this call.
+        py.detach(|| unsafe { engine.run_sharded(compiled, &run_args, &outs) })
+            .map_err(compile_err)
+    }
+
+    /// `None`, or `(mesh_shape, mesh_axes, input_specs, output_specs)`: the layouts the
+    /// executable was partitioned with (a spec lists, per dim, the mesh axes it is split over).
+    #[getter]
+    fn sharding(&self) -> Option<ShardingLayout> {
+        self.compiled.lowered.sharding.as_ref().map(|p| {
+            (
+                p.mesh.shape.clone(),
+                p.mesh.axes.clone(),
+                p.inputs.iter().map(|s| s.0.clone()).collect(),
+                p.outputs.iter().map(|s| s.0.clone()).collect(),
+            )
+        })
     }
 
     /// Times `n` bare PJRT executions on resident `args` (DeviceBuffers; outputs stay on the
@@ -727,5 +860,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UnsupportedOpError", py.get_type::<UnsupportedOpError>())?;
     m.add("PjrtError", py.get_type::<PjrtError_>())?;
     m.add("GraphImportError", py.get_type::<GraphImportError>())?;
+    m.add("ShardingError", py.get_type::<ShardingError>())?;
     Ok(())
 }

@@ -6,13 +6,15 @@
 for `tpuc.stats()`, `tpuc.reset_stats()` and the error types.
 """
 
-from ._native import GraphImportError, PjrtError, TpucError, UnsupportedOpError, supported_ops
+from ._native import GraphImportError, PjrtError, ShardingError, TpucError, UnsupportedOpError, supported_ops
 from .counters import reset_stats, stats
 
 __all__ = [
     "GraphImportError",
     "PjrtError",
     "precompile",
+    "resident_bytes",
+    "ShardingError",
     "TpucError",
     "UnsupportedOpError",
     "reset_stats",
@@ -28,4 +30,8 @@ def __getattr__(name):
         from .precompiler import precompile
 
         return precompile
+    if name == "resident_bytes":
+        from .sharding import resident_bytes
+
+        return resident_bytes
     raise AttributeError(f"module 'tpuc' has no attribute {name!r}")

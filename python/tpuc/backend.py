@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _native, buckets, counters, dump, fx_export, precompiler, runtime
 from . import options as options_mod
+from . import sharding as sharding_mod
 
 log = logging.getLogger("tpuc")
 
@@ -111,12 +112,15 @@ class CompiledGraph:
 
     _boxed_call = True
 
-    def __init__(self, gm: torch.fx.GraphModule, opts: options_mod.Options, name: str, maxima=None):
+    def __init__(
+        self, gm: torch.fx.GraphModule, opts: options_mod.Options, name: str, maxima=None, shard=None
+    ):
         self.opts = opts
         # With fallback="eager", a shape tpuc cannot lower runs this graph in PyTorch instead.
         self.eager = gm if opts.fallback == "eager" else None
         self.name = name
-        self.runtime = runtime.get_runtime(opts.plugin)
+        shard_ctx, shard_kind = shard if shard is not None else (None, None)
+        self.runtime = runtime.get_runtime(opts.plugin, shard_ctx.mesh.size if shard_ctx else None)
         self.fx_text = gm.print_readable(print_output=False)
         wire, attr_targets = fx_export.export(gm)
         self.attr_tensors = [getattr(gm, t) for t in attr_targets]
@@ -137,10 +141,17 @@ class CompiledGraph:
             sym: (mx, src, buckets.bucket_sizes(opts.buckets, mx))
             for sym, (mx, src) in (maxima or {}).items()
         }
+        self.output_kinds = self.graph.outputs()
+        # SPMD over a mesh: compiled per static shape (bucketing does not combine with it yet).
+        self.sharded = None
+        if shard_ctx is not None:
+            self.sharded = sharding_mod.ShardedGraph(
+                shard_ctx, shard_kind, gm, self.inputs, self.output_kinds, self.runtime
+            )
+            self.maxima = {}
         self.bucketing = self.symbolic and bool(self.maxima)
         self.bucket_exes: dict = {}
         self.last_bindings: dict | None = None
-        self.output_kinds = self.graph.outputs()
         counters.add(graphs_compiled=1)
         precompiler.record_graph(self)
         if not self.symbolic:
@@ -149,7 +160,10 @@ class CompiledGraph:
             self.static = None
 
     def _compile(self, bindings: dict, key):
-        exe = self.runtime.compile(self.graph, bindings, self.opts.precision, *cache_args(self.opts))
+        request = self.sharded.request() if self.sharded is not None else None
+        exe = self.runtime.compile(self.graph, bindings, self.opts.precision, *cache_args(self.opts), request)
+        if self.sharded is not None:
+            self.sharded.compiled(exe)
         record_compile(exe)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
@@ -329,10 +343,13 @@ class CompiledGraph:
             return self._run_bucketed(entry, args + entry.symfloats)
         exe, out_types, plan, floats = entry
         args += floats
-        specs, keep = self._input_specs(args)
-        outs = [torch.empty(s, dtype=d) for s, d in out_types]
-        exe.run(specs, [_host_array(o) for o in outs])
-        counters.count_execution()
+        if self.sharded is not None:
+            outs = self.sharded.run(exe, [args[i] for i in self.tensor_slots], out_types, _host_array)
+        else:
+            specs, keep = self._input_specs(args)
+            outs = [torch.empty(s, dtype=d) for s, d in out_types]
+            exe.run(specs, [_host_array(o) for o in outs])
+            counters.count_execution()
         result = []
         for kind, value in plan:
             if kind == "tensor":
@@ -449,7 +466,7 @@ def _warn_fallback(ops: list[str]) -> None:
         )
 
 
-def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None):
+def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None):
     """Splits `gm` into tpuc partitions (supported ops) and eager ops."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
@@ -471,7 +488,8 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None):
             out_node = next(n for n in sub.graph.nodes if n.op == "output")
             out_node.args = ((out_arg,),)
             sub.recompile()
-        compiled = _compile_or_fallback(sub, opts, f"{name}.{node.target}", maxima)
+        part_shard = (shard[0], "partition") if shard is not None else None
+        compiled = _compile_or_fallback(sub, opts, f"{name}.{node.target}", maxima, part_shard)
         if compiled is not None:
             setattr(fused, node.target, _PartitionModule(compiled, single))
         elif single:
@@ -481,11 +499,13 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None):
     return fused
 
 
-def _compile_or_fallback(gm: torch.fx.GraphModule, opts, name: str, maxima=None) -> CompiledGraph | None:
+def _compile_or_fallback(
+    gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None
+) -> CompiledGraph | None:
     """A CompiledGraph, or None (run `gm` eagerly) when lowering fails and fallback="eager".
     Plugin errors always raise: they are not a matter of op coverage."""
     try:
-        return CompiledGraph(gm, opts, name, maxima)
+        return CompiledGraph(gm, opts, name, maxima, shard)
     except _native.TpucError as e:
         if opts.fallback == "error" or isinstance(e, _native.PjrtError):
             raise
@@ -494,14 +514,21 @@ def _compile_or_fallback(gm: torch.fx.GraphModule, opts, name: str, maxima=None)
 
 
 def compile_graph(
-    gm: torch.fx.GraphModule, example_inputs, opts, name: str, traces: dict | None = None, maxima=None
+    gm: torch.fx.GraphModule,
+    example_inputs,
+    opts,
+    name: str,
+    traces: dict | None = None,
+    maxima=None,
+    shard=None,
 ):
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
-    Dynamo node names to their stack traces, for error messages."""
+    Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
+    "forward" | "backward") when a mesh is set."""
     traces = traces or {}
     bad = _unsupported_nodes(gm)
     if not bad:
-        compiled = _compile_or_fallback(gm, opts, name, maxima)
+        compiled = _compile_or_fallback(gm, opts, name, maxima, shard)
         return compiled if compiled is not None else make_boxed_func(gm.forward)
     if opts.fallback == "error":
         n = bad[0]
@@ -517,15 +544,8 @@ def compile_graph(
     for op in ops:
         counters.count_fallback(op)
     _warn_fallback(ops)
-    fused = _partitioned(gm, opts, name, maxima)
+    fused = _partitioned(gm, opts, name, maxima, shard)
     return make_boxed_func(fused.forward)
-
-
-def _check_implemented(opts: options_mod.Options) -> None:
-    if opts.mesh is not None or opts.sharding != "replicated":
-        raise NotImplementedError(
-            "tpuc: options 'mesh' and 'sharding' are accepted but SPMD is not implemented yet"
-        )
 
 
 _SURFACED: dict[type, type] = {}
@@ -572,8 +592,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             f"tpuc: unexpected backend argument(s) {sorted(kwargs)}; pass settings in options={{...}}"
         )
     opts = options_mod.parse(options, mode)
-    _check_implemented(opts)
-    runtime.get_runtime(opts.plugin)  # a bad plugin fails here, at compile time
+    mesh = sharding_mod.parse_mesh(opts)
+    runtime.get_runtime(opts.plugin, mesh.size if mesh else None)  # a bad plugin fails here
     with _counter_lock:
         _graph_counter += 1
         gid = _graph_counter
@@ -583,11 +603,18 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     maxima = buckets.declared_maxima(example_inputs)
     buckets.check_declared(gm, example_inputs, maxima)
 
+    shard_ctx = None
+    if mesh is not None:
+        shard_ctx = sharding_mod.Context.for_dynamo_graph(gm, example_inputs, mesh, opts.sharding)
+        maxima = {}
+
     def fw(g, ins):
-        return compile_graph(g, ins, opts, f"g{gid}_forward", traces, maxima)
+        shard = (shard_ctx, "forward") if shard_ctx else None
+        return compile_graph(g, ins, opts, f"g{gid}_forward", traces, maxima, shard)
 
     def bw(g, ins):
-        return compile_graph(g, ins, opts, f"g{gid}_backward", traces, maxima)
+        shard = (shard_ctx, "backward") if shard_ctx else None
+        return compile_graph(g, ins, opts, f"g{gid}_backward", traces, maxima, shard)
 
     # Trace attention through the math path: otherwise the forward decomposes to math while the
     # backward keeps the CPU flash kernel, whose saved-tensor contract the decomposed forward does

@@ -118,10 +118,13 @@ def check_plugin_file(path: Path) -> None:
             )
 
 
-def get_runtime(plugin: str | None) -> _native.Runtime:
-    """The process's runtime for `plugin` (created on first use; plugins are never unloaded)."""
+def get_runtime(plugin: str | None, mesh_size: int | None = None) -> _native.Runtime:
+    """The process's runtime for `plugin` (created on first use; plugins are never unloaded).
+    With a mesh and TPUC_CPU_DEVICES unset, the CPU plugin gets one device per mesh device."""
     path = resolve_plugin(plugin)
     devices = cpu_device_count()
+    if mesh_size is not None and os.environ.get("TPUC_CPU_DEVICES") is None:
+        devices = max(devices, mesh_size)
     # XLA logs informational lines to stderr at plugin start; keep them unless asked for.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     key = (str(path), devices)

@@ -10,14 +10,15 @@ mod tests;
 
 pub use emit::{Emitter, Precision, ReduceKind, Scalar, T};
 
-use melior::ir::attribute::{StringAttribute, TypeAttribute};
+use melior::ir::attribute::{Attribute, StringAttribute, TypeAttribute};
 use melior::ir::block::BlockLike;
-use melior::ir::operation::OperationLike;
+use melior::ir::operation::{OperationLike, OperationMutLike};
 use melior::ir::r#type::FunctionType;
-use melior::ir::{Block, Location, Module, Region, RegionLike, Value};
+use melior::ir::{Block, Identifier, Location, Module, Region, RegionLike, Value};
 use melior::Context;
 use std::collections::{BTreeMap, HashMap};
 use tpuc_frontend_fx::{Arg, DType, Graph, InputKind, Node, NodeId, Output, ValueRef};
+use tpuc_passes::sharding::ShardingPlan;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LowerError {
@@ -54,14 +55,20 @@ impl LowerError {
 #[derive(Clone, Debug, Default)]
 pub struct LowerOptions {
     pub precision: Precision,
+    /// SPMD layouts: written as `mhlo.sharding` on `main`'s arguments and results and on
+    /// `Sharding` custom calls after the constrained intermediates.
+    pub sharding: Option<ShardingPlan>,
 }
 
 /// What lowering produced: the module text and the signature of `main`.
 #[derive(Clone, Debug)]
 pub struct Lowered {
     pub mlir: String,
+    /// Global (unsharded) shapes.
     pub inputs: Vec<(Vec<i64>, DType)>,
     pub outputs: Vec<(Vec<i64>, DType)>,
+    /// The layouts the module was annotated with, which the runtime splits and reassembles by.
+    pub sharding: Option<ShardingPlan>,
 }
 
 /// The view of one node a lowering rule works with: typed access to its arguments (positional or
@@ -334,6 +341,15 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
         .collect();
     let block = Block::new(&arg_types);
     let used = used_results(graph);
+    let plan = options.sharding.as_ref();
+    let constraints: HashMap<ValueRef, String> = plan
+        .map(|p| {
+            p.constraints
+                .iter()
+                .map(|(v, s)| (*v, s.hlo(&p.mesh)))
+                .collect()
+        })
+        .unwrap_or_default();
     {
         let e = Emitter::new(&ctx, &block, loc, options.precision, diagnostics.clone());
         let mut values: HashMap<ValueRef, T> = HashMap::new();
@@ -366,7 +382,25 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
             };
             let results = rule(&cx).map_err(|err| err.at(node))?;
             check_results(&cx, &results)?;
-            for (k, t) in results.into_iter().enumerate() {
+            for (k, mut t) in results.into_iter().enumerate() {
+                let here = ValueRef {
+                    node: id,
+                    result: k,
+                };
+                if let Some(hlo) = constraints.get(&here) {
+                    t = e
+                        .op(
+                            "stablehlo.custom_call",
+                            &[&t],
+                            &[
+                                ("call_target_name", "\"Sharding\"".to_string()),
+                                ("mhlo.sharding", format!("\"{hlo}\"")),
+                            ],
+                            &t.shape.clone(),
+                            t.dtype,
+                        )
+                        .map_err(|err| err.at(node))?;
+                }
                 values.insert(
                     ValueRef {
                         node: id,
@@ -395,15 +429,53 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
         .map(|(s, d)| emit::tensor_type(&ctx, s, *d))
         .collect();
     let fn_type = FunctionType::new(&ctx, &in_types, &out_types);
+    let mut func_attrs = Vec::new();
+    let mut module_attrs = Vec::new();
+    if let Some(p) = plan {
+        if p.inputs.len() != inputs.len() || p.outputs.len() != outputs.len() {
+            return Err(LowerError::internal(format!(
+                "sharding plan has {} inputs and {} outputs; the graph has {} and {}",
+                p.inputs.len(),
+                p.outputs.len(),
+                inputs.len(),
+                outputs.len()
+            )));
+        }
+        let dicts = |specs: &[tpuc_passes::sharding::Spec]| -> String {
+            let items: Vec<String> = specs
+                .iter()
+                .map(|s| format!("{{mhlo.sharding = \"{}\"}}", s.hlo(&p.mesh)))
+                .collect();
+            format!("[{}]", items.join(", "))
+        };
+        let parse = |text: &str| -> R<Attribute> {
+            Attribute::parse(&ctx, text)
+                .ok_or_else(|| LowerError::internal(format!("MLIR rejected attribute `{text}`")))
+        };
+        func_attrs.push((
+            Identifier::new(&ctx, "arg_attrs"),
+            parse(&dicts(&p.inputs))?,
+        ));
+        func_attrs.push((
+            Identifier::new(&ctx, "res_attrs"),
+            parse(&dicts(&p.outputs))?,
+        ));
+        let partitions = format!("{} : i32", p.mesh.size());
+        module_attrs.push(("mhlo.num_partitions", parse(&partitions)?));
+        module_attrs.push(("mhlo.num_replicas", parse("1 : i32")?));
+    }
     let func = melior::dialect::func::func(
         &ctx,
         StringAttribute::new(&ctx, "main"),
         TypeAttribute::new(fn_type.into()),
         region,
-        &[],
+        &func_attrs,
         loc,
     );
-    let module = Module::new(loc);
+    let mut module = Module::new(loc);
+    for (name, attr) in module_attrs {
+        module.as_operation_mut().set_attribute(name, attr);
+    }
     module.body().append_operation(func);
     let mlir = module
         .as_operation()
@@ -415,6 +487,7 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
         mlir,
         inputs,
         outputs,
+        sharding: options.sharding.clone(),
     })
 }
 

@@ -822,6 +822,7 @@ fn snap_embedding() {
 fn precision_option_reaches_dot_and_conv() {
     let opts = LowerOptions {
         precision: Precision::Default,
+        ..LowerOptions::default()
     };
     for g in [addmm_graph(), conv_graph()] {
         let text = lower(&g, &opts).unwrap().mlir;

@@ -528,3 +528,54 @@ fn functions_beyond_an_old_plugins_table_are_missing_not_read() {
     let err = api::pjrt_fn!(&api, PJRT_Plugin_Initialize).unwrap_err();
     assert!(matches!(err, PjrtError::Missing { .. }), "{err}");
 }
+
+/// A sum over a dim split across two partitions: XLA's SPMD partitioner must insert the
+/// all-reduce, and every device gets the full (replicated) result.
+const SPMD_SUM: &str = r#"
+module @m attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas = 1 : i32} {
+  func.func public @main(%arg0: tensor<4x3xf32> {mhlo.sharding = "{devices=[2,1]0,1}"})
+      -> (tensor<3xf32> {mhlo.sharding = "{replicated}"}) {
+    %c = stablehlo.constant dense<0.0> : tensor<f32>
+    %r = stablehlo.reduce(%arg0 init: %c) applies stablehlo.add across dimensions = [0]
+      : (tensor<4x3xf32>, tensor<f32>) -> tensor<3xf32>
+    return %r : tensor<3xf32>
+  }
+}
+"#;
+
+#[test]
+fn spmd_partitioned_sum_all_reduces_across_devices() {
+    let c = Client::new(plugin(), Some(4)).unwrap();
+    let opts = CompileOptions {
+        num_replicas: 1,
+        num_partitions: 2,
+        use_spmd_partitioning: true,
+    };
+    let exe = c.compile(SPMD_SUM, &opts).unwrap();
+    assert_eq!(exe.num_devices(), 2);
+    let upload_on = |v: &[f32], dev: usize| {
+        let bytes = f32_bytes(v);
+        // SAFETY: `bytes` is valid for the call, which copies it.
+        unsafe {
+            c.buffer_from_host(
+                bytes.as_ptr(),
+                24,
+                ElementType::F32,
+                &[2, 3],
+                HostBufferSemantics::ImmutableOnlyDuringCall,
+                dev,
+            )
+        }
+        .unwrap()
+    };
+    // Rows 0-1 of the global [4, 3] array on device 0, rows 2-3 on device 1.
+    let (a0, a1) = (upload_on(&A, 0), upload_on(&B, 1));
+    let out = exe.execute_sharded(&[vec![&a0], vec![&a1]]).unwrap();
+    let expected: Vec<f32> = (0..3).map(|j| A[j] + A[3 + j] + B[j] + B[3 + j]).collect();
+    for device in &out {
+        assert_eq!(device[0].dims().unwrap(), vec![3]);
+        assert_eq!(bytes_f32(&device[0].to_host_vec().unwrap()), expected);
+    }
+    let hlo = exe.optimized_hlo_text().unwrap().unwrap();
+    assert!(hlo.contains("all-reduce("), "{hlo}");
+}
