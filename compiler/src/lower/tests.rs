@@ -4023,3 +4023,54 @@ fn num_trilinear_as_bilinear() {
     let out = run(&g, &[Buf::F32(x1), Buf::F32(w), Buf::F32(x2)]);
     assert_close(out[0].f32(), &want, 1e-6);
 }
+
+/// A sharding plan reaches the module: partition count, argument and result layouts, and a
+/// `Sharding` custom call after a constrained intermediate.
+#[test]
+fn sharding_plan_becomes_mhlo_annotations() {
+    use tpuc_passes::sharding::{Mesh, ShardingPlan, Spec};
+    let g = addmm_graph();
+    let mesh = Mesh::new(vec![2, 2], vec!["data".into(), "model".into()]).unwrap();
+    let addmm = g
+        .topo_order()
+        .into_iter()
+        .find(|id| g.node(*id).op == "aten.addmm.default")
+        .unwrap();
+    let plan = ShardingPlan {
+        mesh,
+        inputs: vec![
+            Spec::replicated(1),
+            Spec::on_dim(2, 0, 0),
+            Spec::on_dim(2, 1, 1),
+        ],
+        outputs: vec![Spec::on_dim(2, 0, 0)],
+        constraints: vec![(
+            tpuc_frontend_fx::ValueRef {
+                node: addmm,
+                result: 0,
+            },
+            Spec::on_dim(2, 1, 1),
+        )],
+    };
+    let opts = LowerOptions {
+        sharding: Some(plan.clone()),
+        ..LowerOptions::default()
+    };
+    let lowered = lower(&g, &opts).unwrap();
+    let text = &lowered.mlir;
+    assert!(text.contains("mhlo.num_partitions = 4 : i32"), "{text}");
+    assert!(
+        text.contains(r#"{mhlo.sharding = "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"}"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"{mhlo.sharding = "{replicated}"}"#),
+        "{text}"
+    );
+    assert!(text.contains(r#"call_target_name = "Sharding""#), "{text}");
+    assert!(
+        text.contains(r#"mhlo.sharding = "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}""#),
+        "{text}"
+    );
+    assert_eq!(lowered.sharding, Some(plan));
+}
