@@ -219,3 +219,38 @@ def test_bad_sharding_options(options, message):
     compiled = torch.compile(_mlp(), backend="tpu", options=options)
     with pytest.raises(ValueError, match=re.escape(message)):
         compiled(torch.randn(8, 16))
+
+
+_CACHED_RUN = """
+import sys, torch, tpuc
+from torch import nn
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+x = torch.randn(8, 8)
+opts = {"mesh": {"shape": [4], "axes": ["data"]}, "sharding": "fsdp", "cache_dir": sys.argv[1]}
+y = torch.compile(m, backend="tpu", options=opts)(x)
+torch.testing.assert_close(y, m(x), rtol=1e-4, atol=1e-5)
+s = tpuc.stats()
+print(s["xla_compiles"], s["cache_hits_disk"])
+"""
+
+
+def test_sharded_executables_load_from_the_disk_cache_in_a_new_process(tmp_path):
+    import subprocess
+    import sys
+
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _CACHED_RUN, str(tmp_path)], capture_output=True, text=True, timeout=300
+        )
+        for _ in range(2)
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert runs[0].stdout.split() == ["1", "0"], runs[0].stdout
+    assert runs[1].stdout.split() == ["0", "1"], "the second process compiles nothing"
+
+
+def test_precompile_with_a_mesh_says_it_is_not_supported():
+    with pytest.raises(NotImplementedError, match="mesh"):
+        tpuc.precompile(_mlp(), (torch.randn(8, 16),), options={"mesh": MESHES["4x1"]})

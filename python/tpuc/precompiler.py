@@ -54,6 +54,11 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
     if buckets is not None:
         opts_dict["buckets"] = buckets
     opts = options_mod.parse(opts_dict)
+    if opts.mesh is not None:
+        raise NotImplementedError(
+            "tpuc.precompile: a mesh (SPMD) compiles each shape statically and is not precompiled yet; "
+            "call the compiled model once per shape to fill the cache"
+        )
     dynamic = {int(i): {int(d): int(mx) for d, mx in dims.items()} for i, dims in (dynamic or {}).items()}
     inputs = list(example_inputs)
     for idx, dims in dynamic.items():
