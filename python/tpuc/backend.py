@@ -493,11 +493,76 @@ def _compile_or_fallback(gm: torch.fx.GraphModule, opts, name: str, maxima=None)
         return None
 
 
+def _hoist_linalg_checks(gm: torch.fx.GraphModule) -> list[tuple]:
+    """Takes the effectful `_linalg_check_errors` calls (`with_effects` nodes: linalg.inv,
+    solve, cholesky ... raising on singular or non-positive-definite input) out of `gm`: each
+    one's `info` tensor becomes an extra graph output and its token passes through unchanged.
+    Returns the checks' (args, kwargs) after `info`, in output order, for `_Checked` to run on
+    the host after each call, so errors are raised exactly as PyTorch raises them."""
+    check = torch.ops.aten._linalg_check_errors.default
+    nodes = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and n.target is torch.ops.higher_order.with_effects
+        and len(n.args) >= 3
+        and n.args[1] is check
+    ]
+    if not nodes:
+        return []
+    checks, infos = [], []
+    for n in nodes:
+        token, info, rest = n.args[0], n.args[2], n.args[3:]
+        for user in list(n.users):
+            if user.op == "call_function" and user.target.__name__ == "getitem" and user.args[1] == 0:
+                user.replace_all_uses_with(token)
+                gm.graph.erase_node(user)
+        if n.users:
+            raise _native.TpucError(f"unexpected use of the result of `{n.name}` ({check})")
+        gm.graph.erase_node(n)
+        checks.append((tuple(rest), dict(n.kwargs)))
+        infos.append(info)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = out.args[0]
+    out.args = ((*outs, *infos),) if isinstance(outs, list | tuple) else ((outs, *infos),)
+    gm.graph.lint()
+    gm.recompile()
+    return checks
+
+
+class _Checked:
+    """Runs a compiled graph whose `_linalg_check_errors` calls were hoisted out, then the
+    checks on the returned `info` tensors (raising PyTorch's own errors)."""
+
+    _boxed_call = True
+
+    def __init__(self, inner, checks: list[tuple]):
+        self.inner, self.checks = inner, checks
+
+    def __call__(self, args):
+        # Effect tokens arrive as None (AOTAutograd's runtime wrapper drops the real ones); the
+        # graph only passes them through.
+        if any(a is None for a in args):
+            token = torch.empty(0)
+            args = [token if a is None else a for a in args]
+        outs = list(self.inner(args))
+        k = len(self.checks)
+        for info, (rest, kwargs) in zip(outs[len(outs) - k :], self.checks, strict=True):
+            torch._linalg_check_errors(info, *rest, **kwargs)
+        return outs[: len(outs) - k]
+
+
 def compile_graph(
     gm: torch.fx.GraphModule, example_inputs, opts, name: str, traces: dict | None = None, maxima=None
 ):
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
     Dynamo node names to their stack traces, for error messages."""
+    checks = _hoist_linalg_checks(gm)
+    inner = _compile_hook(gm, opts, name, traces, maxima)
+    return _Checked(inner, checks) if checks else inner
+
+
+def _compile_hook(gm: torch.fx.GraphModule, opts, name: str, traces: dict | None, maxima):
     traces = traces or {}
     bad = _unsupported_nodes(gm)
     if not bad:

@@ -1,7 +1,7 @@
 //! The one table from ATen op name to lowering rule. A new op = one entry here + its rule in
 //! `ops/` + a test.
 
-use super::ops::{creation, elementwise, linalg, nn, reduce, shape, special};
+use super::ops::{creation, elementwise, linalg, matrix, nn, reduce, shape, special};
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -17,6 +17,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(shape::RULES)
             .chain(reduce::RULES)
             .chain(linalg::RULES)
+            .chain(matrix::RULES)
             .chain(nn::RULES)
             .chain(creation::RULES)
             .chain(special::RULES)

@@ -3,6 +3,7 @@
 pub mod creation;
 pub mod elementwise;
 pub mod linalg;
+pub mod matrix;
 pub mod nn;
 pub mod reduce;
 pub mod shape;

@@ -1,0 +1,144 @@
+"""Linear algebra (LU, Cholesky, triangular solves, QR, symmetric eigenvalues, singular values),
+complex tensors and the FFT family against eager PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpuc
+
+
+def check(fn, *args, rtol=1e-4, atol=1e-4):
+    torch._dynamo.reset()
+    expected = fn(*args)
+    actual = torch.compile(fn, backend="tpu", dynamic=False, options={"fallback": "error"})(*args)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    assert tpuc.stats()["fallback_ops"] == {}
+    return actual
+
+
+@pytest.fixture
+def mats():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 5, 5, generator=g)
+    b = torch.randn(2, 5, 3, generator=g)
+    spd = a @ a.mT + 5 * torch.eye(5)
+    return a, b, spd
+
+
+def test_lu_family_inverse_solve_and_determinants(mats):
+    a, b, _ = mats
+
+    def f(a, b):
+        lu, piv, info = torch.linalg.lu_factor_ex(a)
+        p, lower, upper = torch.linalg.lu(a[:, :, :4])
+        return (
+            lu,
+            piv,
+            info,
+            p,
+            lower,
+            upper,
+            torch.linalg.lu_solve(lu, piv, b),
+            torch.linalg.lu_solve(lu, piv, b.mT, left=False),
+            torch.linalg.lu_solve(lu, piv, b, adjoint=True),
+            torch.linalg.inv_ex(a),
+            torch.linalg.solve_ex(a, b)[0],
+            torch.linalg.solve_ex(a, b[..., 0])[0],
+            torch.linalg.det(a),
+            torch.linalg.slogdet(a),
+            torch.linalg.det(torch.zeros(3, 3)),
+        )
+
+    check(f, a, b)
+
+
+def test_lu_unpack_of_a_wide_matrix():
+    a = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    check(lambda lu, piv: torch.lu_unpack(lu, piv), *torch.linalg.lu_factor(a))
+
+
+def test_cholesky_and_triangular_solves(mats):
+    a, b, spd = mats
+
+    def f(spd, b, a):
+        low = torch.linalg.cholesky(spd)
+        return (
+            low,
+            torch.linalg.cholesky(spd, upper=True),
+            torch.linalg.cholesky_ex(spd - 10 * torch.eye(5)).info,
+            torch.cholesky_solve(b, low),
+            torch.cholesky_inverse(low),
+            torch.triangular_solve(b, spd, upper=False, transpose=True),
+            torch.linalg.solve_triangular(spd, b, upper=True),
+            torch.linalg.solve_triangular(spd, b.mT, upper=False, left=False, unitriangular=True),
+        )
+
+    check(f, spd, b, a)
+
+
+def test_qr_family():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(2, 6, 4, generator=g)
+    c = torch.randn(2, 6, 3, generator=g)
+
+    def f(a, c):
+        h, tau = torch.geqrf(a)
+        return (
+            h,
+            tau,
+            torch.linalg.qr(a),
+            torch.linalg.qr(a, mode="complete"),
+            torch.linalg.qr(a.mT).R,
+            torch.linalg.householder_product(h, tau),
+            torch.ormqr(h, tau, c, transpose=True),
+        )
+
+    check(f, a, c)
+
+
+def test_eigenvalues_singular_values_and_matrix_functions(mats):
+    a, _, spd = mats
+    wide = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(3))
+
+    def f(a, spd, wide):
+        return (
+            torch.linalg.eigvalsh(spd),
+            torch.linalg.eigvalsh(a, UPLO="U"),
+            torch.linalg.svdvals(a),
+            torch.linalg.svdvals(wide),
+            torch.linalg.matrix_norm(a, "nuc"),
+            torch.linalg.cond(a),
+            torch.linalg.matrix_rank(a[:, :, :3] @ a[:, :3, :]),
+            torch.linalg.pinv(a),
+            torch.linalg.pinv(wide),
+            torch.linalg.pinv(spd, hermitian=True),
+            torch.linalg.matrix_sqrth(spd),
+            torch.linalg.polar(a),
+        )
+
+    check(f, a, spd, wide)
+
+
+def test_matrix_exp_of_moderate_norm():
+    a = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(4))
+    check(torch.linalg.matrix_exp, a)
+
+
+def test_linalg_errors_are_raised_like_pytorch():
+    compiled = torch.compile(torch.linalg.inv, backend="tpu", dynamic=False, options={"fallback": "error"})
+    torch.testing.assert_close(compiled(torch.eye(3) * 2), torch.eye(3) / 2)
+    with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+        compiled(torch.zeros(3, 3))
+    chol = torch.compile(torch.linalg.cholesky, backend="tpu", dynamic=False, options={"fallback": "error"})
+    with pytest.raises(torch.linalg.LinAlgError, match="positive-definite"):
+        chol(-torch.eye(3))
+
+
+def test_eigenvectors_and_singular_vectors_are_a_clear_error():
+    a = torch.randn(4, 4)
+    for fn in (torch.linalg.eigh, torch.linalg.svd):
+        torch._dynamo.reset()
+        with pytest.raises(tpuc.TpucError, match="not supported"):
+            torch.compile(fn, backend="tpu", dynamic=False, options={"fallback": "error"})(a @ a.mT)
