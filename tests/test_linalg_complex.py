@@ -142,3 +142,51 @@ def test_eigenvectors_and_singular_vectors_are_a_clear_error():
         torch._dynamo.reset()
         with pytest.raises(tpuc.TpucError, match="not supported"):
             torch.compile(fn, backend="tpu", dynamic=False, options={"fallback": "error"})(a @ a.mT)
+
+
+def test_complex_tensors_through_the_stack():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 8, generator=g)
+    z = torch.randn(3, 8, dtype=torch.complex64, generator=g)
+
+    def f(x, z):
+        return (
+            x.to(torch.complex64) * 2,
+            x.to(torch.complex128),
+            z * x + z.conj(),
+            torch.view_as_real(z * 2),
+            torch.view_as_complex(x.reshape(3, 4, 2)),
+            torch.complex(x, 2 * x),
+            torch.polar(x.abs(), x),
+            z.real,
+            z.imag,
+            z.to(torch.float32),
+        )
+
+    check(f, x, z)
+
+
+@pytest.mark.parametrize("norm", [None, "ortho", "forward"])
+def test_fft_family(norm):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 8, 6, generator=g)
+    z = torch.randn(4, 6, dtype=torch.complex64, generator=g)
+    fft = torch.fft
+
+    def f(x, z):
+        return (
+            fft.fft(x, norm=norm),
+            fft.rfft(x, n=10, norm=norm),
+            fft.ifft(z, norm=norm),
+            fft.fft2(x, s=(4, 7), norm=norm),
+            fft.fftn(z, norm=norm),
+            fft.ifftn(x, dim=(0, 2), norm=norm),
+            fft.rfftn(x, norm=norm),
+            fft.irfft(z, norm=norm),
+            fft.irfftn(z, s=(4, 9), norm=norm),
+            fft.hfft(z, norm=norm),
+            fft.ihfft(x, norm=norm),
+            fft.ihfftn(x, norm=norm),
+        )
+
+    check(f, x, z)

@@ -44,6 +44,8 @@ pub fn element_type(d: DType) -> ElementType {
         DType::Int8 => ElementType::S8,
         DType::Uint8 => ElementType::U8,
         DType::Bool => ElementType::Pred,
+        DType::Complex64 => ElementType::C64,
+        DType::Complex128 => ElementType::C128,
     }
 }
 

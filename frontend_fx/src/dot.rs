@@ -190,6 +190,8 @@ fn short_dtype(d: DType) -> &'static str {
         DType::Int8 => "i8",
         DType::Uint8 => "u8",
         DType::Bool => "bool",
+        DType::Complex64 => "c64",
+        DType::Complex128 => "c128",
     }
 }
 

@@ -14,6 +14,8 @@ pub enum DType {
     Int8,
     Uint8,
     Bool,
+    Complex64,
+    Complex128,
 }
 
 impl DType {
@@ -22,6 +24,27 @@ impl DType {
             self,
             DType::Float64 | DType::Float32 | DType::Float16 | DType::Bfloat16
         )
+    }
+
+    pub fn is_complex(self) -> bool {
+        matches!(self, DType::Complex64 | DType::Complex128)
+    }
+
+    /// The real type of a complex dtype's parts (the dtype itself when not complex).
+    pub fn real_part(self) -> DType {
+        match self {
+            DType::Complex64 => DType::Float32,
+            DType::Complex128 => DType::Float64,
+            d => d,
+        }
+    }
+
+    /// The complex dtype whose parts are this float dtype (complex64 for narrower floats).
+    pub fn to_complex(self) -> DType {
+        match self {
+            DType::Float64 | DType::Complex128 => DType::Complex128,
+            _ => DType::Complex64,
+        }
     }
 
     pub fn is_signed_int(self) -> bool {
@@ -33,7 +56,8 @@ impl DType {
 
     pub fn byte_size(self) -> usize {
         match self {
-            DType::Float64 | DType::Int64 => 8,
+            DType::Complex128 => 16,
+            DType::Float64 | DType::Int64 | DType::Complex64 => 8,
             DType::Float32 | DType::Int32 => 4,
             DType::Float16 | DType::Bfloat16 | DType::Int16 => 2,
             DType::Int8 | DType::Uint8 | DType::Bool => 1,
@@ -53,6 +77,8 @@ impl DType {
             DType::Int8 => "int8",
             DType::Uint8 => "uint8",
             DType::Bool => "bool",
+            DType::Complex64 => "complex64",
+            DType::Complex128 => "complex128",
         }
     }
 
@@ -68,6 +94,8 @@ impl DType {
             "int8" => DType::Int8,
             "uint8" => DType::Uint8,
             "bool" => DType::Bool,
+            "complex64" | "cfloat" => DType::Complex64,
+            "complex128" | "cdouble" => DType::Complex128,
             _ => return None,
         })
     }

@@ -38,6 +38,8 @@ _DTYPES = {
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -413,6 +415,10 @@ def _supported(n: torch.fx.Node) -> bool:
     target = str(n.target)
     if target in _STORAGE_OPS and not _owns_dense_storage(n.args[0]):
         return False
+    leaves: list = []
+    torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
+    if any(isinstance(a, complex) for a in leaves):
+        return False  # complex Python scalars have no wire format (complex tensors do)
     return target in _supported_ops or n.target.__name__ == "getitem"
 
 

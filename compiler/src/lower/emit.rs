@@ -110,6 +110,9 @@ pub fn elem_type<'c>(ctx: &'c Context, dtype: DType) -> Type<'c> {
         DType::Int8 => IntegerType::new(ctx, 8).into(),
         DType::Uint8 => IntegerType::unsigned(ctx, 8).into(),
         DType::Bool => IntegerType::new(ctx, 1).into(),
+        DType::Complex64 | DType::Complex128 => {
+            Type::parse(ctx, elem_name(dtype)).expect("complex element type")
+        }
     }
 }
 
@@ -131,6 +134,8 @@ pub fn elem_name(dtype: DType) -> &'static str {
         DType::Int8 => "i8",
         DType::Uint8 => "ui8",
         DType::Bool => "i1",
+        DType::Complex64 => "complex<f32>",
+        DType::Complex128 => "complex<f64>",
     }
 }
 
@@ -147,6 +152,11 @@ pub fn tensor_type_text(shape: &[i64], dtype: DType) -> String {
 /// A scalar as an MLIR dense-elements literal of the given element type. Non-finite floats are
 /// written as bit patterns, which is the only way MLIR accepts them.
 fn literal(value: Scalar, dtype: DType) -> String {
+    if dtype.is_complex() {
+        let re = literal(value, dtype.real_part());
+        let im = literal(Scalar::Float(0.0), dtype.real_part());
+        return format!("({re}, {im})");
+    }
     if dtype == DType::Bool {
         return (value.as_f64() != 0.0).to_string();
     }
@@ -199,6 +209,10 @@ pub fn promote(a: DType, b: DType) -> DType {
     use DType::*;
     if a == b {
         return a;
+    }
+    if a.is_complex() || b.is_complex() {
+        let wide = a == Complex128 || b == Complex128 || a == Float64 || b == Float64;
+        return if wide { Complex128 } else { Complex64 };
     }
     let cat = |d: DType| {
         if d.is_float() {
@@ -376,12 +390,40 @@ impl<'c, 'b> Emitter<'c, 'b> {
         if t.dtype == dtype {
             return Ok(t.clone());
         }
+        if t.dtype.is_complex() && !dtype.is_complex() {
+            // PyTorch drops the imaginary part (XLA has no complex-to-real convert).
+            let re = self.part(t, "stablehlo.real")?;
+            return self.convert(&re, dtype);
+        }
+        if dtype.is_complex() && !t.dtype.is_complex() {
+            let re = self.convert(t, dtype.real_part())?;
+            let im = self.splat(Scalar::Int(0), &t.shape, dtype.real_part())?;
+            return self.complex(&re, &im);
+        }
         if dtype == DType::Bool {
             // convert to i1 would truncate; PyTorch means "!= 0".
             let zero = self.splat(Scalar::Int(0), &t.shape, t.dtype)?;
             return self.compare(t, &zero, "NE");
         }
         self.op("stablehlo.convert", &[t], &[], &t.shape, dtype)
+    }
+
+    /// `stablehlo.real` / `stablehlo.imag` of a complex tensor.
+    pub fn part(&self, t: &T<'c, 'b>, op: &str) -> R<T<'c, 'b>> {
+        self.op(op, &[t], &[], &t.shape, t.dtype.real_part())
+    }
+
+    /// A complex tensor from real and imaginary parts of one float dtype.
+    pub fn complex(&self, re: &T<'c, 'b>, im: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        let d = promote(re.dtype, im.dtype);
+        let (re, im) = self.coerce(re, im, d)?;
+        self.op(
+            "stablehlo.complex",
+            &[&re, &im],
+            &[],
+            &re.shape.clone(),
+            d.to_complex(),
+        )
     }
 
     pub fn reshape(&self, t: &T<'c, 'b>, shape: &[i64]) -> R<T<'c, 'b>> {
@@ -509,7 +551,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
     pub fn compare(&self, a: &T<'c, 'b>, b: &T<'c, 'b>, dir: &str) -> R<T<'c, 'b>> {
         let dtype = promote(a.dtype, b.dtype);
         let (a, b) = self.coerce(a, b, dtype)?;
-        let cmp_type = if dtype.is_float() {
+        let cmp_type = if dtype.is_float() || dtype.is_complex() {
             "FLOAT"
         } else if dtype == DType::Uint8 || dtype == DType::Bool {
             "UNSIGNED"

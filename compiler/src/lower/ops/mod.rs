@@ -1,5 +1,6 @@
 //! Lowering rules, grouped by kind. Each file exports `RULES: &[(op name, rule)]`.
 
+pub mod complex;
 pub mod creation;
 pub mod elementwise;
 pub mod linalg;
