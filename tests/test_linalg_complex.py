@@ -190,3 +190,15 @@ def test_fft_family(norm):
         )
 
     check(f, x, z)
+
+
+@pytest.mark.parametrize("kind", ["causal", "float_mask", "masked_row"])
+def test_cpu_flash_attention_kernel(kind):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (4, 6, 6))
+    mask = torch.randn(4, 6, generator=g)
+    if kind == "masked_row":
+        mask[1] = float("-inf")  # PyTorch's kernel returns zeros and a logsumexp of 0 there
+    kwargs = {"is_causal": True} if kind == "causal" else {"attn_mask": mask, "scale": 0.3}
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    check(lambda q, k, v: op(q, k, v, **kwargs), q, k, v, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,9 @@
 //! The one table from ATen op name to lowering rule. A new op = one entry here + its rule in
 //! `ops/` + a test.
 
-use super::ops::{complex, creation, elementwise, linalg, matrix, nn, reduce, shape, special};
+use super::ops::{
+    attention, complex, creation, elementwise, linalg, matrix, nn, reduce, shape, special,
+};
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -22,6 +24,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(creation::RULES)
             .chain(special::RULES)
             .chain(complex::RULES)
+            .chain(attention::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");

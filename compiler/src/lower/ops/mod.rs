@@ -1,5 +1,6 @@
 //! Lowering rules, grouped by kind. Each file exports `RULES: &[(op name, rule)]`.
 
+pub mod attention;
 pub mod complex;
 pub mod creation;
 pub mod elementwise;
