@@ -202,3 +202,27 @@ def test_cpu_flash_attention_kernel(kind):
     kwargs = {"is_causal": True} if kind == "causal" else {"attn_mask": mask, "scale": 0.3}
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     check(lambda q, k, v: op(q, k, v, **kwargs), q, k, v, rtol=1e-5, atol=1e-5)
+
+
+def test_bessel_functions_of_the_first_second_and_modified_kinds():
+    pos = torch.cat([torch.logspace(-12, 2.5, 200), torch.tensor([19.99, 20.0, 20.01, 1e4, 1e6])])
+    x = torch.cat([pos, -pos, torch.tensor([0.0, -0.0, float("inf"), float("nan")])])
+    sp = torch.special
+
+    def f(x):
+        return (
+            sp.bessel_j0(x),
+            sp.bessel_j1(x),
+            sp.bessel_y0(x),
+            sp.bessel_y1(x),
+            sp.modified_bessel_k0(x),
+            sp.modified_bessel_k1(x),
+            sp.scaled_modified_bessel_k0(x),
+            sp.scaled_modified_bessel_k1(x),
+        )
+
+    torch._dynamo.reset()
+    actual = torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})(x)
+    # Against float64 eager (PyTorch's float32 kernels are themselves ~1e-6 off near zeros).
+    for a, e in zip(actual, f(x.double()), strict=True):
+        torch.testing.assert_close(a, e.float(), rtol=2e-6, atol=2e-7, equal_nan=True)

@@ -2,7 +2,7 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, complex, creation, elementwise, linalg, matrix, nn, reduce, shape, special,
+    attention, bessel, complex, creation, elementwise, linalg, matrix, nn, reduce, shape, special,
 };
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
@@ -25,6 +25,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(special::RULES)
             .chain(complex::RULES)
             .chain(attention::RULES)
+            .chain(bessel::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");
