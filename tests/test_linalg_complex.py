@@ -226,3 +226,24 @@ def test_bessel_functions_of_the_first_second_and_modified_kinds():
     # Against float64 eager (PyTorch's float32 kernels are themselves ~1e-6 off near zeros).
     for a, e in zip(actual, f(x.double()), strict=True):
         torch.testing.assert_close(a, e.float(), rtol=2e-6, atol=2e-7, equal_nan=True)
+
+
+@pytest.mark.parametrize("align", [False, True])
+def test_grid_sample_modes_and_padding(align):
+    g = torch.Generator().manual_seed(8)
+    x2 = torch.randn(2, 3, 5, 7, generator=g)
+    grid2 = torch.rand(2, 4, 6, 2, generator=g) * 2.6 - 1.3  # some points outside [-1, 1]
+    x3 = torch.randn(2, 3, 4, 5, 6, generator=g)
+    grid3 = torch.rand(2, 3, 4, 2, 3, generator=g) * 2.6 - 1.3
+    gs = torch.nn.functional.grid_sample
+
+    def f(x2, grid2, x3, grid3):
+        outs = []
+        for pad in ("zeros", "border", "reflection"):
+            for mode in ("bilinear", "nearest", "bicubic"):
+                outs.append(gs(x2, grid2, mode=mode, padding_mode=pad, align_corners=align))
+            for mode in ("bilinear", "nearest"):
+                outs.append(gs(x3, grid3, mode=mode, padding_mode=pad, align_corners=align))
+        return outs
+
+    check(f, x2, grid2, x3, grid3, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,8 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, bessel, complex, creation, elementwise, linalg, matrix, nn, reduce, shape, special,
+    attention, bessel, complex, creation, elementwise, linalg, matrix, nn, reduce, sample, shape,
+    special,
 };
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
@@ -26,6 +27,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(complex::RULES)
             .chain(attention::RULES)
             .chain(bessel::RULES)
+            .chain(sample::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");

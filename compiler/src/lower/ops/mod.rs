@@ -9,5 +9,6 @@ pub mod linalg;
 pub mod matrix;
 pub mod nn;
 pub mod reduce;
+pub mod sample;
 pub mod shape;
 pub mod special;
