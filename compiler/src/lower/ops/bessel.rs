@@ -25,6 +25,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.special_modified_bessel_k1.default", k1),
     ("aten.special_scaled_modified_bessel_k0.default", k0e),
     ("aten.special_scaled_modified_bessel_k1.default", k1e),
+    ("aten.special_airy_ai.default", airy_ai),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -104,10 +105,10 @@ fn series<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, n: u32) -> R<(T<'c, 'b>, T<'
     Ok((j, s))
 }
 
-/// Hankel's expansion at `a >= 20`: (J_n, Y_n).
-fn hankel<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, n: u32) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+/// Hankel's expansion at `a >= 20`: (J_nu, Y_nu).
+fn hankel<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, nu: f64) -> R<(T<'c, 'b>, T<'c, 'b>)> {
     let e = f.e;
-    let mu = 4.0 * (n * n) as f64;
+    let mu = 4.0 * nu * nu;
     // a_k = prod_{i=1..k} (mu - (2i-1)^2) / (k! 8^k)
     let mut coef = vec![1.0f64];
     for k in 1..24 {
@@ -134,7 +135,7 @@ fn hankel<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, n: u32) -> R<(T<'c, 'b>, T<'
     let p = horner(&pc)?;
     let q = e.mul(&horner(&qc)?, &inv)?;
     // chi = x - (n/2 + 1/4) pi: cos/sin of x combined with the exact phase.
-    let phase = (n as f64 / 2.0 + 0.25) * PI;
+    let phase = (nu / 2.0 + 0.25) * PI;
     let (cp, sp) = (phase.cos(), phase.sin());
     let c = f.un("stablehlo.cosine", a)?;
     let s = f.un("stablehlo.sine", a)?;
@@ -161,7 +162,7 @@ fn bessel<'c, 'b>(f: &F<'_, 'c, 'b>, x: &T<'c, 'b>, n: u32) -> R<(T<'c, 'b>, T<'
         let r = e.div(&f.k(2.0 / PI)?, &a)?;
         e.sub(&e.sub(&ys, &r)?, &f.mulk(&ss, 1.0 / PI)?)?
     };
-    let (jh, yh) = hankel(f, &f.max(&a, SERIES_MAX)?, n)?;
+    let (jh, yh) = hankel(f, &f.max(&a, SERIES_MAX)?, n as f64)?;
     Ok((f.sel(&small, &js, &jh)?, f.sel(&small, &ys, &yh)?))
 }
 
@@ -198,8 +199,8 @@ fn y1<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     y_n(cx, 1)
 }
 
-/// exp(x) K_n(x) for x > 0 (any value elsewhere; the callers replace those).
-fn k_scaled<'c, 'b>(f: &F<'_, 'c, 'b>, x: &T<'c, 'b>, n: u32) -> R<T<'c, 'b>> {
+/// exp(x) K_nu(x) for x > 0 (any value elsewhere; the callers replace those).
+fn k_scaled<'c, 'b>(f: &F<'_, 'c, 'b>, x: &T<'c, 'b>, nu: f64) -> R<T<'c, 'b>> {
     let e = f.e;
     // Evaluate the quadrature at a safe x (the tiny, zero, negative, inf and NaN cases are
     // selected away by the callers).
@@ -217,9 +218,13 @@ fn k_scaled<'c, 'b>(f: &F<'_, 'c, 'b>, x: &T<'c, 'b>, n: u32) -> R<T<'c, 'b>> {
         let d = e.sub(&eh, &e.div(&f.k(1.0)?, &eh)?)?;
         let cm1 = f.mulk(&e.mul(&d, &d)?, 0.5)?;
         let mut term = f.un("stablehlo.exponential", &f.mulk(&e.mul(xs, &cm1)?, -1.0)?)?;
-        if n == 1 {
+        if nu == 1.0 {
             // cosh t = 1 + (cosh t - 1)
             term = e.mul(&term, &f.addk(&cm1, 1.0)?)?;
+        } else if nu != 0.0 {
+            let p = f.un("stablehlo.exponential", &f.mulk(&t, nu)?)?;
+            let cosh = f.mulk(&e.add(&p, &e.div(&f.k(1.0)?, &p)?)?, 0.5)?;
+            term = e.mul(&term, &cosh)?;
         }
         Ok(vec![e.add(sum, &term)?, h.clone(), xs.clone()])
     })?;
@@ -231,7 +236,7 @@ fn k_scaled<'c, 'b>(f: &F<'_, 'c, 'b>, x: &T<'c, 'b>, n: u32) -> R<T<'c, 'b>> {
 fn k_n<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, n: u32, scaled: bool) -> V<'c, 'b> {
     unary_f64(cx, |e, x| {
         let f = F { e };
-        let ks = k_scaled(&f, x, n)?;
+        let ks = k_scaled(&f, x, n as f64)?;
         let xs = f.max(x, 1e-300)?;
         let lg = f.addk(&f.un("stablehlo.log", &f.mulk(&xs, 0.5)?)?, EULER)?;
         // K0 ~ -(ln(x/2) + gamma); K1 ~ 1/x + (x/2)(ln(x/2) + gamma - 1/2).
@@ -273,4 +278,91 @@ fn k0e<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 
 fn k1e<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     k_n(cx, 1, true)
+}
+
+/// J_nu(a) by its power series (60 terms; a <= 20), `gamma1` = Gamma(nu + 1).
+fn j_series<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, nu: f64, gamma1: f64) -> R<T<'c, 'b>> {
+    let e = f.e;
+    let half = f.mulk(a, 0.5)?;
+    let t0 = f.mulk(
+        &f.un(
+            "stablehlo.exponential",
+            &f.mulk(&f.un("stablehlo.log", &half)?, nu)?,
+        )?,
+        1.0 / gamma1,
+    )?;
+    let z = f.mulk(&e.mul(a, a)?, -0.25)?;
+    let out = fori(e, 60, &[t0.clone(), t0, z], move |e, k, c| {
+        let f = F { e };
+        let (t, j, z) = (&c[0], &c[1], &c[2]);
+        let kf = f.addk(&e.convert(k, F64)?, 1.0)?;
+        let t = e.div(&e.mul(t, z)?, &e.mul(&kf, &f.addk(&kf, nu)?)?)?;
+        Ok(vec![t.clone(), e.add(j, &t)?, z.clone()])
+    })?;
+    Ok(out[1].clone())
+}
+
+/// Airy Ai: its Maclaurin series for |x| <= 5; (1/pi) sqrt(x/3) K_{1/3}(zeta) above and
+/// (sqrt(-x)/3) (J_{1/3}(zeta) + J_{-1/3}(zeta)) below, zeta = (2/3)|x|^(3/2); NaN at +-inf
+/// as in PyTorch.
+fn airy_ai<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    const AI0: f64 = 0.355_028_053_887_817_24;
+    const AIP0: f64 = 0.258_819_403_792_806_8;
+    const GAMMA_4_3: f64 = 0.892_979_511_569_249_2;
+    const GAMMA_2_3: f64 = 1.354_117_939_426_400_4;
+    unary_f64(cx, |e, x| {
+        let f = F { e };
+        // Maclaurin: Ai = AI0 f(x) - AIP0 g(x).
+        let xc = f.max(&f.min(x, 5.0)?, -5.0)?;
+        let x3 = e.mul(&e.mul(&xc, &xc)?, &xc)?;
+        let one = e.broadcast_to(&f.k(1.0)?, &x.shape)?;
+        let out = fori(
+            e,
+            25,
+            &[one.clone(), one, xc.clone(), xc.clone(), x3],
+            |e, k, c| {
+                let f = F { e };
+                let (ft, fs, gt, gs, x3) = (&c[0], &c[1], &c[2], &c[3], &c[4]);
+                let k3 = f.mulk(&f.addk(&e.convert(k, F64)?, 1.0)?, 3.0)?;
+                let ft = e.div(&e.mul(ft, x3)?, &e.mul(&k3, &f.addk(&k3, -1.0)?)?)?;
+                let gt = e.div(&e.mul(gt, x3)?, &e.mul(&k3, &f.addk(&k3, 1.0)?)?)?;
+                Ok(vec![
+                    ft.clone(),
+                    e.add(fs, &ft)?,
+                    gt.clone(),
+                    e.add(gs, &gt)?,
+                    x3.clone(),
+                ])
+            },
+        )?;
+        let mid = e.sub(&f.mulk(&out[1], AI0)?, &f.mulk(&out[3], AIP0)?)?;
+        // |x| > 5: zeta = (2/3) |x|^(3/2).
+        let a = f.max(&f.un("stablehlo.abs", x)?, 5.0)?;
+        let zeta = f.mulk(&e.mul(&a, &f.un("stablehlo.sqrt", &a)?)?, 2.0 / 3.0)?;
+        let kz = e.mul(
+            &k_scaled(&f, &zeta, 1.0 / 3.0)?,
+            &f.un("stablehlo.exponential", &f.mulk(&zeta, -1.0)?)?,
+        )?;
+        let pos = f.mulk(
+            &e.mul(&f.un("stablehlo.sqrt", &f.mulk(&a, 1.0 / 3.0)?)?, &kz)?,
+            1.0 / PI,
+        )?;
+        let zs = f.min(&zeta, SERIES_MAX)?;
+        let js = e.add(
+            &j_series(&f, &zs, 1.0 / 3.0, GAMMA_4_3)?,
+            &j_series(&f, &zs, -1.0 / 3.0, GAMMA_2_3)?,
+        )?;
+        let zh = f.max(&zeta, SERIES_MAX)?;
+        let jh = e.add(
+            &hankel(&f, &zh, 1.0 / 3.0)?.0,
+            &hankel(&f, &zh, -1.0 / 3.0)?.0,
+        )?;
+        let jsum = f.sel(&f.cmpk(&zeta, SERIES_MAX, "LE")?, &js, &jh)?;
+        let neg = f.mulk(&e.mul(&f.un("stablehlo.sqrt", &a)?, &jsum)?, 1.0 / 3.0)?;
+        let r = f.sel(&f.cmpk(x, 5.0, "GT")?, &pos, &mid)?;
+        let r = f.sel(&f.cmpk(x, -5.0, "LT")?, &neg, &r)?;
+        let inf = f.cmpk(&f.un("stablehlo.abs", x)?, f64::INFINITY, "EQ")?;
+        let r = f.selk(&inf, f64::NAN, &r)?;
+        f.sel(&e.isnan(x)?, x, &r)
+    })
 }
