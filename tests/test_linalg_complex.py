@@ -260,3 +260,32 @@ def test_airy_ai():
     # tpuc's value is within 1e-8); elsewhere both agree to float32 rounding.
     expected = torch.special.airy_ai(x.double()).float()
     torch.testing.assert_close(actual, expected, rtol=2e-6, atol=3e-6, equal_nan=True)
+
+
+def test_embedding_bag_modes_offsets_and_padding():
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(10, 3, generator=g)
+    idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9])
+    offsets = torch.tensor([0, 4, 4])  # the middle bag is empty
+    psw = torch.randn(8, generator=g)
+    bag = torch.nn.functional.embedding_bag
+
+    def f(w, idx, offsets, psw):
+        return (
+            bag(idx, w, offsets, mode="sum"),
+            bag(idx, w, offsets, mode="mean"),
+            bag(idx, w, offsets, mode="max"),
+            bag(idx, w, offsets, mode="sum", per_sample_weights=psw),
+            bag(idx, w, offsets, mode="mean", padding_idx=4),
+            bag(
+                idx,
+                w,
+                torch.cat([offsets, torch.tensor([8])]),
+                mode="max",
+                include_last_offset=True,
+                padding_idx=2,
+            ),
+            bag(idx.view(2, 4), w, mode="mean"),
+        )
+
+    check(f, w, idx, offsets, psw, rtol=1e-6, atol=1e-6)

@@ -1,6 +1,7 @@
 //! Lowering rules, grouped by kind. Each file exports `RULES: &[(op name, rule)]`.
 
 pub mod attention;
+pub mod bag;
 pub mod bessel;
 pub mod complex;
 pub mod creation;
