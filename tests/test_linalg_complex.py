@@ -289,3 +289,40 @@ def test_embedding_bag_modes_offsets_and_padding():
         )
 
     check(f, w, idx, offsets, psw, rtol=1e-6, atol=1e-6)
+
+
+def test_regularized_incomplete_gamma():
+    g = torch.Generator().manual_seed(10)
+    inf, nan = float("inf"), float("nan")
+    edge_a = [1e4, 1e4, 2e4, 1e6, 1e8, 0.5, 0.0, 0.0, inf, 5.0, inf, -1.0, 2.0, nan, 1e-3]
+    edge_x = [
+        1e4 + 50,
+        9800,
+        2e4,
+        1e6 - 1000,
+        1e8 + 1e4,
+        1e-30,
+        0.0,
+        1.0,
+        1.0,
+        inf,
+        inf,
+        1.0,
+        -1.0,
+        1.0,
+        1e-3,
+    ]
+    a = torch.cat(
+        [torch.rand(200, generator=g) * 20, torch.rand(100, generator=g) * 2000, torch.tensor(edge_a)]
+    )
+    x = torch.cat(
+        [torch.rand(200, generator=g) * 30, torch.rand(100, generator=g) * 2200, torch.tensor(edge_x)]
+    )
+
+    def f(a, x):
+        return torch.special.gammainc(a, x), torch.special.gammaincc(a, x)
+
+    torch._dynamo.reset()
+    actual = torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})(a, x)
+    for got, want in zip(actual, f(a.double(), x.double()), strict=True):
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6, equal_nan=True)

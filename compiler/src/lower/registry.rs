@@ -2,8 +2,8 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, bag, bessel, complex, creation, elementwise, linalg, matrix, nn, reduce, sample,
-    shape, special,
+    attention, bag, bessel, complex, creation, elementwise, gamma, linalg, matrix, nn, reduce,
+    sample, shape, special,
 };
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
@@ -29,6 +29,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(bessel::RULES)
             .chain(sample::RULES)
             .chain(bag::RULES)
+            .chain(gamma::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");

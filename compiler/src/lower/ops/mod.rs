@@ -6,6 +6,7 @@ pub mod bessel;
 pub mod complex;
 pub mod creation;
 pub mod elementwise;
+pub mod gamma;
 pub mod linalg;
 pub mod matrix;
 pub mod nn;
