@@ -326,3 +326,20 @@ def test_regularized_incomplete_gamma():
     actual = torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})(a, x)
     for got, want in zip(actual, f(a.double(), x.double()), strict=True):
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def test_antialiased_bilinear_resize():
+    x = torch.randn(2, 3, 10, 20, generator=torch.Generator().manual_seed(11))
+    x[0, 0, 2, 3] = float("inf")  # stays local, as in PyTorch's kernel
+    op = torch.ops.aten._upsample_bilinear2d_aa.default
+
+    def f(x):
+        return (
+            op(x, [3, 3], False),
+            op(x, [17, 34], False),
+            op(x, [4, 7], True),
+            op(x, [17, 18], False, 1.7, 0.9),
+            torch.nn.functional.interpolate(x, size=(5, 6), mode="bilinear", antialias=True),
+        )
+
+    check(f, x, rtol=1e-5, atol=1e-5)

@@ -6,11 +6,15 @@
 use crate::lower::emit::{array_i64, int_list, Emitter};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
-use tpuc_frontend_fx::DType;
+use tpuc_frontend_fx::{Arg, DType};
 
 pub static RULES: &[(&str, Rule)] = &[
     ("aten.grid_sampler_2d.default", grid_sampler),
     ("aten.grid_sampler_3d.default", grid_sampler),
+    (
+        "aten._upsample_bilinear2d_aa.default",
+        upsample_bilinear2d_aa,
+    ),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -306,4 +310,180 @@ fn grid_sampler<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     back.extend(1..r - 1);
     let out = e.transpose(&acc, &back)?;
     Ok(vec![e.convert(&out, out_dtype)?])
+}
+
+/// PyTorch's `area_pixel_compute_scale` (in float, as its kernel computes it for float32).
+fn area_scale(align: bool, input: i64, output: i64, scale: Option<f64>) -> f32 {
+    if align {
+        if output > 1 {
+            (input - 1) as f32 / (output - 1) as f32
+        } else {
+            0.0
+        }
+    } else {
+        match scale {
+            Some(s) if s > 0.0 => (1.0 / s) as f32,
+            _ => input as f32 / output as f32,
+        }
+    }
+}
+
+/// The taps (input index, weight) of each output position of antialiased linear resampling:
+/// PyTorch's `_compute_indices_min_size_weights_aa` with the triangle filter.
+fn aa_taps(input: i64, output: i64, scale: f32) -> Vec<Vec<(i64, f32)>> {
+    let support: f32 = if scale >= 1.0 { scale } else { 1.0 };
+    let invscale: f32 = if scale >= 1.0 { 1.0 / scale } else { 1.0 };
+    (0..output)
+        .map(|i| {
+            let center = scale * (i as f32 + 0.5);
+            let xmin = ((center - support + 0.5) as i64).max(0);
+            let xsize = ((center + support + 0.5) as i64).min(input) - xmin;
+            let mut taps: Vec<(i64, f32)> = (0..xsize.max(0))
+                .map(|j| {
+                    let x = ((j + xmin) as f32 - center + 0.5) * invscale;
+                    let x = x.abs();
+                    (xmin + j, if x < 1.0 { 1.0 - x } else { 0.0 })
+                })
+                .collect();
+            let total: f32 = taps.iter().map(|t| t.1).sum();
+            if total != 0.0 {
+                for t in &mut taps {
+                    t.1 /= total;
+                }
+            }
+            taps
+        })
+        .collect()
+}
+
+/// Resamples `x` along `dim` with per-output taps: sum_j w_j x[idx_j] (padding taps masked).
+fn resample_dim<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    x: &T<'c, 'b>,
+    dim: usize,
+    taps: &[Vec<(i64, f32)>],
+) -> R<T<'c, 'b>> {
+    let out = taps.len() as i64;
+    let width = taps.iter().map(|t| t.len()).max().unwrap_or(0).max(1) as i64;
+    let mut idx = Vec::new();
+    let mut w = Vec::new();
+    let mut valid = Vec::new();
+    for t in taps {
+        for k in 0..width as usize {
+            match t.get(k) {
+                Some(&(i, wk)) => {
+                    idx.push(i);
+                    w.push(wk as f64);
+                    valid.push(1);
+                }
+                None => {
+                    idx.push(0);
+                    w.push(0.0);
+                    valid.push(0);
+                }
+            }
+        }
+    }
+    let n = out * width;
+    let idx = e.reshape(&e.constant_i64(&idx, &[n], I64)?, &[out, width])?;
+    let valid = e.reshape(&e.constant_i64(&valid, &[n], I64)?, &[out, width])?;
+    let valid = e.compare(&valid, &e.splat(Scalar::Int(0), &[], I64)?, "NE")?;
+    let vals: Vec<String> = w.iter().map(|v| format!("{v:.17e}")).collect();
+    let wt = e.op(
+        "stablehlo.constant",
+        &[],
+        &[(
+            "value",
+            format!(
+                "dense<[{}]> : {}",
+                vals.join(", "),
+                crate::lower::emit::tensor_type_text(&[n], x.dtype)
+            ),
+        )],
+        &[n],
+        x.dtype,
+    )?;
+    let wt = e.reshape(&wt, &[out, width])?;
+    // Gather: x with `dim` replaced by (out, width).
+    let mut gshape = x.shape[..dim].to_vec();
+    gshape.extend([out, width]);
+    gshape.extend_from_slice(&x.shape[dim + 1..]);
+    let g = gather_along(e, x, dim, &idx, &gshape)?;
+    let bdims = [dim as i64, dim as i64 + 1];
+    let wb = e.broadcast_in_dim(&wt, &gshape, &bdims)?;
+    let vb = e.broadcast_in_dim(&valid, &gshape, &bdims)?;
+    let zero = e.splat(Scalar::Int(0), &[], x.dtype)?;
+    let prod = e.select(&vb, &e.mul(&g, &wb)?, &zero, x.dtype)?;
+    e.reduce(
+        &prod,
+        &[dim as i64 + 1],
+        crate::lower::ReduceKind::Sum,
+        false,
+    )
+}
+
+/// `_upsample_bilinear2d_aa`: antialiased bilinear resizing, width first, then height.
+fn upsample_bilinear2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let e = cx.e;
+    let x = cx.tensor(0, "self")?;
+    let size = cx.ints(1, "output_size")?;
+    let align = cx.bool_or(2, "align_corners", false)?;
+    let sh = match cx.arg(3, "scales_h") {
+        None | Some(Arg::None) => None,
+        _ => Some(cx.float_or(3, "scales_h", 0.0)?),
+    };
+    let sw = match cx.arg(4, "scales_w") {
+        None | Some(Arg::None) => None,
+        _ => Some(cx.float_or(4, "scales_w", 0.0)?),
+    };
+    let (out_shape, out_dtype) = cx.out(0)?;
+    if x.rank() != 4 || size.len() != 2 {
+        return Err(cx.err("expected a 4-d input and a 2-element output_size"));
+    }
+    if out_shape.contains(&0) || x.shape.contains(&0) {
+        return Ok(vec![e.splat(Scalar::Int(0), &out_shape, out_dtype)?]);
+    }
+    let d = crate::lower::ops::reduce::acc_dtype(out_dtype);
+    let xd = e.convert(&x, d)?;
+    let (h, w) = (x.shape[2], x.shape[3]);
+    let tw = aa_taps(w, size[1], area_scale(align, w, size[1], sw));
+    let th = aa_taps(h, size[0], area_scale(align, h, size[0], sh));
+    let y = resample_dim(e, &xd, 3, &tw)?;
+    let y = resample_dim(e, &y, 2, &th)?;
+    Ok(vec![e.convert(&y, out_dtype)?])
+}
+
+/// `x` gathered along `dim` at a 2-d constant `index`, giving `out_shape` (x's shape with `dim`
+/// replaced by the index's two dims).
+fn gather_along<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    x: &T<'c, 'b>,
+    dim: usize,
+    index: &T<'c, 'b>,
+    out_shape: &[i64],
+) -> R<T<'c, 'b>> {
+    let mut s = index.shape.clone();
+    s.push(1);
+    let idx = e.reshape(index, &s)?;
+    let ib = index.rank() as i64;
+    let offset_dims: Vec<i64> = (0..x.rank() as i64 - 1)
+        .map(|k| if k < dim as i64 { k } else { k + ib })
+        .collect();
+    let mut slice_sizes = x.shape.clone();
+    slice_sizes[dim] = 1;
+    let dnums = format!(
+        "#stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{dim}], start_index_map = [{dim}], index_vector_dim = {ib}>",
+        int_list(&offset_dims)
+    );
+    e.op(
+        "stablehlo.gather",
+        &[x, &idx],
+        &[
+            ("dimension_numbers", dnums),
+            ("slice_sizes", array_i64(&slice_sizes)),
+            ("indices_are_sorted", "false".into()),
+        ],
+        out_shape,
+        x.dtype,
+    )
 }
