@@ -343,3 +343,28 @@ def test_antialiased_bilinear_resize():
         )
 
     check(f, x, rtol=1e-5, atol=1e-5)
+
+
+def test_histogram_and_histogramdd():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(50, generator=g) * 3
+    w = torch.rand(50, generator=g)
+    pts = torch.randn(40, 3, generator=g)
+
+    def f(x, w, pts):
+        edges = [
+            torch.tensor([-2.0, 0.0, 1.0]),
+            torch.tensor([-1.0, 1.0]),
+            torch.tensor([-3.0, -1.0, 0.0, 3.0]),
+        ]
+        return (
+            torch.histogram(x, 7),
+            torch.histogram(x, 5, range=(-2.0, 4.0), weight=w, density=True),
+            torch.histogram(x, torch.tensor([-3.0, -1.0, 0.0, 2.5, 6.0])),
+            torch.histogram(torch.tensor(2.0), 3),  # min == max: range widened by 0.5
+            torch.histogramdd(pts, [3, 4, 2]),
+            torch.histogramdd(pts, edges, density=True),
+            torch.histogramdd(pts, (2, 2, 2), range=[-1.0, 1.0, -2.0, 2.0, 0.0, 1.0], weight=w[:40]),
+        )
+
+    check(f, x, w, pts, rtol=1.3e-6, atol=1e-5)
