@@ -368,3 +368,33 @@ def test_histogram_and_histogramdd():
         )
 
     check(f, x, w, pts, rtol=1.3e-6, atol=1e-5)
+
+
+def test_hash_tensor_is_uint64_and_bit_exact():
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 4, 5, generator=g)
+    xi = torch.randint(-100, 100, (3, 4), dtype=torch.int32, generator=g)
+
+    def f(x, xi):
+        return (
+            torch.hash_tensor(x),
+            torch.hash_tensor(x, 1),
+            torch.hash_tensor(x, [0, 2], keepdim=True),
+            torch.hash_tensor(xi, 0),
+            torch.hash_tensor(x > 0, 1),
+        )
+
+    torch._dynamo.reset()
+    actual = torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})(x, xi)
+    for got, want in zip(actual, f(x, xi), strict=True):
+        assert got.dtype == torch.uint64
+        assert torch.equal(got, want)
+    # Other ops on uint64 stay in PyTorch.
+    torch._dynamo.reset()
+    with pytest.raises(tpuc.TpucError, match="aten.eq.Tensor"):
+        torch.compile(
+            lambda x: torch.hash_tensor(x) == torch.hash_tensor(2 * x),
+            backend="tpu",
+            dynamic=False,
+            options={"fallback": "error"},
+        )(x)

@@ -13,6 +13,8 @@ pub enum DType {
     Int16,
     Int8,
     Uint8,
+    /// Only as the result of `hash_tensor` (Python keeps every other uint64 op in PyTorch).
+    Uint64,
     Bool,
     Complex64,
     Complex128,
@@ -57,7 +59,7 @@ impl DType {
     pub fn byte_size(self) -> usize {
         match self {
             DType::Complex128 => 16,
-            DType::Float64 | DType::Int64 | DType::Complex64 => 8,
+            DType::Float64 | DType::Int64 | DType::Uint64 | DType::Complex64 => 8,
             DType::Float32 | DType::Int32 => 4,
             DType::Float16 | DType::Bfloat16 | DType::Int16 => 2,
             DType::Int8 | DType::Uint8 | DType::Bool => 1,
@@ -76,6 +78,7 @@ impl DType {
             DType::Int16 => "int16",
             DType::Int8 => "int8",
             DType::Uint8 => "uint8",
+            DType::Uint64 => "uint64",
             DType::Bool => "bool",
             DType::Complex64 => "complex64",
             DType::Complex128 => "complex128",
@@ -93,6 +96,7 @@ impl DType {
             "int16" | "short" => DType::Int16,
             "int8" => DType::Int8,
             "uint8" => DType::Uint8,
+            "uint64" => DType::Uint64,
             "bool" => DType::Bool,
             "complex64" | "cfloat" => DType::Complex64,
             "complex128" | "cdouble" => DType::Complex128,

@@ -40,6 +40,7 @@ _DTYPES = {
     "bool": torch.bool,
     "complex64": torch.complex64,
     "complex128": torch.complex128,
+    "uint64": torch.uint64,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -417,6 +418,11 @@ def _supported(n: torch.fx.Node) -> bool:
         return False
     leaves: list = []
     torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
+    if target != "aten.hash_tensor.default" and any(
+        isinstance(v, torch.Tensor) and v.dtype == torch.uint64
+        for v in [n.meta.get("val"), *(a.meta.get("val") for a in leaves if isinstance(a, torch.fx.Node))]
+    ):
+        return False  # uint64 is only lowered as hash_tensor's result
     if any(isinstance(a, complex) for a in leaves):
         return False  # complex Python scalars have no wire format (complex tensors do)
     return target in _supported_ops or n.target.__name__ == "getitem"

@@ -109,6 +109,7 @@ pub fn elem_type<'c>(ctx: &'c Context, dtype: DType) -> Type<'c> {
         DType::Int16 => IntegerType::new(ctx, 16).into(),
         DType::Int8 => IntegerType::new(ctx, 8).into(),
         DType::Uint8 => IntegerType::unsigned(ctx, 8).into(),
+        DType::Uint64 => IntegerType::unsigned(ctx, 64).into(),
         DType::Bool => IntegerType::new(ctx, 1).into(),
         DType::Complex64 | DType::Complex128 => {
             Type::parse(ctx, elem_name(dtype)).expect("complex element type")
@@ -133,6 +134,7 @@ pub fn elem_name(dtype: DType) -> &'static str {
         DType::Int16 => "i16",
         DType::Int8 => "i8",
         DType::Uint8 => "ui8",
+        DType::Uint64 => "ui64",
         DType::Bool => "i1",
         DType::Complex64 => "complex<f32>",
         DType::Complex128 => "complex<f64>",
@@ -161,6 +163,14 @@ fn literal(value: Scalar, dtype: DType) -> String {
         return (value.as_f64() != 0.0).to_string();
     }
     if !dtype.is_float() {
+        if dtype == DType::Uint64 {
+            // Unsigned literal: the i64's bits (-1 is all ones).
+            return match value {
+                Scalar::Float(x) => (x.trunc() as u64).to_string(),
+                Scalar::Int(i) => (i as u64).to_string(),
+                Scalar::Bool(b) => (b as u64).to_string(),
+            };
+        }
         return match value {
             Scalar::Float(x) => (x.trunc() as i64).to_string(),
             Scalar::Int(i) => i.to_string(),
@@ -553,7 +563,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
         let (a, b) = self.coerce(a, b, dtype)?;
         let cmp_type = if dtype.is_float() || dtype.is_complex() {
             "FLOAT"
-        } else if dtype == DType::Uint8 || dtype == DType::Bool {
+        } else if matches!(dtype, DType::Uint8 | DType::Uint64 | DType::Bool) {
             "UNSIGNED"
         } else {
             "SIGNED"
@@ -774,7 +784,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             ReduceKind::Max if dtype.is_float() => Scalar::Float(f64::NEG_INFINITY),
             ReduceKind::Min if dtype.is_float() => Scalar::Float(f64::INFINITY),
             ReduceKind::Max => Scalar::Int(match dtype {
-                DType::Bool | DType::Uint8 => 0,
+                DType::Bool | DType::Uint8 | DType::Uint64 => 0,
                 DType::Int8 => i8::MIN as i64,
                 DType::Int16 => i16::MIN as i64,
                 DType::Int32 => i32::MIN as i64,
@@ -783,6 +793,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             ReduceKind::Min => Scalar::Int(match dtype {
                 DType::Bool => 1,
                 DType::Uint8 => u8::MAX as i64,
+                DType::Uint64 => -1, // all ones
                 DType::Int8 => i8::MAX as i64,
                 DType::Int16 => i16::MAX as i64,
                 DType::Int32 => i32::MAX as i64,

@@ -2,8 +2,8 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, bag, bessel, complex, creation, elementwise, gamma, histogram, linalg, matrix, nn,
-    reduce, sample, shape, special,
+    attention, bag, bessel, complex, creation, elementwise, gamma, hash, histogram, linalg, matrix,
+    nn, reduce, sample, shape, special,
 };
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
@@ -31,6 +31,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(bag::RULES)
             .chain(gamma::RULES)
             .chain(histogram::RULES)
+            .chain(hash::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");

@@ -7,6 +7,7 @@ pub mod complex;
 pub mod creation;
 pub mod elementwise;
 pub mod gamma;
+pub mod hash;
 pub mod histogram;
 pub mod linalg;
 pub mod matrix;
