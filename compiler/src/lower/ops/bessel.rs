@@ -306,7 +306,7 @@ fn j_series<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, nu: f64, gamma1: f64) -> R
 /// (sqrt(-x)/3) (J_{1/3}(zeta) + J_{-1/3}(zeta)) below, zeta = (2/3)|x|^(3/2); NaN at +-inf
 /// as in PyTorch.
 fn airy_ai<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    const AI0: f64 = 0.355_028_053_887_817_24;
+    const AI0: f64 = 0.355_028_053_887_817_2;
     const AIP0: f64 = 0.258_819_403_792_806_8;
     const GAMMA_4_3: f64 = 0.892_979_511_569_249_2;
     const GAMMA_2_3: f64 = 1.354_117_939_426_400_4;

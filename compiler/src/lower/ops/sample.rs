@@ -175,7 +175,7 @@ fn grid_sampler<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let grid = e.convert(&grid, d)?;
     let gr = grid.rank();
     let mut coords = Vec::new();
-    for k in 0..nd {
+    for (k, &size) in sizes.iter().enumerate() {
         let comp = (nd - 1 - k) as i64;
         let mut start = vec![0; gr];
         start[gr - 1] = comp;
@@ -183,7 +183,7 @@ fn grid_sampler<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         lim[gr - 1] = comp + 1;
         let s = e.slice(&grid, &start, &lim, &vec![1; gr])?;
         let s = e.reshape(&s, &pos_shape)?;
-        let size = sizes[k] as f64;
+        let size = size as f64;
         // unnormalize
         let u = if align {
             g.mulk(&g.addk(&s, 1.0)?, (size - 1.0) / 2.0)?
@@ -293,12 +293,12 @@ fn grid_sampler<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             let fx = g.floor(ux)?;
             let wy = cubic(&e.sub(uy, &fy)?)?;
             let wx = cubic(&e.sub(ux, &fx)?)?;
-            for i in 0..4 {
+            for (i, wyi) in wy.iter().enumerate() {
                 let py = g.pad_coord(&g.addk(&fy, i as f64 - 1.0)?, sizes[0], padding, align)?;
-                for j in 0..4 {
+                for (j, wxj) in wx.iter().enumerate() {
                     let px =
                         g.pad_coord(&g.addk(&fx, j as f64 - 1.0)?, sizes[1], padding, align)?;
-                    let w = e.mul(&wy[i], &wx[j])?;
+                    let w = e.mul(wyi, wxj)?;
                     acc = e.add(&acc, &tap(&[py.clone(), px], &w)?)?;
                 }
             }
