@@ -398,3 +398,18 @@ def test_hash_tensor_is_uint64_and_bit_exact():
             dynamic=False,
             options={"fallback": "error"},
         )(x)
+
+
+def test_ops_not_checked_on_complex_run_in_pytorch():
+    z = torch.randn(3, 4, dtype=torch.complex64, generator=torch.Generator().manual_seed(14))
+
+    def f(z):
+        return z / (z + 3), z.abs(), z.angle(), z.sgn(), torch.linalg.vector_norm(z)
+
+    torch._dynamo.reset()
+    with pytest.raises(tpuc.TpucError, match="complex or uint64"):
+        torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})(z)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="eager"):
+        actual = torch.compile(f, backend="tpu", dynamic=False)(z)
+    torch.testing.assert_close(actual, f(z))

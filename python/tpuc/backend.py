@@ -392,6 +392,26 @@ def _representable(val) -> bool:
 
 _STORAGE_OPS = frozenset({"aten.as_strided.default", "aten.as_strided_scatter.default"})
 
+# Ops whose lowering rules are checked on complex tensors (tests/test_linalg_complex.py); any other
+# op touching a complex tensor runs in PyTorch (or raises with fallback="error"), since rules
+# written for real dtypes may not know complex semantics (abs, division, sign ...).
+_COMPLEX_OPS = frozenset(
+    f"aten.{name}"
+    for name in (
+        "_conj.default _conj_physical.default conj_physical.default view_as_real.default "
+        "view_as_complex.default complex.default polar.default real.default imag.default "
+        "_fft_r2c.default _fft_c2c.default _fft_c2r.default _to_copy.default clone.default "
+        "alias.default view.default _unsafe_view.default permute.default expand.default "
+        "slice.Tensor select.int squeeze.dim squeeze.dims unsqueeze.default cat.default "
+        "constant_pad_nd.default flip.default tril.default triu.default where.self "
+        "add.Tensor sub.Tensor mul.Tensor neg.default exp.default log.default log1p.default "
+        "sqrt.default rsqrt.default sin.default tanh.default reciprocal.default "
+        "pow.Tensor_Scalar sum.dim_IntList sum.default mean.dim mean.default prod.dim_int cumsum.default "
+        "mm.default bmm.default eq.Tensor ne.Tensor isnan.default sigmoid.default "
+        "scalar_tensor.default full_like.default"
+    ).split()
+)
+
 
 def _owns_dense_storage(arg) -> bool:
     """Whether `arg`'s storage is exactly its elements in row-major order. tpuc values are dense
@@ -418,14 +438,29 @@ def _supported(n: torch.fx.Node) -> bool:
         return False
     leaves: list = []
     torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
-    if target != "aten.hash_tensor.default" and any(
-        isinstance(v, torch.Tensor) and v.dtype == torch.uint64
-        for v in [n.meta.get("val"), *(a.meta.get("val") for a in leaves if isinstance(a, torch.fx.Node))]
-    ):
+    vals = [n.meta.get("val"), *(a.meta.get("val") for a in leaves if isinstance(a, torch.fx.Node))]
+    tensors = [
+        t for v in vals for t in (v if isinstance(v, list | tuple) else [v]) if isinstance(t, torch.Tensor)
+    ]
+    if target != "aten.hash_tensor.default" and any(t.dtype == torch.uint64 for t in tensors):
         return False  # uint64 is only lowered as hash_tensor's result
+    if target not in _COMPLEX_OPS and any(t.is_complex() for t in tensors):
+        return False
     if any(isinstance(a, complex) for a in leaves):
         return False  # complex Python scalars have no wire format (complex tensors do)
     return target in _supported_ops or n.target.__name__ == "getitem"
+
+
+def _why_unsupported(n: torch.fx.Node) -> str:
+    """The reason `_supported` gives for `n`, for error messages."""
+    target = str(n.target)
+    if target in _supported_ops:
+        leaves: list = []
+        torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
+        if any(isinstance(a, complex) for a in leaves):
+            return "tpuc cannot pass complex Python scalars yet"
+        return "tpuc does not lower it for these operands (complex or uint64 tensors, data-dependent sizes)"
+    return "tpuc has no lowering rule for it"
 
 
 def _unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -584,7 +619,7 @@ def _compile_hook(gm: torch.fx.GraphModule, opts, name: str, traces: dict | None
         n = bad[0]
         details = "\n".join(f"  - `{b.target}` (node `{b.name}`){_origin(b, traces)}" for b in bad)
         err = _native.UnsupportedOpError(
-            f"unsupported op `{n.target}` (node `{n.name}`): tpuc has no lowering rule for it; "
+            f"unsupported op `{n.target}` (node `{n.name}`): {_why_unsupported(n)}; "
             f"{len(bad)} unsupported node(s) in this graph:\n{details}\n"
             "use options={'fallback': 'eager'} to run them in PyTorch"
         )
