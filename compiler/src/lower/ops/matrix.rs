@@ -344,42 +344,54 @@ fn permutation<'c, 'b>(e: &Emitter<'c, 'b>, pivots: &T<'c, 'b>, m: i64) -> R<T<'
     Ok(out[0].clone())
 }
 
-/// Rows of `x` (..., m, n) reordered: row `i` of the result is row `perm[i]` of `x`.
+/// Rows of `x` (..., m, n) reordered: row `i` of the result is row `perm[i]` of `x` (a gather;
+/// `perm` is (..., m) int64 with values in range).
 fn gather_rows<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>, perm: &T<'c, 'b>) -> R<T<'c, 'b>> {
     let (m, n) = (rows(x), cols(x));
     let b = batch(x);
-    let nb = b.len();
-    // (..., i, r, n): select(r == perm[i], x[r], 0), summed over r.
-    let mut big = b.clone();
-    big.extend([m, m, n]);
-    let r_idx = e.iota(&big, nb as i64 + 1, I64)?;
-    let mut pdims: Vec<i64> = (0..nb as i64).collect();
-    pdims.push(nb as i64);
-    let pb = e.broadcast_in_dim(perm, &big, &pdims)?;
-    let mut xdims: Vec<i64> = (0..nb as i64).collect();
-    xdims.push(nb as i64 + 1);
-    xdims.push(nb as i64 + 2);
-    let xb = e.broadcast_in_dim(x, &big, &xdims)?;
-    pick(e, &xb, &e.compare(&r_idx, &pb, "EQ")?, nb as i64 + 1)
+    let nb: i64 = b.iter().product();
+    let x3 = e.reshape(x, &[nb, m, n])?;
+    let p = e.reshape(perm, &[nb, m, 1])?;
+    let bi = e.iota(&[nb, m, 1], 0, I64)?;
+    let idx = e.op(
+        "stablehlo.concatenate",
+        &[&bi, &p],
+        &[("dimension", "2 : i64".into())],
+        &[nb, m, 2],
+        I64,
+    )?;
+    let g = e.op(
+        "stablehlo.gather",
+        &[&x3, &idx],
+        &[
+            (
+                "dimension_numbers",
+                "#stablehlo.gather<offset_dims = [2], collapsed_slice_dims = [0, 1], start_index_map = [0, 1], index_vector_dim = 2>".into(),
+            ),
+            ("slice_sizes", array_i64(&[1, 1, n])),
+            ("indices_are_sorted", "false".into()),
+        ],
+        &[nb, m, n],
+        x.dtype,
+    )?;
+    e.reshape(&g, &x.shape)
 }
 
-/// Rows of `x` placed back: row `perm[i]` of the result is row `i` of `x`.
+/// Rows of `x` placed back: row `perm[i]` of the result is row `i` of `x` (a gather with the
+/// inverse permutation, built from `perm` by a one-hot sum of integers).
 fn scatter_rows<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>, perm: &T<'c, 'b>) -> R<T<'c, 'b>> {
-    let (m, n) = (rows(x), cols(x));
-    let b = batch(x);
-    let nb = b.len();
-    // (..., r, i, n): select(perm[i] == r, x[i], 0), summed over i.
-    let mut big = b.clone();
-    big.extend([m, m, n]);
-    let r_idx = e.iota(&big, nb as i64, I64)?;
-    let mut pdims: Vec<i64> = (0..nb as i64).collect();
-    pdims.push(nb as i64 + 1);
-    let pb = e.broadcast_in_dim(perm, &big, &pdims)?;
-    let mut xdims: Vec<i64> = (0..nb as i64).collect();
-    xdims.push(nb as i64 + 1);
-    xdims.push(nb as i64 + 2);
-    let xb = e.broadcast_in_dim(x, &big, &xdims)?;
-    pick(e, &xb, &e.compare(&r_idx, &pb, "EQ")?, nb as i64 + 1)
+    let m = rows(x);
+    let nb = perm.rank();
+    // inv[r] = sum_i i [perm[i] == r], over a (..., r, i) grid.
+    let mut grid = perm.shape[..nb - 1].to_vec();
+    grid.extend([m, m]);
+    let r_idx = e.iota(&grid, nb as i64 - 1, I64)?;
+    let i_idx = e.iota(&grid, nb as i64, I64)?;
+    let mut pdims: Vec<i64> = (0..nb as i64 - 1).collect();
+    pdims.push(nb as i64);
+    let pb = e.broadcast_in_dim(perm, &grid, &pdims)?;
+    let inv = pick(e, &i_idx, &e.compare(&pb, &r_idx, "EQ")?, nb as i64)?;
+    gather_rows(e, x, &inv)
 }
 
 /// `op(a) X = b` (left) or `X op(a) = b` with `a` triangular; batch dims must match.
