@@ -289,6 +289,13 @@ def test_embedding_bag_modes_offsets_and_padding():
         )
 
     check(f, w, idx, offsets, psw, rtol=1e-6, atol=1e-6)
+    # max keeps NaN only where it is in a bag's first row (PyTorch's compare-and-replace kernel)
+    w[4, 0] = w[2, 1] = float("nan")
+    idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 2])
+    offsets = torch.tensor([0, 4, 4, 6])
+    torch._dynamo.reset()
+    g = torch.compile(lambda w, i, o: bag(i, w, o, mode="max"), backend="tpu", dynamic=False)
+    torch.testing.assert_close(g(w, idx, offsets), bag(idx, w, offsets, mode="max"), equal_nan=True)
 
 
 def test_regularized_incomplete_gamma():

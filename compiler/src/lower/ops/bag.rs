@@ -1,9 +1,11 @@
 //! `embedding_bag` (`_embedding_bag` / `_embedding_bag_forward_only`): sums, means or maxima of
 //! embedding rows over bags given by runtime offsets. A position's bag is the number of offsets
-//! at or before it, minus one (empty bags give zeros); rows at `padding_idx` are left out.
+//! at or before it, minus one (empty bags give zeros); rows at `padding_idx` are left out. Rows
+//! are combined per bag by scatters (memory linear in the indices).
 //! Only the result is computed: the bookkeeping results (offset2bag, bag_size, max_indices)
 //! raise an error when something reads them.
 
+use super::reduce::running_sum;
 use super::shape::take_along;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
@@ -49,25 +51,45 @@ fn embedding_bag<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     }
     let idx = e.convert(&indices, I64)?;
     let offs = e.convert(&offsets, I64)?;
-    // The offsets that open bags (all but the last with include_last_offset).
+    let one_i = e.splat(Scalar::Int(1), &[], I64)?;
+    let zero_i = e.splat(Scalar::Int(0), &[], I64)?;
+    // bag[i] = #(opening offsets <= i) - 1: a running sum of marks at the opening offsets
+    // (offsets past the end mark nothing).
     let opening = e.slice(&offs, &[0], &[nb], &[1])?;
-    // bag[i] = #(opening offsets <= i) - 1, as a (nb, n) one-hot: member[b, i].
-    let pos = e.iota(&[nb, n], 1, I64)?;
-    let ob = e.broadcast_in_dim(&opening, &[nb, n], &[0])?;
-    let le = e.convert(&e.compare(&ob, &pos, "LE")?, I64)?;
-    let count = e.reduce(&le, &[0], ReduceKind::Sum, false)?; // (n)
-    let bag = e.sub(&count, &e.splat(Scalar::Int(1), &[], I64)?)?;
-    let bi = e.iota(&[nb, n], 0, I64)?;
-    let mut member = e.compare(&bi, &e.broadcast_in_dim(&bag, &[nb, n], &[1])?, "EQ")?;
+    let n_k = e.splat(Scalar::Int(n), &[], I64)?;
+    let at = e.op(
+        "stablehlo.clamp",
+        &[&zero_i, &opening, &n_k],
+        &[],
+        &opening.shape,
+        I64,
+    )?;
+    let marks = e.scatter(
+        &e.splat(Scalar::Int(0), &[n + 1], I64)?,
+        &e.reshape(&at, &[nb, 1])?,
+        &e.splat(Scalar::Int(1), &[nb], I64)?,
+        &[],
+        &[0],
+        &[0],
+        true,
+    )?;
+    let marks = e.slice(&marks, &[0], &[n], &[1])?;
+    let bag = e.sub(&running_sum(e, &marks, 0)?, &one_i)?;
+    let pos = e.iota(&[n], 0, I64)?;
+    let mut member = e.and(
+        &e.compare(&bag, &zero_i, "GE")?,
+        &e.compare(&bag, &e.splat(Scalar::Int(nb), &[], I64)?, "LT")?,
+    )?;
     if include_last {
-        let end = e.slice(&offs, &[nb], &[nb + 1], &[1])?;
-        let end = e.broadcast_in_dim(&e.reshape(&end, &[])?, &[nb, n], &[])?;
+        let end = e.reshape(&e.slice(&offs, &[nb], &[nb + 1], &[1])?, &[])?;
         member = e.and(&member, &e.compare(&pos, &end, "LT")?)?;
     }
     if let Some(p) = padding_idx {
         let keep = e.compare(&idx, &e.splat(Scalar::Int(p), &[], I64)?, "NE")?;
-        member = e.and(&member, &e.broadcast_in_dim(&keep, &[nb, n], &[1])?)?;
+        member = e.and(&member, &keep)?;
     }
+    let bag = e.select(&member, &bag, &zero_i, I64)?;
+    let bag_idx = e.reshape(&bag, &[n, 1])?;
     let rows = take_along(cx, &weight, 0, &idx, &[n, d])?; // (n, d)
     let rows = match &psw {
         Some(w) => {
@@ -76,23 +98,33 @@ fn embedding_bag<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         }
         None => rows,
     };
-    let big = [nb, n, d];
-    let rb = e.broadcast_in_dim(&rows, &big, &[1, 2])?;
-    let mb = e.broadcast_in_dim(&member, &big, &[0, 1])?;
+    let mb = e.broadcast_in_dim(&member, &[n, d], &[0])?;
     let zero = e.splat(Scalar::Int(0), &[], weight.dtype)?;
+    let count = e.scatter(
+        &e.splat(Scalar::Int(0), &[nb], I64)?,
+        &bag_idx,
+        &e.convert(&member, I64)?,
+        &[],
+        &[0],
+        &[0],
+        true,
+    )?;
     let out = match mode {
         0 | 1 => {
-            let s = e.reduce(
-                &e.select(&mb, &rb, &zero, weight.dtype)?,
+            let upd = e.select(&mb, &rows, &zero, weight.dtype)?;
+            let s = e.scatter(
+                &e.splat(Scalar::Int(0), &[nb, d], weight.dtype)?,
+                &bag_idx,
+                &upd,
                 &[1],
-                ReduceKind::Sum,
-                false,
+                &[0],
+                &[0],
+                true,
             )?;
             if mode == 1 {
-                let cnt = e.reduce(&e.convert(&member, I64)?, &[1], ReduceKind::Sum, false)?;
-                let cnt = e.convert(&cnt, weight.dtype)?;
+                let cnt = e.convert(&count, weight.dtype)?;
                 let one = e.splat(Scalar::Int(1), &[], weight.dtype)?;
-                let has = e.compare(&cnt, &zero, "GT")?;
+                let has = e.compare(&count, &zero_i, "GT")?;
                 let div = e.select(&has, &cnt, &one, weight.dtype)?;
                 e.div(&s, &e.broadcast_in_dim(&div, &[nb, d], &[0])?)?
             } else {
@@ -100,16 +132,44 @@ fn embedding_bag<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             }
         }
         _ => {
+            // PyTorch's kernel keeps a bag's first row and replaces it by any greater one: the
+            // max of the non-NaN values, or NaN where the bag's first row holds NaN.
             let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &[], weight.dtype)?;
-            let m = e.reduce_nan(
-                &e.select(&mb, &rb, &ninf, weight.dtype)?,
+            let keep = e.and(&mb, &e.unary("stablehlo.not", &e.isnan(&rows)?)?)?;
+            let upd = e.select(&keep, &rows, &ninf, weight.dtype)?;
+            let m = e.scatter_with(
+                &e.splat(Scalar::Float(f64::NEG_INFINITY), &[nb, d], weight.dtype)?,
+                &bag_idx,
+                &upd,
                 &[1],
-                ReduceKind::Max,
-                false,
+                &[0],
+                &[0],
+                e.scalar_region(ReduceKind::Max, weight.dtype)?,
             )?;
-            let any = e.reduce(&member, &[1], ReduceKind::Or, false)?;
+            let big = e.splat(Scalar::Int(n), &[], I64)?;
+            let first_pos = e.scatter_with(
+                &e.splat(Scalar::Int(n), &[nb], I64)?,
+                &bag_idx,
+                &e.select(&member, &pos, &big, I64)?,
+                &[],
+                &[0],
+                &[0],
+                e.scalar_region(ReduceKind::Min, I64)?,
+            )?;
+            let last = e.splat(Scalar::Int(n - 1), &[], I64)?;
+            let at = e.op(
+                "stablehlo.clamp",
+                &[&zero_i, &first_pos, &last],
+                &[],
+                &[nb],
+                I64,
+            )?;
+            let first = take_along(cx, &rows, 0, &at, &[nb, d])?;
+            let nan = e.splat(Scalar::Float(f64::NAN), &[], weight.dtype)?;
+            let m = e.select(&e.isnan(&first)?, &nan, &m, weight.dtype)?;
+            let has = e.compare(&count, &zero_i, "GT")?;
             e.select(
-                &e.broadcast_in_dim(&any, &[nb, d], &[0])?,
+                &e.broadcast_in_dim(&has, &[nb, d], &[0])?,
                 &m,
                 &zero,
                 weight.dtype,
