@@ -3,8 +3,9 @@
 //! [0, 1] for no data) and `linspace` spaces them (`start + i step` in the first half,
 //! `end - (n - 1 - i) step` in the second). An element falls in bin `#{edges <= x} - 1` (the
 //! last bin includes its right edge), elements outside the edges are dropped; counts (or
-//! weights) are added with a scatter.
+//! weights) are added with a scatter. Memory stays linear in the number of values.
 
+use super::shape::take_along;
 use crate::lower::emit::Emitter;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
@@ -80,29 +81,66 @@ fn linear_edges<'c, 'b>(
     e.select(&low_half, &first, &second, dt)
 }
 
-/// Bin index of each value (clamped into range) and whether it is inside the edges.
+/// Bin index of each value and whether it is inside the edges: `upper_bound(edges, x) - 1`
+/// (the last bin includes its right edge), by the steps of `std::upper_bound` (what PyTorch's
+/// kernel uses), unrolled: memory linear in the values.
 fn bin_of<'c, 'b>(
-    e: &Emitter<'c, 'b>,
+    cx: &NodeCx<'_, 'c, 'b>,
     col: &T<'c, 'b>,
     edges: &T<'c, 'b>,
 ) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+    let e = cx.e;
     let n = col.shape[0];
     let ne = edges.shape[0];
     let edges = e.convert(edges, col.dtype)?;
-    let first = e.reshape(&e.slice(&edges, &[0], &[1], &[1])?, &[])?;
-    let last = e.reshape(&e.slice(&edges, &[ne - 1], &[ne], &[1])?, &[])?;
+    let first_e = e.reshape(&e.slice(&edges, &[0], &[1], &[1])?, &[])?;
+    let last_e = e.reshape(&e.slice(&edges, &[ne - 1], &[ne], &[1])?, &[])?;
     let inside = e.and(
-        &e.compare(col, &first, "GE")?,
-        &e.compare(col, &last, "LE")?,
+        &e.compare(col, &first_e, "GE")?,
+        &e.compare(col, &last_e, "LE")?,
     )?;
-    if ne <= 2 {
-        return Ok((e.splat(Scalar::Int(0), &[n], I64)?, inside));
+    let k = |v: i64| e.splat(Scalar::Int(v), &[], I64);
+    let mut first = e.splat(Scalar::Int(0), &[n], I64)?;
+    let mut len = e.splat(Scalar::Int(ne), &[n], I64)?;
+    let steps = 64 - (ne as u64).leading_zeros();
+    for _ in 0..steps {
+        let active = e.compare(&len, &k(0)?, "GT")?;
+        let half = e.op(
+            "stablehlo.shift_right_logical",
+            &[&len, &e.broadcast_to(&k(1)?, &[n])?],
+            &[],
+            &[n],
+            I64,
+        )?;
+        let middle = e.add(&first, &half)?;
+        let at = e.op(
+            "stablehlo.clamp",
+            &[&k(0)?, &middle, &k(ne - 1)?],
+            &[],
+            &[n],
+            I64,
+        )?;
+        let em = take_along(cx, &edges, 0, &at, &[n])?;
+        // !(x < e[middle]): go right.
+        let right = e.unary("stablehlo.not", &e.compare(col, &em, "LT")?)?;
+        let go_right = e.and(&active, &right)?;
+        let go_left = e.and(&active, &e.unary("stablehlo.not", &right)?)?;
+        let f2 = e.add(&middle, &k(1)?)?;
+        let l2 = e.sub(&e.sub(&len, &half)?, &k(1)?)?;
+        first = e.select(&go_right, &f2, &first, I64)?;
+        len = e.select(&go_right, &l2, &e.select(&go_left, &half, &len, I64)?, I64)?;
     }
-    let inner = e.slice(&edges, &[1], &[ne - 1], &[1])?;
-    let ib = e.broadcast_in_dim(&inner, &[n, ne - 2], &[1])?;
-    let cb = e.broadcast_in_dim(col, &[n, ne - 2], &[0])?;
-    let le = e.convert(&e.compare(&ib, &cb, "LE")?, I64)?;
-    Ok((e.reduce(&le, &[1], ReduceKind::Sum, false)?, inside))
+    let pos = e.sub(&first, &k(1)?)?;
+    // The right edge itself belongs to the last bin.
+    let last_bin = k((ne - 2).max(0))?;
+    let pos = e.op(
+        "stablehlo.clamp",
+        &[&k(0)?, &pos, &last_bin],
+        &[],
+        &[n],
+        I64,
+    )?;
+    Ok((pos, inside))
 }
 
 /// The histogram over bins `sizes` of samples with per-dim bin indices, weighted, optionally
@@ -178,7 +216,7 @@ fn histogram_bin_ct<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let density = cx.bool_or(4, "density", false)?;
     let col = column(e, &x, 0)?;
     let edges = linear_edges(e, &col, bins, range)?;
-    let b = bin_of(e, &col, &edges)?;
+    let b = bin_of(cx, &col, &edges)?;
     let h = accumulate(
         cx,
         &[b],
@@ -199,7 +237,7 @@ fn histogram_bins_tensor<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let density = cx.bool_or(3, "density", false)?;
     let col = column(e, &x, 0)?;
     let nb = edges.shape[0] - 1;
-    let b = bin_of(e, &col, &edges)?;
+    let b = bin_of(cx, &col, &edges)?;
     let h = accumulate(
         cx,
         &[b],
@@ -238,7 +276,7 @@ fn histogramdd_from_bin_cts<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let b = edges
         .iter()
         .enumerate()
-        .map(|(d, ed)| bin_of(cx.e, &column(cx.e, &x, d as i64)?, ed))
+        .map(|(d, ed)| bin_of(cx, &column(cx.e, &x, d as i64)?, ed))
         .collect::<R<Vec<_>>>()?;
     Ok(vec![accumulate(
         cx,
@@ -260,7 +298,7 @@ fn histogramdd_from_bin_tensors<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let b = edges
         .iter()
         .enumerate()
-        .map(|(d, ed)| bin_of(cx.e, &column(cx.e, &x, d as i64)?, ed))
+        .map(|(d, ed)| bin_of(cx, &column(cx.e, &x, d as i64)?, ed))
         .collect::<R<Vec<_>>>()?;
     Ok(vec![accumulate(
         cx,
