@@ -184,13 +184,16 @@ def test_other_dtypes_give_eager_results(dtype):
     assert tpuc.stats()["executions"] >= 1
 
 
-def test_complex_input_is_a_clear_error_or_falls_back_to_eager():
+def test_complex_input_is_supported_and_complex_scalars_fall_back_to_eager():
     x = torch.randn(3, dtype=torch.complex64)
+    torch.testing.assert_close(compiled(lambda x: x * 2 + 1, fallback="error")(x), x * 2 + 1)
+    # A complex Python scalar has no wire format: a clear error, or eager with fallback.
+    torch._dynamo.reset()
     with pytest.raises(tpuc.TpucError, match="unsupported op"):
-        compiled(lambda x: x * 2 + 1, fallback="error")(x)
+        compiled(lambda x: x * 1j, fallback="error")(x)
     torch._dynamo.reset()
     with pytest.warns(UserWarning):
-        torch.testing.assert_close(compiled(lambda x: x * 2 + 1)(x), x * 2 + 1)
+        torch.testing.assert_close(compiled(lambda x: x * 1j)(x), x * 1j)
 
 
 def test_tensor_on_the_meta_device_is_a_python_error():

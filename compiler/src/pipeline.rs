@@ -46,7 +46,10 @@ pub fn element_type(d: DType) -> ElementType {
         DType::Int16 => ElementType::S16,
         DType::Int8 => ElementType::S8,
         DType::Uint8 => ElementType::U8,
+        DType::Uint64 => ElementType::U64,
         DType::Bool => ElementType::Pred,
+        DType::Complex64 => ElementType::C64,
+        DType::Complex128 => ElementType::C128,
     }
 }
 

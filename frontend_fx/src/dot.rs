@@ -189,7 +189,10 @@ fn short_dtype(d: DType) -> &'static str {
         DType::Int16 => "i16",
         DType::Int8 => "i8",
         DType::Uint8 => "u8",
+        DType::Uint64 => "u64",
         DType::Bool => "bool",
+        DType::Complex64 => "c64",
+        DType::Complex128 => "c128",
     }
 }
 

@@ -13,7 +13,11 @@ pub enum DType {
     Int16,
     Int8,
     Uint8,
+    /// Only as the result of `hash_tensor` (Python keeps every other uint64 op in PyTorch).
+    Uint64,
     Bool,
+    Complex64,
+    Complex128,
 }
 
 impl DType {
@@ -22,6 +26,27 @@ impl DType {
             self,
             DType::Float64 | DType::Float32 | DType::Float16 | DType::Bfloat16
         )
+    }
+
+    pub fn is_complex(self) -> bool {
+        matches!(self, DType::Complex64 | DType::Complex128)
+    }
+
+    /// The real type of a complex dtype's parts (the dtype itself when not complex).
+    pub fn real_part(self) -> DType {
+        match self {
+            DType::Complex64 => DType::Float32,
+            DType::Complex128 => DType::Float64,
+            d => d,
+        }
+    }
+
+    /// The complex dtype whose parts are this float dtype (complex64 for narrower floats).
+    pub fn to_complex(self) -> DType {
+        match self {
+            DType::Float64 | DType::Complex128 => DType::Complex128,
+            _ => DType::Complex64,
+        }
     }
 
     pub fn is_signed_int(self) -> bool {
@@ -33,7 +58,8 @@ impl DType {
 
     pub fn byte_size(self) -> usize {
         match self {
-            DType::Float64 | DType::Int64 => 8,
+            DType::Complex128 => 16,
+            DType::Float64 | DType::Int64 | DType::Uint64 | DType::Complex64 => 8,
             DType::Float32 | DType::Int32 => 4,
             DType::Float16 | DType::Bfloat16 | DType::Int16 => 2,
             DType::Int8 | DType::Uint8 | DType::Bool => 1,
@@ -52,7 +78,10 @@ impl DType {
             DType::Int16 => "int16",
             DType::Int8 => "int8",
             DType::Uint8 => "uint8",
+            DType::Uint64 => "uint64",
             DType::Bool => "bool",
+            DType::Complex64 => "complex64",
+            DType::Complex128 => "complex128",
         }
     }
 
@@ -67,7 +96,10 @@ impl DType {
             "int16" | "short" => DType::Int16,
             "int8" => DType::Int8,
             "uint8" => DType::Uint8,
+            "uint64" => DType::Uint64,
             "bool" => DType::Bool,
+            "complex64" | "cfloat" => DType::Complex64,
+            "complex128" | "cdouble" => DType::Complex128,
             _ => return None,
         })
     }

@@ -39,6 +39,9 @@ _DTYPES = {
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "uint64": torch.uint64,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -406,6 +409,26 @@ def _representable(val) -> bool:
 
 _STORAGE_OPS = frozenset({"aten.as_strided.default", "aten.as_strided_scatter.default"})
 
+# Ops whose lowering rules are checked on complex tensors (tests/test_linalg_complex.py); any other
+# op touching a complex tensor runs in PyTorch (or raises with fallback="error"), since rules
+# written for real dtypes may not know complex semantics (abs, division, sign ...).
+_COMPLEX_OPS = frozenset(
+    f"aten.{name}"
+    for name in (
+        "_conj.default _conj_physical.default conj_physical.default view_as_real.default "
+        "view_as_complex.default complex.default polar.default real.default imag.default "
+        "_fft_r2c.default _fft_c2c.default _fft_c2r.default _to_copy.default clone.default "
+        "alias.default view.default _unsafe_view.default permute.default expand.default "
+        "slice.Tensor select.int squeeze.dim squeeze.dims unsqueeze.default cat.default "
+        "constant_pad_nd.default flip.default tril.default triu.default where.self "
+        "add.Tensor sub.Tensor mul.Tensor neg.default exp.default log.default log1p.default "
+        "sqrt.default rsqrt.default sin.default tanh.default reciprocal.default "
+        "pow.Tensor_Scalar sum.dim_IntList sum.default mean.dim mean.default prod.dim_int cumsum.default "
+        "mm.default bmm.default eq.Tensor ne.Tensor isnan.default sigmoid.default "
+        "scalar_tensor.default full_like.default"
+    ).split()
+)
+
 
 def _owns_dense_storage(arg) -> bool:
     """Whether `arg`'s storage is exactly its elements in row-major order. tpuc values are dense
@@ -430,7 +453,31 @@ def _supported(n: torch.fx.Node) -> bool:
     target = str(n.target)
     if target in _STORAGE_OPS and not _owns_dense_storage(n.args[0]):
         return False
+    leaves: list = []
+    torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
+    vals = [n.meta.get("val"), *(a.meta.get("val") for a in leaves if isinstance(a, torch.fx.Node))]
+    tensors = [
+        t for v in vals for t in (v if isinstance(v, list | tuple) else [v]) if isinstance(t, torch.Tensor)
+    ]
+    if target != "aten.hash_tensor.default" and any(t.dtype == torch.uint64 for t in tensors):
+        return False  # uint64 is only lowered as hash_tensor's result
+    if target not in _COMPLEX_OPS and any(t.is_complex() for t in tensors):
+        return False
+    if any(isinstance(a, complex) for a in leaves):
+        return False  # complex Python scalars have no wire format (complex tensors do)
     return target in _supported_ops or n.target.__name__ == "getitem"
+
+
+def _why_unsupported(n: torch.fx.Node) -> str:
+    """The reason `_supported` gives for `n`, for error messages."""
+    target = str(n.target)
+    if target in _supported_ops:
+        leaves: list = []
+        torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
+        if any(isinstance(a, complex) for a in leaves):
+            return "tpuc cannot pass complex Python scalars yet"
+        return "tpuc does not lower it for these operands (complex or uint64 tensors, data-dependent sizes)"
+    return "tpuc has no lowering rule for it"
 
 
 def _unsupported_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -513,6 +560,65 @@ def _compile_or_fallback(
         return None
 
 
+def _hoist_linalg_checks(gm: torch.fx.GraphModule) -> list[tuple]:
+    """Takes the effectful `_linalg_check_errors` calls (`with_effects` nodes: linalg.inv,
+    solve, cholesky ... raising on singular or non-positive-definite input) out of `gm`: each
+    one's `info` tensor becomes an extra graph output and its token passes through unchanged.
+    Returns the checks' (args, kwargs) after `info`, in output order, for `_Checked` to run on
+    the host after each call, so errors are raised exactly as PyTorch raises them."""
+    check = torch.ops.aten._linalg_check_errors.default
+    nodes = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and n.target is torch.ops.higher_order.with_effects
+        and len(n.args) >= 3
+        and n.args[1] is check
+    ]
+    if not nodes:
+        return []
+    checks, infos = [], []
+    for n in nodes:
+        token, info, rest = n.args[0], n.args[2], n.args[3:]
+        for user in list(n.users):
+            if user.op == "call_function" and user.target.__name__ == "getitem" and user.args[1] == 0:
+                user.replace_all_uses_with(token)
+                gm.graph.erase_node(user)
+        if n.users:
+            raise _native.TpucError(f"unexpected use of the result of `{n.name}` ({check})")
+        gm.graph.erase_node(n)
+        checks.append((tuple(rest), dict(n.kwargs)))
+        infos.append(info)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = out.args[0]
+    out.args = ((*outs, *infos),) if isinstance(outs, list | tuple) else ((outs, *infos),)
+    gm.graph.lint()
+    gm.recompile()
+    return checks
+
+
+class _Checked:
+    """Runs a compiled graph whose `_linalg_check_errors` calls were hoisted out, then the
+    checks on the returned `info` tensors (raising PyTorch's own errors)."""
+
+    _boxed_call = True
+
+    def __init__(self, inner, checks: list[tuple]):
+        self.inner, self.checks = inner, checks
+
+    def __call__(self, args):
+        # Effect tokens arrive as None (AOTAutograd's runtime wrapper drops the real ones); the
+        # graph only passes them through.
+        if any(a is None for a in args):
+            token = torch.empty(0)
+            args = [token if a is None else a for a in args]
+        outs = list(self.inner(args))
+        k = len(self.checks)
+        for info, (rest, kwargs) in zip(outs[len(outs) - k :], self.checks, strict=True):
+            torch._linalg_check_errors(info, *rest, **kwargs)
+        return outs[: len(outs) - k]
+
+
 def compile_graph(
     gm: torch.fx.GraphModule,
     example_inputs,
@@ -525,6 +631,12 @@ def compile_graph(
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set."""
+    checks = _hoist_linalg_checks(gm)
+    inner = _compile_hook(gm, opts, name, traces, maxima, shard)
+    return _Checked(inner, checks) if checks else inner
+
+
+def _compile_hook(gm: torch.fx.GraphModule, opts, name: str, traces: dict | None, maxima, shard):
     traces = traces or {}
     bad = _unsupported_nodes(gm)
     if not bad:
@@ -534,7 +646,7 @@ def compile_graph(
         n = bad[0]
         details = "\n".join(f"  - `{b.target}` (node `{b.name}`){_origin(b, traces)}" for b in bad)
         err = _native.UnsupportedOpError(
-            f"unsupported op `{n.target}` (node `{n.name}`): tpuc has no lowering rule for it; "
+            f"unsupported op `{n.target}` (node `{n.name}`): {_why_unsupported(n)}; "
             f"{len(bad)} unsupported node(s) in this graph:\n{details}\n"
             "use options={'fallback': 'eager'} to run them in PyTorch"
         )

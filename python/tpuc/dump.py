@@ -225,6 +225,8 @@ def _shapes(items: list[dict]) -> str:
         "bfloat16": "bf16",
         "int64": "i64",
         "int32": "i32",
+        "complex64": "c64",
+        "complex128": "c128",
     }
     return " ".join(
         f"{short.get(i['dtype'], i['dtype'])}[{','.join(str(d) for d in i['shape'])}]" for i in items

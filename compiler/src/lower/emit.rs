@@ -109,7 +109,11 @@ pub fn elem_type<'c>(ctx: &'c Context, dtype: DType) -> Type<'c> {
         DType::Int16 => IntegerType::new(ctx, 16).into(),
         DType::Int8 => IntegerType::new(ctx, 8).into(),
         DType::Uint8 => IntegerType::unsigned(ctx, 8).into(),
+        DType::Uint64 => IntegerType::unsigned(ctx, 64).into(),
         DType::Bool => IntegerType::new(ctx, 1).into(),
+        DType::Complex64 | DType::Complex128 => {
+            Type::parse(ctx, elem_name(dtype)).expect("complex element type")
+        }
     }
 }
 
@@ -130,7 +134,10 @@ pub fn elem_name(dtype: DType) -> &'static str {
         DType::Int16 => "i16",
         DType::Int8 => "i8",
         DType::Uint8 => "ui8",
+        DType::Uint64 => "ui64",
         DType::Bool => "i1",
+        DType::Complex64 => "complex<f32>",
+        DType::Complex128 => "complex<f64>",
     }
 }
 
@@ -147,10 +154,23 @@ pub fn tensor_type_text(shape: &[i64], dtype: DType) -> String {
 /// A scalar as an MLIR dense-elements literal of the given element type. Non-finite floats are
 /// written as bit patterns, which is the only way MLIR accepts them.
 fn literal(value: Scalar, dtype: DType) -> String {
+    if dtype.is_complex() {
+        let re = literal(value, dtype.real_part());
+        let im = literal(Scalar::Float(0.0), dtype.real_part());
+        return format!("({re}, {im})");
+    }
     if dtype == DType::Bool {
         return (value.as_f64() != 0.0).to_string();
     }
     if !dtype.is_float() {
+        if dtype == DType::Uint64 {
+            // Unsigned literal: the i64's bits (-1 is all ones).
+            return match value {
+                Scalar::Float(x) => (x.trunc() as u64).to_string(),
+                Scalar::Int(i) => (i as u64).to_string(),
+                Scalar::Bool(b) => (b as u64).to_string(),
+            };
+        }
         return match value {
             Scalar::Float(x) => (x.trunc() as i64).to_string(),
             Scalar::Int(i) => i.to_string(),
@@ -199,6 +219,10 @@ pub fn promote(a: DType, b: DType) -> DType {
     use DType::*;
     if a == b {
         return a;
+    }
+    if a.is_complex() || b.is_complex() {
+        let wide = a == Complex128 || b == Complex128 || a == Float64 || b == Float64;
+        return if wide { Complex128 } else { Complex64 };
     }
     let cat = |d: DType| {
         if d.is_float() {
@@ -376,12 +400,40 @@ impl<'c, 'b> Emitter<'c, 'b> {
         if t.dtype == dtype {
             return Ok(t.clone());
         }
+        if t.dtype.is_complex() && !dtype.is_complex() {
+            // PyTorch drops the imaginary part (XLA has no complex-to-real convert).
+            let re = self.part(t, "stablehlo.real")?;
+            return self.convert(&re, dtype);
+        }
+        if dtype.is_complex() && !t.dtype.is_complex() {
+            let re = self.convert(t, dtype.real_part())?;
+            let im = self.splat(Scalar::Int(0), &t.shape, dtype.real_part())?;
+            return self.complex(&re, &im);
+        }
         if dtype == DType::Bool {
             // convert to i1 would truncate; PyTorch means "!= 0".
             let zero = self.splat(Scalar::Int(0), &t.shape, t.dtype)?;
             return self.compare(t, &zero, "NE");
         }
         self.op("stablehlo.convert", &[t], &[], &t.shape, dtype)
+    }
+
+    /// `stablehlo.real` / `stablehlo.imag` of a complex tensor.
+    pub fn part(&self, t: &T<'c, 'b>, op: &str) -> R<T<'c, 'b>> {
+        self.op(op, &[t], &[], &t.shape, t.dtype.real_part())
+    }
+
+    /// A complex tensor from real and imaginary parts of one float dtype.
+    pub fn complex(&self, re: &T<'c, 'b>, im: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        let d = promote(re.dtype, im.dtype);
+        let (re, im) = self.coerce(re, im, d)?;
+        self.op(
+            "stablehlo.complex",
+            &[&re, &im],
+            &[],
+            &re.shape.clone(),
+            d.to_complex(),
+        )
     }
 
     pub fn reshape(&self, t: &T<'c, 'b>, shape: &[i64]) -> R<T<'c, 'b>> {
@@ -509,9 +561,9 @@ impl<'c, 'b> Emitter<'c, 'b> {
     pub fn compare(&self, a: &T<'c, 'b>, b: &T<'c, 'b>, dir: &str) -> R<T<'c, 'b>> {
         let dtype = promote(a.dtype, b.dtype);
         let (a, b) = self.coerce(a, b, dtype)?;
-        let cmp_type = if dtype.is_float() {
+        let cmp_type = if dtype.is_float() || dtype.is_complex() {
             "FLOAT"
-        } else if dtype == DType::Uint8 || dtype == DType::Bool {
+        } else if matches!(dtype, DType::Uint8 | DType::Uint64 | DType::Bool) {
             "UNSIGNED"
         } else {
             "SIGNED"
@@ -732,7 +784,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             ReduceKind::Max if dtype.is_float() => Scalar::Float(f64::NEG_INFINITY),
             ReduceKind::Min if dtype.is_float() => Scalar::Float(f64::INFINITY),
             ReduceKind::Max => Scalar::Int(match dtype {
-                DType::Bool | DType::Uint8 => 0,
+                DType::Bool | DType::Uint8 | DType::Uint64 => 0,
                 DType::Int8 => i8::MIN as i64,
                 DType::Int16 => i16::MIN as i64,
                 DType::Int32 => i32::MIN as i64,
@@ -741,6 +793,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             ReduceKind::Min => Scalar::Int(match dtype {
                 DType::Bool => 1,
                 DType::Uint8 => u8::MAX as i64,
+                DType::Uint64 => -1, // all ones
                 DType::Int8 => i8::MAX as i64,
                 DType::Int16 => i16::MAX as i64,
                 DType::Int32 => i32::MAX as i64,

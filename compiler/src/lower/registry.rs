@@ -1,7 +1,10 @@
 //! The one table from ATen op name to lowering rule. A new op = one entry here + its rule in
 //! `ops/` + a test.
 
-use super::ops::{creation, elementwise, linalg, nn, reduce, shape, special};
+use super::ops::{
+    attention, bag, bessel, complex, creation, elementwise, gamma, hash, histogram, linalg, matrix,
+    nn, reduce, sample, shape, special,
+};
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -17,9 +20,18 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(shape::RULES)
             .chain(reduce::RULES)
             .chain(linalg::RULES)
+            .chain(matrix::RULES)
             .chain(nn::RULES)
             .chain(creation::RULES)
             .chain(special::RULES)
+            .chain(complex::RULES)
+            .chain(attention::RULES)
+            .chain(bessel::RULES)
+            .chain(sample::RULES)
+            .chain(bag::RULES)
+            .chain(gamma::RULES)
+            .chain(histogram::RULES)
+            .chain(hash::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");

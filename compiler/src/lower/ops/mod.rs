@@ -1,9 +1,18 @@
 //! Lowering rules, grouped by kind. Each file exports `RULES: &[(op name, rule)]`.
 
+pub mod attention;
+pub mod bag;
+pub mod bessel;
+pub mod complex;
 pub mod creation;
 pub mod elementwise;
+pub mod gamma;
+pub mod hash;
+pub mod histogram;
 pub mod linalg;
+pub mod matrix;
 pub mod nn;
 pub mod reduce;
+pub mod sample;
 pub mod shape;
 pub mod special;
