@@ -77,13 +77,13 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _report(args, argv, results, started, t0, dynamic_end, complete):
+def _report(args, argv, results, started, t0, dynamic_end, complete, commit):
     kinds = collections.Counter(r["kind"] for r in results)
     errors = collections.Counter(r["type"] for r in results if r["kind"] == "error")
     bad = [r for r in results if r["kind"] in ("mismatch", "internal", "crash")]
     report = {
         "command": " ".join(["python", "tests/fuzz/cli.py", *(argv if argv is not None else sys.argv[1:])]),
-        "commit": _git_commit(),
+        "commit": commit,
         "started_utc": started,
         "complete": complete,
         "seeds": [args.start, args.start + args.count],
@@ -134,6 +134,7 @@ def main(argv=None) -> int:
         dynamic_end = args.start + args.count
     if args.dynamic_count is not None:
         dynamic_end = args.start + min(args.dynamic_count, args.count)
+    commit = _git_commit()  # of the code under test, at the start
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t0 = time.time()
     results, crashes = [], []
@@ -164,12 +165,12 @@ def main(argv=None) -> int:
         else:
             seed = stop
         done = len({r["seed"] for r in results})
-        partial, _ = _report(args, argv, results, started, t0, dynamic_end, complete=False)
+        partial, _ = _report(args, argv, results, started, t0, dynamic_end, complete=False, commit=commit)
         Path(args.report).write_text(json.dumps(partial, indent=2))  # progress survives an interruption
         print(f"\r{done}/{args.count} programs, {time.time() - t0:.0f}s", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
 
-    report, bad = _report(args, argv, results, started, t0, dynamic_end, complete=True)
+    report, bad = _report(args, argv, results, started, t0, dynamic_end, complete=True, commit=commit)
     if args.save and bad:
         from fuzz.gen import generate
         from fuzz.runner import run, save_regression, shrink
