@@ -77,7 +77,7 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _report(args, argv, results, started, t0, dynamic_end, complete, commit):
+def _report(args, argv, results, started, t0, dynamic_end, complete, commit, batches):
     kinds = collections.Counter(r["kind"] for r in results)
     errors = collections.Counter(r["type"] for r in results if r["kind"] == "error")
     bad = [r for r in results if r["kind"] in ("mismatch", "internal", "crash")]
@@ -88,6 +88,7 @@ def _report(args, argv, results, started, t0, dynamic_end, complete, commit):
         "complete": complete,
         "seeds": [args.start, args.start + args.count],
         "dynamic_seeds": [args.start, dynamic_end],
+        "batches_run": batches,
         "programs": len({r["seed"] for r in results}),
         "runs": len(results),
         "static_runs": collections.Counter(r["kind"] for r in results if r.get("mode") != "dynamic"),
@@ -103,6 +104,47 @@ def _report(args, argv, results, started, t0, dynamic_end, complete, commit):
         "error_examples": {t: next(r["detail"] for r in results if r["type"] == t) for t in errors},
     }
     return report, bad
+
+
+def _claim(directory: str, seed: int) -> bool:
+    """True if this run is the first to claim the batch starting at `seed` (exclusive create)."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    try:
+        with open(Path(directory) / f"batch{seed}", "x") as f:
+            f.write(str(os.getpid()))
+        return True
+    except FileExistsError:
+        return False
+
+
+SUMMED = ("programs", "runs", "ok", "crashes", "silent_mismatches", "internal_errors", "invalid")
+COUNTED = ("static_runs", "dynamic_runs", "clear_errors")
+
+
+def merge(reports: list[dict]) -> dict:
+    """One report for runs that together covered disjoint seeds (their parts listed in `parts`)."""
+    out: dict = {"parts": []}
+    for r in reports:
+        part = {
+            k: r.get(k) for k in ("command", "commit", "started_utc", "complete", "seeds", "dynamic_seeds")
+        }
+        part.update({k: r.get(k) for k in ("programs", "seconds", "batches_run")})
+        out["parts"].append(part)
+    for k in SUMMED:
+        out[k] = sum(r.get(k, 0) for r in reports)
+    for k in COUNTED:
+        total: collections.Counter = collections.Counter()
+        for r in reports:
+            total.update(r.get(k, {}))
+        out[k] = dict(total)
+    out["complete"] = all(r.get("complete") for r in reports)
+    out["failures"] = [f for r in reports for f in r.get("failures", [])]
+    examples: dict = {}
+    for r in reports:
+        for t, d in r.get("error_examples", {}).items():
+            examples.setdefault(t, d)
+    out["error_examples"] = examples
+    return out
 
 
 def main(argv=None) -> int:
@@ -123,10 +165,23 @@ def main(argv=None) -> int:
         type=int,
         help="like --dynamic, for the first N programs only (the others run static only)",
     )
+    ap.add_argument(
+        "--claim-dir",
+        help="share the seeds with other runs given the same directory: each run takes the next "
+        "batch no run has claimed yet (a file per batch in DIR)",
+    )
+    ap.add_argument("--merge", nargs="+", metavar="REPORT", help="combine reports of runs into --report")
     ap.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(*args.worker[:2], args.include_known, args.worker[2])
+        return 0
+    if args.merge:
+        report = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        Path(args.report).write_text(json.dumps(report, indent=2))
+        print(
+            json.dumps({k: v for k, v in report.items() if k not in ("failures", "error_examples")}, indent=2)
+        )
         return 0
 
     dynamic_end = args.start
@@ -137,10 +192,17 @@ def main(argv=None) -> int:
     commit = _git_commit()  # of the code under test, at the start
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t0 = time.time()
-    results, crashes = [], []
+    results, crashes, batches = [], [], []
     seed, end = args.start, args.start + args.count
+    batch_end = None
     while seed < end:
-        stop = min(seed + args.batch, end)
+        if batch_end is None or seed >= batch_end:  # a new batch, at start + k * batch
+            if args.claim_dir and not _claim(args.claim_dir, seed):
+                seed += args.batch  # another run took it
+                continue
+            batch_end = min(seed + args.batch, end)
+            batches.append([seed, batch_end])
+        stop = batch_end
         cmd = [sys.executable, __file__, "--worker", str(seed), str(stop), str(dynamic_end)]
         if args.include_known:
             cmd.append("--include-known")
@@ -165,12 +227,16 @@ def main(argv=None) -> int:
         else:
             seed = stop
         done = len({r["seed"] for r in results})
-        partial, _ = _report(args, argv, results, started, t0, dynamic_end, complete=False, commit=commit)
+        partial, _ = _report(
+            args, argv, results, started, t0, dynamic_end, complete=False, commit=commit, batches=batches
+        )
         Path(args.report).write_text(json.dumps(partial, indent=2))  # progress survives an interruption
         print(f"\r{done}/{args.count} programs, {time.time() - t0:.0f}s", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
 
-    report, bad = _report(args, argv, results, started, t0, dynamic_end, complete=True, commit=commit)
+    report, bad = _report(
+        args, argv, results, started, t0, dynamic_end, complete=True, commit=commit, batches=batches
+    )
     if args.save and bad:
         from fuzz.gen import generate
         from fuzz.runner import run, save_regression, shrink
