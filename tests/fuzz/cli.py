@@ -101,6 +101,9 @@ def _report(args, argv, results, started, t0, dynamic_end, complete, commit, bat
         "clear_errors": dict(errors),
         "invalid": kinds["invalid"],  # dynamic runs whose dim Dynamo specialized, or no dim to mark
         "failures": bad,
+        "errors": [
+            {k: r.get(k) for k in ("seed", "mode", "type", "detail")} for r in results if r["kind"] == "error"
+        ],
         "error_examples": {t: next(r["detail"] for r in results if r["type"] == t) for t in errors},
     }
     return report, bad
@@ -139,6 +142,7 @@ def merge(reports: list[dict]) -> dict:
         out[k] = dict(total)
     out["complete"] = all(r.get("complete") for r in reports)
     out["failures"] = [f for r in reports for f in r.get("failures", [])]
+    out["errors"] = [f for r in reports for f in r.get("errors", [])]
     examples: dict = {}
     for r in reports:
         for t, d in r.get("error_examples", {}).items():
@@ -180,7 +184,10 @@ def main(argv=None) -> int:
         report = merge([json.loads(Path(p).read_text()) for p in args.merge])
         Path(args.report).write_text(json.dumps(report, indent=2))
         print(
-            json.dumps({k: v for k, v in report.items() if k not in ("failures", "error_examples")}, indent=2)
+            json.dumps(
+                {k: v for k, v in report.items() if k not in ("failures", "errors", "error_examples")},
+                indent=2,
+            )
         )
         return 0
 
@@ -250,7 +257,7 @@ def main(argv=None) -> int:
                 small, small_outcome = shrink(program, outcome)
                 r["regression"] = str(save_regression(small, small_outcome, f"seed{r['seed']}"))
     Path(args.report).write_text(json.dumps(report, indent=2))
-    summary = {k: v for k, v in report.items() if k not in ("failures", "error_examples")}
+    summary = {k: v for k, v in report.items() if k not in ("failures", "errors", "error_examples")}
     print(json.dumps(summary, indent=2))
     for r in bad[:20]:
         print(f"  seed {r['seed']}: {r['kind']} {r.get('type', '')} {r.get('detail', '')[:200]}")
