@@ -17,6 +17,8 @@ if [[ "${1:-}" == "--miri" ]]; then
     shift
     # Isolation stays on except for the clock and the file system, which the cache tests use.
     export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
+    # insta would run `cargo metadata` (a subprocess, which Miri cannot spawn) to find the root.
+    export INSTA_WORKSPACE_ROOT="$PWD"
     exec cargo +nightly miri test --no-fail-fast -p tpuc_frontend_fx -p tpuc_passes -p tpuc_cache "$@"
 fi
 
