@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 if [[ "${1:-}" == "--miri" ]]; then
     shift
-    # Isolation stays on except for the clock and the file system, which the cache tests use.
+    # Isolation off: the cache tests use the real file system and clock.
     export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
     # insta would run `cargo metadata` (a subprocess, which Miri cannot spawn) to find the root.
     export INSTA_WORKSPACE_ROOT="$PWD"
