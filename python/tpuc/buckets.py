@@ -122,7 +122,15 @@ def unpad(t: torch.Tensor, sizes) -> torch.Tensor:
     padded = [p for dim in sizes for p, _ in dim]
     real = [r for dim in sizes for _, r in dim]
     shape = [_prod(r for _, r in dim) for dim in sizes]
-    return t.view(padded)[tuple(slice(0, r) for r in real)].reshape(shape)
+    out = t.view(padded)[tuple(slice(0, r) for r in real)].reshape(shape)
+    if out._base is not None:
+        # A view of the padded buffer (padding only in the outermost dim). Return a tensor of
+        # its own over the same memory: AOTAutograd rebuilds an output that aliases an input
+        # from the output's `_base`, and the padded buffer is larger than that input.
+        own = out.new_empty(0)
+        own.set_(out.untyped_storage(), out.storage_offset(), out.size(), out.stride())
+        out = own
+    return out
 
 
 def needs_padding(sizes) -> bool:

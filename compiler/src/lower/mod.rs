@@ -380,7 +380,10 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
                 values: &values,
                 used: used.get(&id).unwrap_or(&no_use),
             };
-            let results = rule(&cx).map_err(|err| err.at(node))?;
+            let results = match empty_results(&cx)? {
+                Some(empty) => empty,
+                None => rule(&cx).map_err(|err| err.at(node))?,
+            };
             check_results(&cx, &results)?;
             for (k, mut t) in results.into_iter().enumerate() {
                 let here = ValueRef {
@@ -512,6 +515,26 @@ fn used_results(graph: &Graph) -> HashMap<NodeId, Vec<bool>> {
         }
     }
     used
+}
+
+/// Empty constants for a node whose results all have no elements: there is nothing to compute,
+/// and rules need not handle zero-size results, which some StableHLO ops reject (a gather of
+/// slices of size 1 from a dim of size 0 does not verify). None if any result has elements or
+/// is not a tensor.
+fn empty_results<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> R<Option<Vec<T<'c, 'b>>>> {
+    if cx.node.results.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(cx.node.results.len());
+    for t in &cx.node.results {
+        match t.as_ref().map(|t| (t.static_shape(), t.dtype)) {
+            Some((Some(shape), dtype)) if shape.contains(&0) => {
+                out.push(cx.e.splat(Scalar::Int(0), &shape, dtype)?)
+            }
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some(out))
 }
 
 /// A rule must produce exactly the types FX recorded: anything else is a bug in the rule.

@@ -55,11 +55,13 @@ impl Plugin {
         let lib = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
         // Never dlclose, not even a library that turns out not to be a plugin:
         // unloading arbitrary code that may have registered exit handlers is
-        // what crashes.
-        let lib: &'static libloading::Library = Box::leak(Box::new(lib));
+        // what crashes. The handle is never dropped (ManuallyDrop rather than
+        // a leaked Box, which Valgrind would report as a definite leak).
+        let lib = std::mem::ManuallyDrop::new(lib);
         type GetPjrtApi = unsafe extern "C" fn() -> *const sys::PJRT_Api;
-        // SAFETY: `GetPjrtApi` has this signature in every PJRT plugin.
-        let get_api = unsafe { lib.get::<GetPjrtApi>(b"GetPjrtApi\0") }
+        // SAFETY: `GetPjrtApi` has this signature in every PJRT plugin; the
+        // function pointer stays valid because the library is never unloaded.
+        let get_api: GetPjrtApi = *unsafe { lib.get::<GetPjrtApi>(b"GetPjrtApi\0") }
             .map_err(|_| "not a PJRT plugin: no GetPjrtApi symbol".to_string())?;
         // SAFETY: calling the plugin's entry point, which takes no arguments.
         let raw = unsafe { get_api() };

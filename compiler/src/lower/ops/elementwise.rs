@@ -299,15 +299,26 @@ fn minimum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// maximum/minimum with torch's NaN rule: a NaN in either operand wins (the CPU plugin's
 /// max/min drops a NaN in the second operand).
 fn nan_propagating<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
-    let out = cx.out_dtype()?;
-    if !out.is_float() {
-        return binary_arith(cx, name);
-    }
     let (a, b) = operands(cx)?;
-    let (a, b) = cx.e.coerce(&a, &b, out)?;
-    let r = cx.e.op(name, &[&a, &b], &[], &a.shape.clone(), out)?;
-    let r = cx.e.select(&cx.e.isnan(&b)?, &b, &r, out)?;
-    Ok(vec![cx.e.select(&cx.e.isnan(&a)?, &a, &r, out)?])
+    Ok(vec![nan_max_min(cx.e, name, &a, &b, cx.out_dtype()?)?])
+}
+
+/// `name` (stablehlo.maximum or stablehlo.minimum) of `a` and `b` in `out`, with broadcasting
+/// and torch's NaN rule: a NaN in either operand wins. Integers need no select.
+fn nan_max_min<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    name: &str,
+    a: &T<'c, 'b>,
+    b: &T<'c, 'b>,
+    out: DType,
+) -> R<T<'c, 'b>> {
+    if !out.is_float() {
+        return e.binary(name, a, b, out);
+    }
+    let (a, b) = e.coerce(a, b, out)?;
+    let r = e.op(name, &[&a, &b], &[], &a.shape.clone(), out)?;
+    let r = e.select(&e.isnan(&b)?, &b, &r, out)?;
+    e.select(&e.isnan(&a)?, &a, &r, out)
 }
 
 /// Python-style remainder: the result takes the sign of the divisor.
@@ -584,15 +595,17 @@ fn bound<'c, 'b>(
     }
 }
 
+/// `clamp(self, min, max)` = min(max(self, min), max), NaN if self or a bound is NaN (as in
+/// torch; the plugin's max/min would drop a NaN bound, the second operand).
 fn clamp<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let out = cx.out_dtype()?;
     let mut r = cx.e.convert(&x, out)?;
     if let Some(lo) = bound(cx, 1, "min", x.dtype)? {
-        r = cx.e.binary("stablehlo.maximum", &r, &lo, out)?;
+        r = nan_max_min(cx.e, "stablehlo.maximum", &r, &lo, out)?;
     }
     if let Some(hi) = bound(cx, 2, "max", x.dtype)? {
-        r = cx.e.binary("stablehlo.minimum", &r, &hi, out)?;
+        r = nan_max_min(cx.e, "stablehlo.minimum", &r, &hi, out)?;
     }
     Ok(vec![r])
 }
@@ -621,11 +634,18 @@ fn hardtanh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 }
 
 fn clamp_min<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    binary_arith(cx, "stablehlo.maximum")
+    clamp_one(cx, "min", "stablehlo.maximum")
 }
 
 fn clamp_max<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    binary_arith(cx, "stablehlo.minimum")
+    clamp_one(cx, "max", "stablehlo.minimum")
+}
+
+/// `clamp_min(self, min)` / `clamp_max(self, max)`: NaN-propagating like [`clamp`].
+fn clamp_one<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str, op: &str) -> V<'c, 'b> {
+    let x = cx.tensor(0, "self")?;
+    let b = operand(cx, 1, name, x.dtype)?;
+    Ok(vec![nan_max_min(cx.e, op, &x, &b, cx.out_dtype()?)?])
 }
 
 fn compare<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, dir: &str) -> V<'c, 'b> {
