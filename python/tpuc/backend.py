@@ -129,6 +129,8 @@ class CompiledGraph:
         self.attr_tensors = [getattr(gm, t) for t in attr_targets]
         # Size-derived floats, inputs after the attributes, computed per shape from the sizes.
         self.symfloat_exprs = [n.meta["val"].node.expr for n in fx_export.symfloat_nodes(gm)]
+        # Random ops take a fresh seed per call, drawn from torch's generator (the last input).
+        self.rng = fx_export.uses_rng(gm)
         imported = _native.FxGraph.from_json(wire)
         self.pass_report, self.graph = imported.cleanup(opts.enabled_passes())
         counters.record_passes(self.pass_report)
@@ -342,10 +344,11 @@ class CompiledGraph:
         entry = self.static or self._entry_for(args)
         if entry is _EAGER:
             return list(self.eager(*args[: len(args) - len(self.attr_tensors)]))
+        seed = [_rng_seed()] if self.rng else []
         if type(entry) is buckets.Plan:
-            return self._run_bucketed(entry, args + entry.symfloats)
+            return self._run_bucketed(entry, args + entry.symfloats + seed)
         exe, out_types, plan, floats = entry
-        args += floats
+        args += floats + seed
         if self.sharded is not None:
             outs = self.sharded.run(exe, [args[i] for i in self.tensor_slots], out_types, _host_array)
         else:
@@ -365,6 +368,12 @@ class CompiledGraph:
 
 
 _EAGER = ("eager",)
+
+
+def _rng_seed() -> torch.Tensor:
+    """Two random int64 words from torch's default generator: `torch.manual_seed` makes compiled
+    random ops repeatable, and each call draws new numbers."""
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
 
 
 def _bucket_key(chosen: dict, bindings: dict) -> tuple:

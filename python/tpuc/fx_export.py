@@ -113,11 +113,22 @@ def symfloat_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     ]
 
 
+#: Ops drawing random numbers: each gets the graph's seed input and its own stream index.
+RANDOM_OPS = frozenset({"aten.native_dropout.default"})
+SEED_INPUT = "tpuc_rng_seed"
+
+
+def uses_rng(gm: torch.fx.GraphModule) -> bool:
+    """Whether the exported graph takes a seed input (last, after the size-derived floats)."""
+    return any(n.op == "call_function" and str(n.target) in RANDOM_OPS for n in gm.graph.nodes)
+
+
 def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
     """Returns (wire JSON, targets of get_attr nodes in input order)."""
     inputs, attrs, ops = [], [], []
     attr_inputs = []
     symfloats = set(symfloat_nodes(gm))
+    streams = 0
     for n in gm.graph.nodes:
         if n in symfloats:
             continue
@@ -132,12 +143,22 @@ def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
             attr_inputs.append(n.target)
             attrs.append({"name": n.name, "op": "placeholder", "target": n.target, "val": _meta(val, n)})
         elif n.op in ("call_function", "output"):
+            args = [_arg(a, n) for a in n.args]
+            if n.op == "call_function" and str(n.target) in RANDOM_OPS:
+                # Positional args padded to the schema's length, then the seed and the stream.
+                schema_len = len(n.target._schema.arguments)
+                args += [
+                    _arg(n.kwargs[a.name], n) if a.name in n.kwargs else None
+                    for a in n.target._schema.arguments[len(args) :]
+                ]
+                args = args[:schema_len] + [{"node": SEED_INPUT}, streams]
+                streams += 1
             ops.append(
                 {
                     "name": n.name,
                     "op": n.op,
                     "target": _target(n),
-                    "args": [_arg(a, n) for a in n.args],
+                    "args": args,
                     "kwargs": {k: _arg(v, n) for k, v in n.kwargs.items()},
                     "val": _meta(n.meta.get("val"), n),
                 }
@@ -158,4 +179,13 @@ def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
         for n in gm.graph.nodes
         if n in symfloats
     ]
+    if streams:
+        floats.append(
+            {
+                "name": SEED_INPUT,
+                "op": "placeholder",
+                "target": SEED_INPUT,
+                "val": {"tensor": {"shape": [2], "dtype": "int64"}},
+            }
+        )
     return json.dumps({"nodes": inputs + attrs + floats + ops}), attr_inputs

@@ -3,7 +3,7 @@
 
 use super::ops::{
     attention, bag, bessel, complex, creation, elementwise, gamma, hash, histogram, linalg, matrix,
-    nn, reduce, sample, shape, special,
+    nn, random, reduce, sample, shape, special,
 };
 use super::{NodeCx, R, T};
 use std::collections::HashMap;
@@ -32,6 +32,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(gamma::RULES)
             .chain(histogram::RULES)
             .chain(hash::RULES)
+            .chain(random::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");

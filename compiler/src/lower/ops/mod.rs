@@ -12,6 +12,7 @@ pub mod histogram;
 pub mod linalg;
 pub mod matrix;
 pub mod nn;
+pub mod random;
 pub mod reduce;
 pub mod sample;
 pub mod shape;
