@@ -35,7 +35,6 @@ os.environ.setdefault("TPUC_CPU_DEVICES", "4")
 
 import torch  # noqa: E402
 import zoo  # noqa: E402
-from torch import nn  # noqa: E402
 
 import tpuc  # noqa: E402
 
@@ -51,16 +50,6 @@ CONFIGS = [
 ]
 
 
-class LMLoss(nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, target, ids):
-        logits = self.lm(ids)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
 def collectives(dump: Path) -> dict:
     out = Counter()
     for path in dump.glob("*/optimized_hlo.txt"):
@@ -74,7 +63,7 @@ def collectives(dump: Path) -> dict:
 
 def run(model_name: str, batch: int, steps: int) -> list[dict]:
     lm, _ = zoo.make(model_name)
-    base = LMLoss(lm.train())
+    base = zoo.LMLoss(lm.train())
     torch.manual_seed(3)
     ids = torch.randint(0, zoo.VOCAB, (batch, 16))
     target = torch.randint(0, zoo.VOCAB, (batch, 16))

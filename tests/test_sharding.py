@@ -90,16 +90,6 @@ def test_transformer_block_matches_one_device(mesh, sharding):
     _forward_backward(model, _compiled(model, mesh, sharding), x)
 
 
-class LMLoss(nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, target, ids):
-        logits = self.lm(ids)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
 # Each strategy once (a Llama step compiles in 5-10 s); the MLP and block tests cover every pair.
 @pytest.mark.parametrize(
     ("mesh", "sharding"),
@@ -107,7 +97,7 @@ class LMLoss(nn.Module):
 )
 def test_decoder_lm_training_steps_match_one_device(mesh, sharding):
     lm, _ = zoo.make("llama")
-    model = LMLoss(lm.train())
+    model = zoo.LMLoss(lm.train())
     eager = copy.deepcopy(model)
     compiled = _compiled(model, mesh, sharding)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

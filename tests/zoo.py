@@ -37,6 +37,19 @@ class FirstOutput(nn.Module):
         return out[0]
 
 
+class LMLoss(nn.Module):
+    """A decoder LM (a zoo factory's model) and its next-token cross-entropy in one module, so
+    the loss and its gradient compile too: `forward(target, ids)` -> scalar loss."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, target, ids):
+        logits = self.lm(ids)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
 def _ids(batch=BATCH, seq=SEQ, vocab=VOCAB):
     return torch.randint(0, vocab, (batch, seq))
 

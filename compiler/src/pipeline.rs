@@ -53,6 +53,18 @@ pub fn element_type(d: DType) -> ElementType {
     }
 }
 
+/// The buffers to execute with: device arguments as given, host ones as `stage` uploaded them.
+fn arg_refs<'a>(args: &'a [RunArg<'a>], staged: &'a [Option<Buffer>]) -> Vec<&'a Buffer> {
+    args.iter()
+        .zip(staged)
+        .map(|(a, s)| match (a, s) {
+            (RunArg::Device(b), _) => *b,
+            (RunArg::Host(_), Some(b)) => b,
+            (RunArg::Host(_), None) => unreachable!("every host arg was uploaded"),
+        })
+        .collect()
+}
+
 /// One PJRT client with its executable cache. One engine per plugin (and device count) per
 /// process.
 pub struct Engine {
@@ -436,34 +448,16 @@ impl Engine {
                 outputs.len()
             )));
         }
-        let mut owned: Vec<Buffer> = Vec::new();
-        let mut order: Vec<Option<usize>> = Vec::with_capacity(args.len());
-        for (i, a) in args.iter().enumerate() {
-            match a {
-                RunArg::Host(h) => {
-                    let (shape, dtype) = &sig.inputs[i];
-                    if &h.shape != shape || h.dtype != *dtype {
-                        return Err(CompileError::Run(format!(
-                            "input {i}: executable expects {dtype}{shape:?}, got {}{:?}",
-                            h.dtype, h.shape
-                        )));
-                    }
-                    // SAFETY: forwarded from the caller; the buffer is dropped before return.
-                    owned.push(unsafe { self.upload(h)? });
-                    order.push(Some(owned.len() - 1));
-                }
-                RunArg::Device(_) => order.push(None),
-            }
-        }
-        let refs: Vec<&Buffer> = args
-            .iter()
-            .zip(&order)
-            .map(|(a, o)| match (a, o) {
-                (RunArg::Device(b), _) => *b,
-                (RunArg::Host(_), Some(k)) => &owned[*k],
-                (RunArg::Host(_), None) => unreachable!("every host arg was uploaded"),
-            })
-            .collect();
+        // SAFETY: forwarded from the caller; the buffers are dropped before return.
+        let staged = unsafe {
+            self.stage(args, &sig.inputs, 0, |i, (shape, dtype), h| {
+                format!(
+                    "input {i}: executable expects {dtype}{shape:?}, got {}{:?}",
+                    h.dtype, h.shape
+                )
+            })?
+        };
+        let refs = arg_refs(args, &staged);
         let results = compiled.exe.execute(&refs)?;
         if results.len() != outputs.len() {
             return Err(CompileError::Run(format!(
@@ -477,6 +471,34 @@ impl Engine {
             unsafe { self.fetch(buf, out)? };
         }
         Ok(())
+    }
+
+    /// Uploads each host argument to `device` after checking it against `expected` (`mismatch`
+    /// words the error); device arguments are left as they are (`None`).
+    ///
+    /// # Safety
+    /// As for [`Engine::upload`], for every host argument.
+    unsafe fn stage(
+        &self,
+        args: &[RunArg],
+        expected: &[(Vec<i64>, DType)],
+        device: usize,
+        mismatch: impl Fn(usize, &(Vec<i64>, DType), &HostArray) -> String,
+    ) -> Result<Vec<Option<Buffer>>, CompileError> {
+        let mut staged = Vec::with_capacity(args.len());
+        for (i, a) in args.iter().enumerate() {
+            let RunArg::Host(h) = a else {
+                staged.push(None);
+                continue;
+            };
+            let want = &expected[i];
+            if h.shape != want.0 || h.dtype != want.1 {
+                return Err(CompileError::Run(mismatch(i, want, h)));
+            }
+            // SAFETY: forwarded from the caller.
+            staged.push(Some(unsafe { self.upload_to(h, device)? }));
+        }
+        Ok(staged)
     }
 
     /// Copies a finished output buffer into host memory.
@@ -524,7 +546,7 @@ impl Engine {
                 outputs.len()
             )));
         }
-        let mut owned: Vec<Vec<Option<Buffer>>> = Vec::with_capacity(n);
+        let mut staged: Vec<Vec<Option<Buffer>>> = Vec::with_capacity(n);
         for (d, (dev_args, dev_outs)) in args.iter().zip(outputs).enumerate() {
             if dev_args.len() != sig.inputs.len() || dev_outs.len() != sig.outputs.len() {
                 return Err(CompileError::Run(format!(
@@ -535,39 +557,26 @@ impl Engine {
                     dev_outs.len()
                 )));
             }
-            let mut bufs = Vec::with_capacity(dev_args.len());
-            for (i, a) in dev_args.iter().enumerate() {
-                let RunArg::Host(h) = a else {
-                    bufs.push(None);
-                    continue;
-                };
-                let (shape, dtype) = &sig.inputs[i];
-                let want = plan.inputs[i].shard_shape(shape, &plan.mesh);
-                if h.shape != want || h.dtype != *dtype {
-                    return Err(CompileError::Run(format!(
+            let shards: Vec<(Vec<i64>, DType)> = sig
+                .inputs
+                .iter()
+                .zip(&plan.inputs)
+                .map(|((shape, dtype), spec)| (spec.shard_shape(shape, &plan.mesh), *dtype))
+                .collect();
+            // SAFETY: forwarded from the caller; the buffers are dropped before return.
+            staged.push(unsafe {
+                self.stage(dev_args, &shards, d, |i, (want, dtype), h| {
+                    format!(
                         "device {d}, input {i}: expects a {dtype}{want:?} shard, got {}{:?}",
                         h.dtype, h.shape
-                    )));
-                }
-                // SAFETY: forwarded from the caller; buffers are dropped before return.
-                bufs.push(Some(unsafe { self.upload_to(h, d)? }));
-            }
-            owned.push(bufs);
+                    )
+                })?
+            });
         }
         let lists: Vec<Vec<&Buffer>> = args
             .iter()
-            .zip(&owned)
-            .map(|(dev_args, bufs)| {
-                dev_args
-                    .iter()
-                    .zip(bufs)
-                    .map(|(a, b)| match (a, b) {
-                        (RunArg::Device(b), _) => *b,
-                        (RunArg::Host(_), Some(b)) => b,
-                        (RunArg::Host(_), None) => unreachable!("every host arg was uploaded"),
-                    })
-                    .collect()
-            })
+            .zip(&staged)
+            .map(|(dev_args, bufs)| arg_refs(dev_args, bufs))
             .collect();
         let results = compiled.exe.execute_sharded(&lists)?;
         for (d, (bufs, outs)) in results.iter().zip(outputs).enumerate() {

@@ -138,6 +138,24 @@ impl Spec {
         (0..mesh.shape.len()).all(|a| used.contains(&a) || c[a] == 0)
     }
 
+    /// Each device's piece of a tensor of `shape`, in device order: where it starts, its shape,
+    /// and whether it is the first copy of that piece (what the runtime splits and reassembles by).
+    pub fn pieces(&self, shape: &[i64], mesh: &Mesh) -> Vec<Piece> {
+        let size = self.shard_shape(shape, mesh);
+        (0..mesh.size())
+            .map(|d| Piece {
+                offsets: self
+                    .tile_index(mesh, d)
+                    .iter()
+                    .zip(&size)
+                    .map(|(i, s)| i * s)
+                    .collect(),
+                shape: size.clone(),
+                first_copy: self.is_first_copy(mesh, d),
+            })
+            .collect()
+    }
+
     /// Checks the spec against a tensor of `shape` on `mesh`; `what` names the tensor.
     pub fn check(&self, shape: &[i64], mesh: &Mesh, what: &str) -> R<()> {
         if self.0.len() != shape.len() {
@@ -245,6 +263,14 @@ impl Spec {
             }
         )
     }
+}
+
+/// One device's piece of a sharded tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub offsets: Vec<i64>,
+    pub shape: Vec<i64>,
+    pub first_copy: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -655,6 +681,10 @@ mod tests {
         let first: Vec<bool> = (0..4).map(|d| s.is_first_copy(&m, d)).collect();
         assert_eq!(first, [true, true, false, false]);
         assert_eq!(s.shard_shape(&[6, 8], &m), [6, 4]);
+        let p = s.pieces(&[6, 8], &m);
+        assert_eq!(p[3].offsets, [0, 4]);
+        assert_eq!(p[3].shape, [6, 4]);
+        assert!(p[1].first_copy && !p[3].first_copy);
     }
 
     #[test]

@@ -539,6 +539,11 @@ type ShardingLayout = (
     Vec<Vec<Vec<usize>>>,
 );
 
+/// `(offsets, shape, first_copy)` of one device's piece of a sharded tensor.
+type PieceTuple = (Vec<i64>, Vec<i64>, bool);
+/// Per tensor, per device: its piece.
+type TensorPieces = Vec<Vec<PieceTuple>>;
+
 /// A run argument: a resident DeviceBuffer or a host array tuple.
 enum PyArg {
     Host(HostArray),
@@ -640,6 +645,30 @@ impl Executable {
                 p.outputs.iter().map(|s| s.0.clone()).collect(),
             )
         })
+    }
+
+    /// `None`, or `(inputs, outputs)`: per tensor, per device, `(offsets, shape, first_copy)` of
+    /// that device's piece (first_copy: the first device holding that piece, which outputs are
+    /// read from).
+    fn shard_pieces(&self) -> Option<(TensorPieces, TensorPieces)> {
+        let sig = &self.compiled.lowered;
+        let p = sig.sharding.as_ref()?;
+        let pieces = |specs: &[Spec], types: &[(Vec<i64>, DType)]| -> TensorPieces {
+            specs
+                .iter()
+                .zip(types)
+                .map(|(spec, (shape, _))| {
+                    spec.pieces(shape, &p.mesh)
+                        .into_iter()
+                        .map(|x| (x.offsets, x.shape, x.first_copy))
+                        .collect()
+                })
+                .collect()
+        };
+        Some((
+            pieces(&p.inputs, &sig.inputs),
+            pieces(&p.outputs, &sig.outputs),
+        ))
     }
 
     /// Times `n` bare PJRT executions on resident `args` (DeviceBuffers; outputs stay on the

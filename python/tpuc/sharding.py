@@ -31,13 +31,6 @@ class Mesh:
     def size(self) -> int:
         return math.prod(self.shape)
 
-    def coords(self, device: int) -> list[int]:
-        out = []
-        for s in reversed(self.shape):
-            out.append(device % s)
-            device //= s
-        return out[::-1]
-
 
 def parse_mesh(opts) -> Mesh | None:
     """The mesh of `opts`, or None (one device). Also checks that `sharding` fits it."""
@@ -196,6 +189,8 @@ class ShardedGraph:
         self.output_kinds = output_kinds
         self.runtime = runtime
         self.slots: dict[int, _ResidentShards] = {}
+        # id(executable) -> Executable.shard_pieces(); the executables live as long as the graph.
+        self.pieces: dict[int, tuple] = {}
         self.lock = threading.Lock()
         _live.add(self)
 
@@ -235,7 +230,9 @@ class ShardedGraph:
         }
 
     def compiled(self, exe) -> None:
-        """Records the forward graph's input specs, for the backward graph's gradients."""
+        """Records where each device's pieces of `exe`'s inputs and outputs lie (used at every
+        call), and for a forward graph its specs, for the backward graph."""
+        self.pieces[id(exe)] = exe.shard_pieces()
         if self.kind != "forward":
             return
         _shape, _axes, in_specs, out_specs = exe.sharding
@@ -248,48 +245,45 @@ class ShardedGraph:
 
     def run(self, exe, args: list, out_types: list, host_array) -> list:
         """Runs `exe` on every device of the mesh; `args`: one tensor per executable input."""
-        mesh_shape, axes, in_specs, out_specs = exe.sharding
-        mesh = Mesh(tuple(mesh_shape), tuple(axes))
-        n = mesh.size
+        in_layouts, out_layouts = self.pieces[id(exe)]
+        n = self.ctx.mesh.size
         per_device: list[list] = [[None] * len(args) for _ in range(n)]
         keep = []
-        for i, (t, spec) in enumerate(zip(args, in_specs, strict=True)):
-            resident = self._resident(i, t, spec, mesh)
+        for i, (t, layout) in enumerate(zip(args, in_layouts, strict=True)):
+            resident = self._resident(i, t, layout, host_array)
             if resident is not None:
                 for d in range(n):
                     per_device[d][i] = resident.buffers[d]
                 continue
-            pieces = split(t, spec, mesh)
+            pieces = split(t, layout)
             keep.append(pieces)
             for d in range(n):
                 per_device[d][i] = host_array(pieces[d])
         outs = []
-        out_pieces: list[list] = [[None] * len(out_types) for _ in range(n)]
-        for k, ((shape, dtype), spec) in enumerate(zip(out_types, out_specs, strict=True)):
+        out_arrays: list[list] = [[None] * len(out_types) for _ in range(n)]
+        for k, ((shape, dtype), layout) in enumerate(zip(out_types, out_layouts, strict=True)):
             pieces = {}
-            for d in range(n):
-                if _is_first_copy(spec, mesh, d):
-                    pieces[d] = torch.empty(shard_shape(shape, spec, mesh), dtype=dtype)
-                    out_pieces[d][k] = host_array(pieces[d])
-            outs.append((shape, dtype, spec, pieces))
-        exe.run_sharded(per_device, out_pieces)
+            for d, (_offsets, piece_shape, first_copy) in enumerate(layout):
+                if first_copy:
+                    pieces[d] = torch.empty(piece_shape, dtype=dtype)
+                    out_arrays[d][k] = host_array(pieces[d])
+            outs.append((shape, dtype, layout, pieces))
+        exe.run_sharded(per_device, out_arrays)
         counters.count_execution()
-        return [assemble(shape, dtype, spec, mesh, pieces) for shape, dtype, spec, pieces in outs]
+        return [assemble(shape, dtype, layout, pieces) for shape, dtype, layout, pieces in outs]
 
-    def _resident(self, i: int, t: torch.Tensor, spec, mesh: Mesh):
+    def _resident(self, i: int, t: torch.Tensor, layout, host_array):
         """Per-device buffers of input `i` kept on the devices while the same tensor comes back
         unchanged (parameters), as for unsharded graphs: cached the second time it is seen."""
         slot = self.slots.get(i)
-        if slot is not None and slot.tensor is t and slot.version == t._version and slot.spec == spec:
+        if slot is not None and slot.tensor is t and slot.version == t._version and slot.layout == layout:
             return slot
         if slot is not None and slot.ref is not None and slot.ref() is t:
-            pieces = split(t, spec, mesh)
-            from .backend import _host_array
-
-            buffers = [self.runtime.upload(_host_array(p), d) for d, p in enumerate(pieces)]
+            pieces = split(t, layout)
+            buffers = [self.runtime.upload(host_array(p), d) for d, p in enumerate(pieces)]
             for _ in buffers:
                 counters.count_upload()
-            slot.tensor, slot.version, slot.spec = t, t._version, spec
+            slot.tensor, slot.version, slot.layout = t, t._version, layout
             slot.pieces, slot.buffers = pieces, buffers
             return slot
         fresh = _ResidentShards()
@@ -310,10 +304,10 @@ class ShardedGraph:
 
 
 class _ResidentShards:
-    __slots__ = ("ref", "tensor", "version", "spec", "pieces", "buffers")
+    __slots__ = ("ref", "tensor", "version", "layout", "pieces", "buffers")
 
     def __init__(self):
-        self.ref = self.tensor = self.spec = self.pieces = self.buffers = None
+        self.ref = self.tensor = self.layout = self.pieces = self.buffers = None
         self.version = -1
 
 
@@ -332,53 +326,29 @@ def resident_bytes() -> list[int]:
     return total
 
 
-def _tiles(spec, mesh: Mesh) -> list[int]:
-    return [math.prod(mesh.shape[a] for a in axes) for axes in spec]
+def _slices(offsets, shape) -> tuple:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))
 
 
-def shard_shape(shape, spec, mesh: Mesh) -> list[int]:
-    return [s // t for s, t in zip(shape, _tiles(spec, mesh), strict=True)]
-
-
-def _tile_index(spec, mesh: Mesh, device: int) -> list[int]:
-    c = mesh.coords(device)
-    out = []
-    for axes in spec:
-        i = 0
-        for a in axes:
-            i = i * mesh.shape[a] + c[a]
-        out.append(i)
-    return out
-
-
-def _is_first_copy(spec, mesh: Mesh, device: int) -> bool:
-    used = {a for axes in spec for a in axes}
-    c = mesh.coords(device)
-    return all(a in used or c[a] == 0 for a in range(len(mesh.shape)))
-
-
-def _slices(shape, spec, mesh: Mesh, device: int) -> tuple:
-    sizes = shard_shape(shape, spec, mesh)
-    return tuple(
-        slice(i * s, (i + 1) * s) for i, s in zip(_tile_index(spec, mesh, device), sizes, strict=True)
-    )
-
-
-def split(t: torch.Tensor, spec, mesh: Mesh) -> list[torch.Tensor]:
-    """Device `d`'s contiguous piece of `t` for each device; a replicated tensor is shared."""
+def split(t: torch.Tensor, layout) -> list[torch.Tensor]:
+    """Each device's contiguous piece of `t` (`layout`: Executable.shard_pieces() of one input);
+    a tensor every device holds whole is shared."""
     if t.device.type != "cpu":
         t = t.cpu()
-    if all(not axes for axes in spec):
+    if all(list(shape) == list(t.shape) for _offsets, shape, _first in layout):
         whole = t.contiguous()
-        return [whole] * mesh.size
-    return [t[_slices(t.shape, spec, mesh, d)].contiguous() for d in range(mesh.size)]
+        return [whole] * len(layout)
+    return [t[_slices(offsets, shape)].contiguous() for offsets, shape, _first in layout]
 
 
-def assemble(shape, dtype, spec, mesh: Mesh, pieces: dict) -> torch.Tensor:
-    """The whole tensor from the first copy of each piece."""
-    if all(not axes for axes in spec):
-        return pieces[0]
+def assemble(shape, dtype, layout, pieces: dict) -> torch.Tensor:
+    """The whole tensor from the first copy of each piece (`pieces`: device -> tensor)."""
+    if len(pieces) == 1:
+        (piece,) = pieces.values()
+        if tuple(piece.shape) == tuple(shape):
+            return piece
     out = torch.empty(shape, dtype=dtype)
     for d, piece in pieces.items():
-        out[_slices(shape, spec, mesh, d)] = piece
+        offsets, piece_shape, _first = layout[d]
+        out[_slices(offsets, piece_shape)] = piece
     return out

@@ -281,6 +281,17 @@ pub fn broadcast_shapes(a: &[i64], b: &[i64]) -> Option<Vec<i64>> {
     Some(out)
 }
 
+/// Parses MLIR attribute text; an error carries MLIR's diagnostics.
+pub fn parse_attr<'c>(ctx: &'c Context, diagnostics: &Diagnostics, text: &str) -> R<Attribute<'c>> {
+    Attribute::parse(ctx, text).ok_or_else(|| {
+        let why = diagnostics.borrow_mut().drain(..).collect::<Vec<_>>();
+        LowerError::internal(format!(
+            "MLIR rejected attribute `{text}`: {}",
+            why.join("; ")
+        ))
+    })
+}
+
 impl<'c, 'b> Emitter<'c, 'b> {
     pub fn new(
         ctx: &'c Context,
@@ -299,13 +310,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
     }
 
     pub fn attr(&self, text: &str) -> R<Attribute<'c>> {
-        Attribute::parse(self.ctx, text).ok_or_else(|| {
-            let why = self.diagnostics.borrow_mut().drain(..).collect::<Vec<_>>();
-            LowerError::internal(format!(
-                "MLIR rejected attribute `{text}`: {}",
-                why.join("; ")
-            ))
-        })
+        parse_attr(self.ctx, &self.diagnostics, text)
     }
 
     /// Appends one op with the given operands, attributes (name, MLIR text) and result types.

@@ -10,7 +10,7 @@ mod tests;
 
 pub use emit::{Emitter, Precision, ReduceKind, Scalar, T};
 
-use melior::ir::attribute::{Attribute, StringAttribute, TypeAttribute};
+use melior::ir::attribute::{StringAttribute, TypeAttribute};
 use melior::ir::block::BlockLike;
 use melior::ir::operation::{OperationLike, OperationMutLike};
 use melior::ir::r#type::FunctionType;
@@ -451,10 +451,7 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
                 .collect();
             format!("[{}]", items.join(", "))
         };
-        let parse = |text: &str| -> R<Attribute> {
-            Attribute::parse(&ctx, text)
-                .ok_or_else(|| LowerError::internal(format!("MLIR rejected attribute `{text}`")))
-        };
+        let parse = |text: &str| emit::parse_attr(&ctx, &diagnostics, text);
         func_attrs.push((
             Identifier::new(&ctx, "arg_attrs"),
             parse(&dicts(&p.inputs))?,

@@ -40,6 +40,23 @@ fn bytes_f32(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// Uploads a [2, 3] float32 array to device `dev` (with a copy).
+fn upload_2x3_on(c: &Client, v: &[f32], dev: usize) -> Buffer {
+    let bytes = f32_bytes(v);
+    // SAFETY: `bytes` is valid for the call, which copies it.
+    unsafe {
+        c.buffer_from_host(
+            bytes.as_ptr(),
+            24,
+            ElementType::F32,
+            &[2, 3],
+            HostBufferSemantics::ImmutableOnlyDuringCall,
+            dev,
+        )
+    }
+    .expect("upload")
+}
+
 /// Uploads with a copy, which is always safe.
 fn upload(client: &Client, bytes: &[u8], ty: ElementType, dims: &[i64]) -> Buffer {
     // SAFETY: `bytes` is valid for the call, which copies it.
@@ -374,25 +391,10 @@ fn execute_sharded_over_two_replicas() {
     };
     let exe = c.compile(ADD_MUL, &opts).unwrap();
     assert_eq!(exe.num_devices(), 2);
-    let upload_on = |v: &[f32], dev: usize| {
-        let bytes = f32_bytes(v);
-        // SAFETY: `bytes` is valid for the call, which copies it.
-        unsafe {
-            c.buffer_from_host(
-                bytes.as_ptr(),
-                24,
-                ElementType::F32,
-                &[2, 3],
-                HostBufferSemantics::ImmutableOnlyDuringCall,
-                dev,
-            )
-        }
-        .unwrap()
-    };
-    let a0 = upload_on(&A, 0);
-    let b0 = upload_on(&B, 0);
-    let a1 = upload_on(&B, 1);
-    let b1 = upload_on(&A, 1);
+    let a0 = upload_2x3_on(&c, &A, 0);
+    let b0 = upload_2x3_on(&c, &B, 0);
+    let a1 = upload_2x3_on(&c, &B, 1);
+    let b1 = upload_2x3_on(&c, &A, 1);
     let out = exe
         .execute_sharded(&[vec![&a0, &b0], vec![&a1, &b1]])
         .unwrap();
@@ -553,23 +555,8 @@ fn spmd_partitioned_sum_all_reduces_across_devices() {
     };
     let exe = c.compile(SPMD_SUM, &opts).unwrap();
     assert_eq!(exe.num_devices(), 2);
-    let upload_on = |v: &[f32], dev: usize| {
-        let bytes = f32_bytes(v);
-        // SAFETY: `bytes` is valid for the call, which copies it.
-        unsafe {
-            c.buffer_from_host(
-                bytes.as_ptr(),
-                24,
-                ElementType::F32,
-                &[2, 3],
-                HostBufferSemantics::ImmutableOnlyDuringCall,
-                dev,
-            )
-        }
-        .unwrap()
-    };
     // Rows 0-1 of the global [4, 3] array on device 0, rows 2-3 on device 1.
-    let (a0, a1) = (upload_on(&A, 0), upload_on(&B, 1));
+    let (a0, a1) = (upload_2x3_on(&c, &A, 0), upload_2x3_on(&c, &B, 1));
     let out = exe.execute_sharded(&[vec![&a0], vec![&a1]]).unwrap();
     let expected: Vec<f32> = (0..3).map(|j| A[j] + A[3 + j] + B[j] + B[3 + j]).collect();
     for device in &out {
