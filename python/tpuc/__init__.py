@@ -3,7 +3,8 @@
     compiled = torch.compile(model, backend="tpu")
 
 `import tpuc` is not needed for that (the backend is registered as an entry point); import it
-for `tpuc.stats()`, `tpuc.reset_stats()` and the error types.
+for `tpuc.stats()`, `tpuc.reset_stats()`, the error types, `tpuc.precompile` and
+`tpuc.save_compiled` / `tpuc.load_compiled` (a compiled model in a file, loaded without tracing).
 """
 
 from ._native import GraphImportError, PjrtError, ShardingError, TpucError, UnsupportedOpError, supported_ops
@@ -14,6 +15,8 @@ __all__ = [
     "PjrtError",
     "precompile",
     "resident_bytes",
+    "load_compiled",
+    "save_compiled",
     "ShardingError",
     "TpucError",
     "UnsupportedOpError",
@@ -30,6 +33,10 @@ def __getattr__(name):
         from .precompiler import precompile
 
         return precompile
+    if name in ("save_compiled", "load_compiled"):
+        from . import saved
+
+        return getattr(saved, name)
     if name == "resident_bytes":
         from .sharding import resident_bytes
 

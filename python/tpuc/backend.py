@@ -721,6 +721,11 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     t0 = time.perf_counter()
 
     traces = {n.name: n.meta.get("stack_trace") for n in gm.graph.nodes}
+    # torch's AOT precompile (tpuc.save_compiled) turns AOTAutograd's bundled cache on for this
+    # call: the graphs compiled below must then be OutputCode that the cache entry can store.
+    saving = bool(torch._functorch.config.bundled_autograd_cache)
+    if saving and mesh is not None:
+        raise NotImplementedError("tpuc: saving a compiled function with a mesh (SPMD) is not supported yet")
     maxima = buckets.declared_maxima(example_inputs)
     buckets.check_declared(gm, example_inputs, maxima)
 
@@ -729,13 +734,19 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         shard_ctx = sharding_mod.Context.for_dynamo_graph(gm, example_inputs, mesh, opts.sharding)
         maxima = {}
 
-    def fw(g, ins):
-        shard = (shard_ctx, "forward") if shard_ctx else None
-        return compile_graph(g, ins, opts, f"g{gid}_forward", traces, maxima, shard)
+    def compiler(kind: str):
+        def compile_one(g, ins):
+            shard = (shard_ctx, kind) if shard_ctx else None
+            name = f"g{gid}_{kind}"
+            if not saving:
+                return compile_graph(g, ins, opts, name, traces, maxima, shard)
+            from . import saved
 
-    def bw(g, ins):
-        shard = (shard_ctx, "backward") if shard_ctx else None
-        return compile_graph(g, ins, opts, f"g{gid}_backward", traces, maxima, shard)
+            graph = saved.pickle_graph(g)  # before compile_graph rewrites it
+            compiled = compile_graph(g, ins, opts, name, traces, maxima, shard)
+            return saved.TpucOutputCode.capture(compiled, graph, options, mode, name)
+
+        return compile_one
 
     # Trace attention through the math path: otherwise the forward decomposes to math while the
     # backward keeps the CPU flash kernel, whose saved-tensor contract the decomposed forward does
@@ -744,8 +755,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         out = aot_module_simplified(
             gm,
             example_inputs,
-            fw_compiler=fw,
-            bw_compiler=bw,
+            fw_compiler=compiler("forward"),
+            bw_compiler=compiler("backward"),
             decompositions=_BUCKET_DECOMPOSITIONS if maxima else _DECOMPOSITIONS,
         )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
