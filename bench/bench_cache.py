@@ -10,6 +10,9 @@
 (b) Precompile of 8 shape buckets, in parallel (rayon, default threads) vs serially
     (RAYON_NUM_THREADS=1), each in a new process with a fresh cache folder. The whole
     `tpuc.precompile` call is timed, and its parallel part (Runtime.compile_many) separately.
+(c) A saved compiled model (`tpuc.save_compiled`): saved in one process with an empty cache, then
+    loaded (`tpuc.load_compiled`) and called once in a new process with the same cache: neither
+    Dynamo nor AOTAutograd trace, nothing compiles. Compared with (a)'s cold first call.
 
 Every measurement is a new process; --reps repetitions, medians reported (min too).
 
@@ -154,6 +157,43 @@ def child_first_call(args) -> dict:
     }
 
 
+def child_saved(args) -> dict:
+    """`tpuc.save_compiled` (action save: an empty cache, so it compiles) or `tpuc.load_compiled`
+    (action load: a new process, the same cache) of the model, then its first call. The load is
+    timed from before `tpuc.load_compiled` is looked up (importing tpuc.saved, which imports
+    torch._inductor's OutputCode, is part of it) to the end of the first call."""
+    t_start = time.perf_counter()
+    import torch
+
+    import tpuc
+    from tpuc import backend  # noqa: F401  (imported before the timer, as in child_first_call)
+
+    t_imported = time.perf_counter()
+    torch.set_num_threads(1)
+    model, inputs = _load_model(args.model)
+    options = {"cache_dir": args.cache_dir, "fallback": "error"}
+    path = Path(args.cache_dir) / "model.tpuc"
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        if args.action == "save":
+            fn = tpuc.save_compiled(model, path, inputs, options=options)
+        else:
+            fn = tpuc.load_compiled(path, model, options=options)
+        t1 = time.perf_counter()
+        out = fn(*inputs)
+        t2 = time.perf_counter()
+        expected = model(*inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    return {
+        "import_seconds": t_imported - t_start,
+        "save_or_load_seconds": t1 - t0,
+        "first_call_seconds": t2 - t0,
+        "stats": tpuc.stats(),
+        "file_bytes": path.stat().st_size,
+        "max_abs_err": (out - expected).abs().max().item(),
+    }
+
+
 def child_precompile(args) -> dict:
     import torch
 
@@ -173,14 +213,20 @@ def child_precompile(args) -> dict:
         def __getattr__(self, name):
             return getattr(self._rt, name)
 
-        def compile_many(self, *a, **k):
+        def _timed(self, name, *a, **k):
             t, c = time.perf_counter(), time.process_time()
             try:
-                return self._rt.compile_many(*a, **k)
+                return getattr(self._rt, name)(*a, **k)
             finally:
                 many["seconds"] += time.perf_counter() - t
                 many["cpu_seconds"] += time.process_time() - c  # every thread of the process
                 many["calls"] += 1
+
+        def compile_many(self, *a, **k):  # per-bucket static graphs
+            return self._timed("compile_many", *a, **k)
+
+        def compile_graphs(self, *a, **k):  # bucketed graphs
+            return self._timed("compile_graphs", *a, **k)
 
     runtime.get_runtime = lambda *a, **k: Timed(get_runtime(*a, **k))
     model, (x,) = _load_model(args.model, batch=3)  # not a bucket: compile_many compiles all 8
@@ -202,12 +248,12 @@ def child_precompile(args) -> dict:
 # Driver
 
 
-def _child(kind: str, model: str, cache_dir: Path, **env: str) -> dict:
+def _child(kind: str, model: str, cache_dir: Path, *extra: str, **env: str) -> dict:
     e = dict(os.environ)
     for k in ("TPUC_CACHE_DIR", "TPUC_CACHE_MAX_SIZE", "TPUC_LOG", "TPUC_DUMP_DIR", "RAYON_NUM_THREADS"):
         e.pop(k, None)
     e.update(env)
-    cmd = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", str(cache_dir)]
+    cmd = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", str(cache_dir), *extra]
     load = os.getloadavg()[0]
     p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=1800)
     if p.returncode != 0:
@@ -250,6 +296,41 @@ def measure_first_calls(models: list[str], reps: int, tmp: Path) -> dict:
             summary["cold"]["breakdown"][k] for k in ("tpuc_lower", "tpuc_compile_or_load")
         ) / sum(summary["warm"]["breakdown"][k] for k in ("tpuc_lower", "tpuc_compile_or_load"))
         summary["runs"] = {"cold": cold, "warm": warm}
+        out[m] = summary
+    return out
+
+
+def measure_saved(models: list[str], reps: int, tmp: Path, first_call: dict) -> dict:
+    """(c): save in one process (empty cache), load + first call in new processes."""
+    out = {}
+    for m in models:
+        saves, loads = [], []
+        for r in range(reps):
+            d = tmp / f"saved-{m.replace(':', '_')}-{r}"
+            s = _child("saved", m, d, "--action", "save")
+            ld = _child("saved", m, d, "--action", "load")
+            assert s["stats"]["xla_compiles"] > 0, s["stats"]
+            assert ld["stats"]["xla_compiles"] == 0 and ld["stats"]["cache_hits_disk"] > 0, ld["stats"]
+            saves.append(s)
+            loads.append(ld)
+            print(
+                f"{m} rep {r}: save+first call {s['first_call_seconds']:.2f}s, "
+                f"load+first call {ld['first_call_seconds']:.2f}s",
+                flush=True,
+            )
+        summary = {
+            "save_first_call_seconds": _med([x["first_call_seconds"] for x in saves]),
+            "load_first_call_seconds": _med([x["first_call_seconds"] for x in loads]),
+            "load_first_call_min_seconds": min(x["first_call_seconds"] for x in loads),
+            "load_seconds": _med([x["save_or_load_seconds"] for x in loads]),
+            "file_bytes": saves[0]["file_bytes"],
+            "runs": {"save": saves, "load": loads},
+        }
+        cold = first_call.get(m, {}).get("cold", {}).get("first_call_seconds")
+        if cold is not None:
+            summary["cold_first_call_seconds"] = cold
+            summary["ratio_vs_cold"] = cold / summary["load_first_call_seconds"]
+        summary["ratio_vs_save"] = summary["save_first_call_seconds"] / summary["load_first_call_seconds"]
         out[m] = summary
     return out
 
@@ -332,6 +413,30 @@ def _markdown(r: dict) -> str:
                 f"{b['tpuc_fx_export_import']:.3f} | {b['tpuc_lower']:.3f} | {b['tpuc_compile_or_load']:.3f} "
                 f"| {b['run']:.4f} |"
             )
+    if r.get("saved"):
+        lines += [
+            "",
+            "## (c) First call of a saved compiled model (`tpuc.save_compiled` in one process, "
+            "`tpuc.load_compiled` in a new process, same cache)",
+            "",
+            "Load + first call: no Dynamo trace, no AOTAutograd trace, no XLA compile (tpuc imports and "
+            "lowers the saved graphs; executables from the disk cache); timed from before `tpuc.load_compiled` "
+            "(including importing it) to the end of the first call. Cold = (a)'s cold first call of "
+            "`torch.compile` (empty cache). Target: at least 5x faster than cold.",
+            "",
+            "| model | cold first call s (a) | save + first call s | load + first call s | cold / load | "
+            "save / load | file bytes |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, s in r["saved"].items():
+            cold = s.get("cold_first_call_seconds")
+            lines.append(
+                f"| {name} | {cold:.2f} | {s['save_first_call_seconds']:.2f} | {s['load_first_call_seconds']:.2f} | "
+                f"{s['ratio_vs_cold']:.1f}x | {s['ratio_vs_save']:.1f}x | {s['file_bytes']:,} |"
+                if cold is not None
+                else f"| {name} | - | {s['save_first_call_seconds']:.2f} | {s['load_first_call_seconds']:.2f} | - | "
+                f"{s['ratio_vs_save']:.1f}x | {s['file_bytes']:,} |"
+            )
     p = r["precompile"]
     lines += [
         "",
@@ -374,8 +479,11 @@ def main(argv=None) -> int:
     p.add_argument("--precompile-model", default="preln")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    p.add_argument("--skip", choices=["first-call", "precompile"], default=None)
-    p.add_argument("--child", choices=["first-call", "precompile"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--skip", choices=["first-call", "saved", "precompile"], nargs="*", default=[])
+    p.add_argument(
+        "--child", choices=["first-call", "saved", "precompile"], default=None, help=argparse.SUPPRESS
+    )
+    p.add_argument("--action", choices=["save", "load"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--render", action="store_true", help="only rewrite OUT/cache.md from OUT/cache.json")
@@ -386,7 +494,9 @@ def main(argv=None) -> int:
         print(md)
         return 0
     if args.child:
-        fn = child_first_call if args.child == "first-call" else child_precompile
+        fn = {"first-call": child_first_call, "saved": child_saved, "precompile": child_precompile}[
+            args.child
+        ]
         print(json.dumps(fn(args)), flush=True)
         return 0
 
@@ -403,12 +513,15 @@ def main(argv=None) -> int:
         },
         "precompile_model": args.precompile_model,
         "first_call": {},
+        "saved": {},
         "precompile": None,
     }
     with tempfile.TemporaryDirectory(prefix="tpuc-bench-cache-") as tmp:
-        if args.skip != "first-call":
+        if "first-call" not in args.skip:
             result["first_call"] = measure_first_calls(args.models, args.reps, Path(tmp))
-        if args.skip != "precompile":
+        if "saved" not in args.skip:
+            result["saved"] = measure_saved(args.models, args.reps, Path(tmp), result["first_call"])
+        if "precompile" not in args.skip:
             result["precompile"] = measure_precompile(args.precompile_model, args.reps, Path(tmp))
     result["machine"]["load_end"] = round(os.getloadavg()[0], 2)
     args.out.mkdir(parents=True, exist_ok=True)
