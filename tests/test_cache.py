@@ -442,3 +442,48 @@ def test_cli_precompile_then_dynamic_process_and_cache_commands(tmp_path, zygote
     assert "removed 1 entries" in capsys.readouterr().out
     assert entries(d) == {} and d.is_dir()
     assert tpuc.stats()["xla_compiles"] == 0, "the CLI commands compiled nothing in this process"
+
+
+def test_precompile_compiles_buckets_in_worker_processes(tmp_path, zygote, monkeypatch):
+    """With TPUC_COMPILE_PROCESSES=2 the buckets are compiled by two worker processes (the CPU
+    plugin compiles one program at a time per process) into the cache; this process and a later
+    one load them all."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("TPUC_COMPILE_PROCESSES", "2")
+    model, (x,) = make("mlp", batch=4, seed=0)
+    report = tpuc.precompile(
+        model,
+        (x,),
+        dynamic={0: {0: 16}},
+        buckets=[2, 4, 8, 16],  # pow2, as the later process (the default)
+        options={"cache_dir": str(d), "fallback": "error"},
+    )
+    assert report["processes"] == 2
+    assert (report["executables"], report["compiled"], report["from_cache"]) == (4, 4, 0), report
+    assert len(entries(d)) == 4
+    later = zygote.model(d, "--sizes", "2,4,8,16,3,9", "--dynamic-max", "16")
+    assert later["ok"], later["errors"]
+    assert later["stats"]["xla_compiles"] == 0
+    assert later["stats"]["cache_hits_disk"] == 4, (later["stats"], later.get("executables"))
+
+
+def test_ir_graph_pickles_exactly():
+    """Compile workers receive IR graphs pickled (CBOR inside): every literal survives, NaN and
+    infinities included."""
+    import pickle
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tpuc import fx_export
+
+    def f(x):
+        return torch.clamp(x * float("inf"), max=float("nan")) + torch.nan_to_num(x, neginf=-2.5)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3))
+    graph = _native.FxGraph.from_json(fx_export.export(gm)[0])
+    text = str(graph)
+    assert "inf" in text and "nan" in text.lower() and "-2.5" in text
+    copy = pickle.loads(pickle.dumps(graph))
+    assert str(copy) == text
+    with pytest.raises(_native.GraphImportError, match="not a tpuc IR graph"):
+        _native.FxGraph.from_ir_bytes(b"garbage")

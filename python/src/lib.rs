@@ -7,7 +7,7 @@ mod bucket;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -135,6 +135,31 @@ impl FxGraph {
             .detach(|| tpuc_frontend_fx::import_json(json))
             .map_err(|e| GraphImportError::new_err(e.to_string()))?;
         Ok(FxGraph { graph })
+    }
+
+    /// The IR itself (CBOR; exact for every literal, NaN and infinities included), what
+    /// `from_ir_bytes` reads: how a graph travels to compile worker processes, and how pickle
+    /// copies it.
+    fn to_ir_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let mut bytes = Vec::new();
+        ciborium::into_writer(&self.graph, &mut bytes)
+            .map_err(|e| TpucError::new_err(format!("cannot serialize the IR: {e}")))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Reads what `to_ir_bytes` wrote.
+    #[staticmethod]
+    fn from_ir_bytes(bytes: &[u8]) -> PyResult<FxGraph> {
+        let graph = ciborium::from_reader(bytes)
+            .map_err(|e| GraphImportError::new_err(format!("not a tpuc IR graph: {e}")))?;
+        Ok(FxGraph { graph })
+    }
+
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyBytes>,))> {
+        let from = slf.get_type().getattr("from_ir_bytes")?;
+        Ok((from, (slf.get().to_ir_bytes(slf.py())?,)))
     }
 
     /// Runs the passes of the pipeline (`tpuc_passes::PIPELINE`, in its fixed order) named in

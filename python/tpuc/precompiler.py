@@ -45,7 +45,7 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
     """Compiles `model` for every bucket of its dynamic dims into the persistent cache.
 
     `dynamic`: {input index: {dim: declared maximum}}; `buckets`: list of sizes or "pow2"
-    (default: the `buckets` option). Returns {"executables", "compiled", "from_cache", "seconds",
+    (default: the `buckets` option). Returns {"executables", "compiled", "from_cache", "seconds", "compile_seconds", "processes",
     "graphs", "buckets"}."""
     from . import backend  # imports this module: import it lazily
 
@@ -80,7 +80,15 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
     finally:
         _session.graphs = None
 
-    report = {"executables": 0, "compiled": 0, "from_cache": 0, "graphs": len(graphs), "buckets": {}}
+    report = {
+        "executables": 0,
+        "compiled": 0,
+        "from_cache": 0,
+        "graphs": len(graphs),
+        "buckets": {},
+        "compile_seconds": 0.0,  # compiling (or loading) the buckets, after tracing
+        "processes": 1,  # compile processes used (compile_workers)
+    }
     for cg, symbols in graphs:
         if not cg.symbolic:
             continue
@@ -101,15 +109,38 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
                 continue
         # Not bucketable (or no declared maximum): one static executable per bucket size.
         all_bindings = [{**(cg.last_bindings or {}), **c} for c in combos]
+        t = time.perf_counter()
+        outcomes = _in_workers([(cg.graph, b) for b in all_bindings], opts, progress, report)
         exes = cg.runtime.compile_many(
-            cg.graph, all_bindings, opts.precision, *backend.cache_args(opts), progress=progress
+            cg.graph,
+            all_bindings,
+            opts.precision,
+            *backend.cache_args(opts),
+            progress=progress and not outcomes,
         )
-        for exe in exes:
+        report["compile_seconds"] += time.perf_counter() - t
+        for k, exe in enumerate(exes):
             backend.record_compile(exe)
             report["executables"] += 1
-            report["compiled" if exe.cache == "miss" else "from_cache"] += 1
+            report["compiled" if (outcomes[k] if outcomes else exe.cache) == "miss" else "from_cache"] += 1
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def _in_workers(jobs: list, opts, progress, report) -> list | None:
+    """Compiles `jobs` ([(graph, bindings)]) into the disk cache in worker processes when that
+    can run in parallel (see compile_workers); returns what each job's compile did there, or
+    None when this process compiles them itself. The caller then loads them (disk hits)."""
+    from . import backend, compile_workers
+
+    cache_dir, cache_max = backend.cache_args(opts)
+    n = compile_workers.process_count(len(jobs), cache_dir)
+    report["processes"] = max(report.get("processes", 1), n)
+    if n < 2:
+        return None
+    return compile_workers.compile_in_workers(
+        jobs, opts.plugin, opts.precision, cache_dir, cache_max, n, progress=progress
+    )
 
 
 def _precompile_buckets(cg, combos, opts, progress, report) -> None:
@@ -129,10 +160,16 @@ def _precompile_buckets(cg, combos, opts, progress, report) -> None:
     except _native.TpucError as e:
         cg.not_bucketable(e)
         return
+    t = time.perf_counter()
+    outcomes = _in_workers([(bg.graph, {}) for _, bg in jobs], opts, progress, report)
     exes = cg.runtime.compile_graphs(
-        [bg.graph for _, bg in jobs], opts.precision, *backend.cache_args(opts), progress=progress
+        [bg.graph for _, bg in jobs],
+        opts.precision,
+        *backend.cache_args(opts),
+        progress=progress and not outcomes,
     )
-    for (key, bg), exe in zip(jobs, exes, strict=True):
+    report["compile_seconds"] += time.perf_counter() - t
+    for k, ((key, bg), exe) in enumerate(zip(jobs, exes, strict=True)):
         cg.add_bucket_executable(key, exe, bg)
         report["executables"] += 1
-        report["compiled" if exe.cache == "miss" else "from_cache"] += 1
+        report["compiled" if (outcomes[k] if outcomes else exe.cache) == "miss" else "from_cache"] += 1
