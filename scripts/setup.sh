@@ -50,6 +50,10 @@ if ! have "import maturin, pytest, numpy, expecttest" || [ ! -x .venv/bin/ruff ]
     step "python: installing build and test tools"
     "${PIP[@]}" "maturin>=1.5,<2" pytest numpy ruff expecttest
 fi
+if ! have "import matplotlib"; then
+    step "python: installing matplotlib (benchmark plots)"
+    "${PIP[@]}" matplotlib
+fi
 if ! have "import torch_mlir._mlir_libs._stablehlo"; then
     step "python: installing the StableHLO verifier (torch-mlir wheel)"
     "${PIP[@]}" --no-deps "torch-mlir==20261001"
