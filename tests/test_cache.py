@@ -487,3 +487,23 @@ def test_ir_graph_pickles_exactly():
     assert str(copy) == text
     with pytest.raises(_native.GraphImportError, match="not a tpuc IR graph"):
         _native.FxGraph.from_ir_bytes(b"garbage")
+
+
+def test_precompile_falls_back_to_this_process_when_workers_fail(tmp_path, monkeypatch, caplog):
+    from tpuc import compile_workers
+
+    monkeypatch.setenv("TPUC_COMPILE_PROCESSES", "2")
+    monkeypatch.setattr(compile_workers.sys, "executable", "/bin/false")  # every worker exits 1
+    model, (x,) = make("mlp", batch=4, seed=0)
+    with caplog.at_level("WARNING", logger="tpuc"):
+        # Buckets no other test compiles: this process's memory cache holds none of them.
+        report = tpuc.precompile(
+            model,
+            (x,),
+            dynamic={0: {0: 15}},
+            buckets=[3, 5, 9, 15],
+            options={"cache_dir": str(tmp_path / "c")},
+        )
+    assert report["processes"] == 1
+    assert (report["executables"], report["compiled"]) == (4, 4), (report, tpuc.stats())
+    assert "compile workers failed" in caplog.text and "exited with status 1" in caplog.text

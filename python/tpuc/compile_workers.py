@@ -79,8 +79,11 @@ def compile_in_workers(
         err_lines: list[bytes] = []
         drain = threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)
         drain.start()
-        proc.stdin.write(payload)
-        proc.stdin.close()
+        try:
+            proc.stdin.write(payload)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the worker died at start: its exit status says so below
         for line in proc.stdout:
             try:
                 rec = json.loads(line)
@@ -101,7 +104,14 @@ def compile_in_workers(
             with lock:
                 errors.append(f"compile worker exited with status {code}: {tail}")
 
-    threads = [threading.Thread(target=run, args=(share,)) for share in shares if share]
+    def guarded(share: list[int]) -> None:
+        try:
+            run(share)
+        except Exception as e:  # e.g. the interpreter cannot be started: reported, not lost
+            with lock:
+                errors.append(f"compile worker: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=guarded, args=(share,)) for share in shares if share]
     for t in threads:
         t.start()
     for t in threads:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import re
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 from . import buckets as bucketing
 from . import options as options_mod
 
+log = logging.getLogger("tpuc")
 _session = threading.local()
 _SOURCE = re.compile(r"^L\['(\w+)'\]\.size\(\)\[(\d+)\]$")
 
@@ -131,16 +133,23 @@ def _in_workers(jobs: list, opts, progress, report) -> list | None:
     """Compiles `jobs` ([(graph, bindings)]) into the disk cache in worker processes when that
     can run in parallel (see compile_workers); returns what each job's compile did there, or
     None when this process compiles them itself. The caller then loads them (disk hits)."""
-    from . import backend, compile_workers
+    from . import _native, backend, compile_workers
 
     cache_dir, cache_max = backend.cache_args(opts)
     n = compile_workers.process_count(len(jobs), cache_dir)
     report["processes"] = max(report.get("processes", 1), n)
     if n < 2:
         return None
-    return compile_workers.compile_in_workers(
-        jobs, opts.plugin, opts.precision, cache_dir, cache_max, n, progress=progress
-    )
+    try:
+        return compile_workers.compile_in_workers(
+            jobs, opts.plugin, opts.precision, cache_dir, cache_max, n, progress=progress
+        )
+    except (OSError, _native.TpucError) as e:
+        # This process compiles whatever the workers did not (and raises a real compile error
+        # with its full context).
+        log.warning("tpuc: compile workers failed (%s); compiling in this process", e)
+        report["processes"] = 1
+        return None
 
 
 def _precompile_buckets(cg, combos, opts, progress, report) -> None:
