@@ -100,15 +100,17 @@ def test_fold_transposes_leaves_no_transpose_for_linear_weights():
 
 def test_composites_share_one_decomposition_per_distinct_unit():
     torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)]
+    layers = [
+        torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)
+    ]
     model = torch.nn.Sequential(*layers).eval()
     x = torch.randn(2, 5, 8)
     on = _module(model, (x,), {})
     off = _module(model, (x,), {"composites": False})
     assert on.count('"stablehlo.composite"') == 6 and '"stablehlo.composite"' not in off
     # three layers, one function per kind of unit
-    assert on.count("sym_name = \"tpuc.layer_norm.0\"") == 1 and "tpuc.layer_norm.1" not in on
-    assert on.count("sym_name = \"tpuc.gelu.0\"") == 1 and "tpuc.gelu.1" not in on
+    assert on.count('sym_name = "tpuc.layer_norm.0"') == 1 and "tpuc.layer_norm.1" not in on
+    assert on.count('sym_name = "tpuc.gelu.0"') == 1 and "tpuc.gelu.1" not in on
     assert on.count("func.func") == 3
 
 
