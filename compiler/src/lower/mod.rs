@@ -544,7 +544,7 @@ struct Fused {
     inner: HashSet<NodeId>,
     /// Composite root -> its group.
     roots: HashMap<NodeId, FusionGroup>,
-    /// Decompositions made so far: signature -> (function name, result types).
+    /// Decompositions made so far: signature -> function name.
     made: std::cell::RefCell<HashMap<String, String>>,
     /// How many functions each composite name has, for unique function names.
     counts: std::cell::RefCell<HashMap<&'static str, usize>>,
