@@ -67,6 +67,15 @@ def test_each_pass_off_matches_eager(name, off):
         assert ran == set(PIPELINE) - {off}
 
 
+@pytest.mark.parametrize("name", ["bert", "t5", "vit"])
+def test_fusion_off_matches_eager(name):
+    # test_zoo runs every zoo model with all passes on; this is the other side for the
+    # encoder models (the decoders are covered pass by pass above).
+    tpuc.reset_stats()
+    _run(name, {"fusion": False})
+    assert set(tpuc.stats()["passes"]) == set(CLEANUP)
+
+
 def _module(model, inputs, passes) -> str:
     """The StableHLO tpuc sends to PJRT for `model` (one graph), checked against eager."""
     from tpuc import backend

@@ -505,6 +505,37 @@ mod tests {
     }
 
     #[test]
+    fn graph_outputs_stay_outside_units() {
+        // Training saves the softmax for the backward: the attention unit cannot hide it, so
+        // only the softmax itself (a unit's root may be an output) becomes a composite.
+        let g = graph(
+            &[("q", "[2, 3, 4]"), ("k", "[2, 4, 3]"), ("v", "[2, 3, 4]")],
+            &[
+                (
+                    "s",
+                    "aten.bmm.default",
+                    r#"[{"node": "q"}, {"node": "k"}]"#,
+                    "[2, 3, 3]",
+                ),
+                (
+                    "p",
+                    "aten._softmax.default",
+                    r#"[{"node": "s"}, -1, false]"#,
+                    "[2, 3, 3]",
+                ),
+                (
+                    "o",
+                    "aten.bmm.default",
+                    r#"[{"node": "p"}, {"node": "v"}]"#,
+                    "[2, 3, 4]",
+                ),
+            ],
+            &["o", "p"],
+        );
+        insta::assert_snapshot!(listing(&g));
+    }
+
+    #[test]
     fn attention_mlp_and_norms_become_composites() {
         let t = |s: &str| s.to_string();
         let nodes: Vec<(String, String, String, String)> = vec![
