@@ -134,6 +134,12 @@ pub struct Graph {
     pub dag: StableDiGraph<Node, usize>,
     pub inputs: Vec<Input>,
     pub outputs: Vec<Output>,
+    /// Lowering-time rewrites that IR passes switched on (`fold_transposes`, `composites`):
+    /// they act where StableHLO has the means (dot dimension numbers, functions), so the IR
+    /// itself stays in ATen terms for bucketing and sharding. Graphs derived from this one
+    /// (specialized, bucketed) keep the set.
+    #[serde(default)]
+    pub lowering: std::collections::BTreeSet<String>,
 }
 
 impl Graph {
@@ -220,7 +226,12 @@ impl fmt::Display for Graph {
                 Output::None => "None".into(),
             })
             .collect();
-        writeln!(f, "return ({})", outs.join(", "))
+        writeln!(f, "return ({})", outs.join(", "))?;
+        if !self.lowering.is_empty() {
+            let names: Vec<&str> = self.lowering.iter().map(String::as_str).collect();
+            writeln!(f, "lowering: {}", names.join(", "))?;
+        }
+        Ok(())
     }
 }
 

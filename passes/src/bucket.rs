@@ -108,7 +108,10 @@ pub fn bucket(g: &Graph, dynamic: &HashSet<String>, sizes: &HashMap<String, i64>
         g,
         dynamic,
         sizes,
-        out: Graph::default(),
+        out: Graph {
+            lowering: g.lowering.clone(),
+            ..Graph::default()
+        },
         map: HashMap::new(),
         layouts: HashMap::new(),
         scalars: Vec::new(),

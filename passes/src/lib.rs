@@ -8,12 +8,15 @@
 //! shapes symbolic, never changes the result type of a node it keeps, never removes a node whose
 //! result is a graph output (two outputs must stay two tensors), and only rewrites nodes in
 //! place or removes them (never adds one: the IR's topological order is its index order).
+//! The fusion passes rewrite in lowering: they analyse the IR, record their name in
+//! `Graph::lowering`, and lowering applies them (see `fusion.rs` for why).
 
 mod bucket;
 mod cse;
 mod dce;
 mod fold_constants;
 mod fold_views;
+pub mod fusion;
 mod rewrite;
 pub mod sharding;
 mod specialize;
@@ -23,6 +26,7 @@ pub use cse::common_subexpression_elimination;
 pub use dce::dead_code_elimination;
 pub use fold_constants::fold_constants;
 pub use fold_views::fold_views;
+pub use fusion::{composites, fold_transposes, fusion_groups, transpose_folds, FusionGroup};
 pub use specialize::{bindings_from_inputs, specialize, SpecializeError};
 
 use std::time::Instant;
@@ -49,7 +53,15 @@ pub struct Pass {
 ///    value-semantics identities (`clone`, `alias`, `detach`, `lift_fresh_copy`) disappear.
 /// 3. `cse`: common-subexpression elimination (same op, same operands and literals, same result
 ///    types); random ops and ops with side effects are never merged.
-/// 4. `dce`: dead-code elimination, last, so it removes what the passes before it orphaned.
+/// 4. `dce`: dead-code elimination, so it removes what the passes before it orphaned.
+/// 5. `fold_transposes` (fusion): a permute/t/transpose read only as a matrix operand of
+///    mm/addmm/bmm/baddbmm is not emitted; the `dot_general` contracts the un-permuted operand.
+/// 6. `composites` (fusion): attention, MLPs, RMS norms and single layer norm / GELU / SiLU /
+///    softmax nodes are emitted as `stablehlo.composite` ops; equal units share one private
+///    decomposition function.
+///
+/// The fusion passes run after the cleanup so that they see the final graph; both rewrite in
+/// lowering (`fusion.rs`).
 pub const PIPELINE: &[Pass] = &[
     Pass {
         name: "fold_constants",
@@ -74,6 +86,18 @@ pub const PIPELINE: &[Pass] = &[
         group: "cleanup",
         doc: "dead-code elimination",
         run: dead_code_elimination,
+    },
+    Pass {
+        name: "fold_transposes",
+        group: "fusion",
+        doc: "transposes of matmul operands folded into dot_general dimension numbers",
+        run: fold_transposes,
+    },
+    Pass {
+        name: "composites",
+        group: "fusion",
+        doc: "attention, MLP, norms, GELU/SiLU/softmax as stablehlo.composite with shared decompositions",
+        run: composites,
     },
 ];
 

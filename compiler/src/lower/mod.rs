@@ -16,9 +16,10 @@ use melior::ir::operation::{OperationLike, OperationMutLike};
 use melior::ir::r#type::FunctionType;
 use melior::ir::{Block, Identifier, Location, Module, Region, RegionLike, Value};
 use melior::Context;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use tpuc_frontend_fx::{Arg, DType, Graph, InputKind, Node, NodeId, Output, ValueRef};
 use tpuc_passes::sharding::ShardingPlan;
+use tpuc_passes::FusionGroup;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LowerError {
@@ -78,7 +79,12 @@ pub struct NodeCx<'x, 'c, 'b> {
     pub node: &'x Node,
     values: &'x HashMap<ValueRef, T<'c, 'b>>,
     used: &'x [bool],
+    /// Folded transposes (`fold_transposes`): permute value -> (its operand, permutation).
+    folds: &'x Folds,
 }
+
+/// Transposes that lowering does not emit: permute value -> (its operand, permutation).
+type Folds = HashMap<ValueRef, (ValueRef, Vec<i64>)>;
 
 pub type R<X> = Result<X, LowerError>;
 
@@ -105,6 +111,20 @@ impl<'c, 'b> NodeCx<'_, 'c, 'b> {
                 .ok_or_else(|| self.err(format!("{what}: operand not lowered yet"))),
             other => Err(self.err(format!("{what}: expected a tensor, got {other:?}"))),
         }
+    }
+
+    /// A matrix operand of a product and the permutation to read it through: a transpose that
+    /// `fold_transposes` folded comes back as its un-permuted operand and the permutation
+    /// (result dim `i` is operand dim `p[i]`), anything else as itself and the identity.
+    pub fn matrix(&self, i: usize, name: &str) -> R<(T<'c, 'b>, Vec<i64>)> {
+        if let Some(Arg::Value(v)) = self.arg(i, name) {
+            if let Some((src, p)) = self.folds.get(v) {
+                return Ok((self.value(&Arg::Value(*src), name)?, p.clone()));
+            }
+        }
+        let t = self.tensor(i, name)?;
+        let p = (0..t.rank() as i64).collect();
+        Ok((t, p))
     }
 
     pub fn tensor(&self, i: usize, name: &str) -> R<T<'c, 'b>> {
@@ -342,6 +362,10 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
     let block = Block::new(&arg_types);
     let used = used_results(graph);
     let plan = options.sharding.as_ref();
+    // The fusion passes act here (see tpuc_passes::fusion); not on sharded modules, whose
+    // layout constraints name IR values.
+    let fused = Fused::new(graph, plan.is_none());
+    let mut functions: Vec<melior::ir::Operation> = Vec::new();
     let constraints: HashMap<ValueRef, String> = plan
         .map(|p| {
             p.constraints
@@ -369,22 +393,14 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
         }
         for id in graph.topo_order() {
             let node = graph.node(id);
-            if node.is_input() {
+            if node.is_input() || fused.skip(id) {
                 continue;
             }
-            let rule = registry::rule(&node.op).expect("checked above");
-            let no_use = Vec::new();
-            let cx = NodeCx {
-                e: &e,
-                node,
-                values: &values,
-                used: used.get(&id).unwrap_or(&no_use),
+            let results = if let Some(group) = fused.root_of(id) {
+                fused.emit(&e, graph, group, &values, &used, &mut functions)?
+            } else {
+                lower_node(&e, graph, id, &values, &used, &fused.folds)?
             };
-            let results = match empty_results(&cx)? {
-                Some(empty) => empty,
-                None => rule(&cx).map_err(|err| err.at(node))?,
-            };
-            check_results(&cx, &results)?;
             for (k, mut t) in results.into_iter().enumerate() {
                 let here = ValueRef {
                     node: id,
@@ -477,6 +493,9 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
         module.as_operation_mut().set_attribute(name, attr);
     }
     module.body().append_operation(func);
+    for f in functions {
+        module.body().append_operation(f);
+    }
     let mlir = module
         .as_operation()
         .to_string_with_flags(
@@ -489,6 +508,267 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
         outputs,
         sharding: options.sharding.clone(),
     })
+}
+
+/// Lowers one node by its rule and checks its results against the types FX recorded.
+fn lower_node<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    graph: &Graph,
+    id: NodeId,
+    values: &HashMap<ValueRef, T<'c, 'b>>,
+    used: &HashMap<NodeId, Vec<bool>>,
+    folds: &Folds,
+) -> R<Vec<T<'c, 'b>>> {
+    let node = graph.node(id);
+    let rule = registry::rule(&node.op).expect("checked above");
+    let no_use = Vec::new();
+    let cx = NodeCx {
+        e,
+        node,
+        values,
+        used: used.get(&id).unwrap_or(&no_use),
+        folds,
+    };
+    let results = match empty_results(&cx)? {
+        Some(empty) => empty,
+        None => rule(&cx).map_err(|err| err.at(node))?,
+    };
+    check_results(&cx, &results)?;
+    Ok(results)
+}
+
+/// What the fusion passes (`fold_transposes`, `composites`) ask lowering to do for one graph.
+struct Fused {
+    folds: Folds,
+    /// Members of a composite other than its root: lowered inside its decomposition.
+    inner: HashSet<NodeId>,
+    /// Composite root -> its group.
+    roots: HashMap<NodeId, FusionGroup>,
+    /// Decompositions made so far: signature -> function name.
+    made: std::cell::RefCell<HashMap<String, String>>,
+    /// How many functions each composite name has, for unique function names.
+    counts: std::cell::RefCell<HashMap<&'static str, usize>>,
+}
+
+impl Fused {
+    fn new(graph: &Graph, allowed: bool) -> Fused {
+        let on = |pass: &str| allowed && graph.lowering.contains(pass);
+        let mut folds = Folds::new();
+        if on(tpuc_passes::fusion::FOLD_TRANSPOSES) {
+            for (id, p) in tpuc_passes::transpose_folds(graph) {
+                if let Some(Arg::Value(src)) = graph.node(id).args.first() {
+                    folds.insert(
+                        ValueRef {
+                            node: id,
+                            result: 0,
+                        },
+                        (*src, p),
+                    );
+                }
+            }
+        }
+        let mut inner = HashSet::new();
+        let mut roots = HashMap::new();
+        if on(tpuc_passes::fusion::COMPOSITES) {
+            for group in tpuc_passes::fusion_groups(graph) {
+                let root = *group.nodes.last().expect("groups are not empty");
+                if graph.node(root).results.iter().any(Option::is_none) {
+                    continue;
+                }
+                inner.extend(group.nodes[..group.nodes.len() - 1].iter().copied());
+                roots.insert(root, group);
+            }
+        }
+        Fused {
+            folds,
+            inner,
+            roots,
+            made: Default::default(),
+            counts: Default::default(),
+        }
+    }
+
+    /// Whether the main function skips `id`: a folded transpose, or a composite's inner member.
+    fn skip(&self, id: NodeId) -> bool {
+        self.inner.contains(&id)
+            || self.folds.contains_key(&ValueRef {
+                node: id,
+                result: 0,
+            })
+    }
+
+    fn root_of(&self, id: NodeId) -> Option<&FusionGroup> {
+        self.roots.get(&id)
+    }
+
+    /// Emits `group` as one `stablehlo.composite` whose decomposition lowers its members by
+    /// their rules; a group with the signature of an earlier one reuses its function.
+    fn emit<'c, 'b>(
+        &self,
+        e: &Emitter<'c, 'b>,
+        graph: &Graph,
+        group: &FusionGroup,
+        values: &HashMap<ValueRef, T<'c, 'b>>,
+        used: &HashMap<NodeId, Vec<bool>>,
+        functions: &mut Vec<melior::ir::Operation<'c>>,
+    ) -> R<Vec<T<'c, 'b>>> {
+        let members: HashMap<NodeId, usize> = group
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (n, i))
+            .collect();
+        let root = *group.nodes.last().expect("groups are not empty");
+        // Operands from outside, in order of first use (a folded transpose outside the group
+        // enters as its operand).
+        let mut inputs: Vec<ValueRef> = Vec::new();
+        for &m in &group.nodes {
+            for v in graph.node(m).operands() {
+                if members.contains_key(&v.node) {
+                    continue;
+                }
+                let v = self.folds.get(&v).map_or(v, |(src, _)| *src);
+                if !inputs.contains(&v) {
+                    inputs.push(v);
+                }
+            }
+        }
+        let arg_types = inputs
+            .iter()
+            .map(|v| {
+                values
+                    .get(v)
+                    .map(|t| (t.shape.clone(), t.dtype))
+                    .ok_or_else(|| LowerError::internal("composite operand not lowered yet"))
+            })
+            .collect::<R<Vec<_>>>()?;
+        let root_node = graph.node(root);
+        let result_types = root_node
+            .results
+            .iter()
+            .map(|t| {
+                let t = t.as_ref().expect("checked in Fused::new");
+                let s = t.static_shape().ok_or_else(|| {
+                    LowerError::internal(format!("`{}` has a symbolic shape", root_node.name))
+                })?;
+                Ok((s, t.dtype))
+            })
+            .collect::<R<Vec<_>>>()?;
+        let sig = self.signature(graph, group, &members, &inputs, &arg_types, used);
+        let existing = self.made.borrow().get(&sig).cloned();
+        let fname = match existing {
+            Some(f) => f,
+            None => {
+                let k = {
+                    let mut counts = self.counts.borrow_mut();
+                    let c = counts.entry(group.name).or_default();
+                    *c += 1;
+                    *c - 1
+                };
+                let fname = format!("tpuc.{}.{k}", group.name);
+                let f = e.function(&fname, &arg_types, &result_types, |inner, params| {
+                    let mut local: HashMap<ValueRef, T> =
+                        inputs.iter().copied().zip(params).collect();
+                    for &m in &group.nodes {
+                        if self.skip_inside(m) {
+                            continue;
+                        }
+                        let out = lower_node(inner, graph, m, &local, used, &self.folds)?;
+                        for (k, t) in out.into_iter().enumerate() {
+                            local.insert(ValueRef { node: m, result: k }, t);
+                        }
+                    }
+                    (0..result_types.len())
+                        .map(|k| {
+                            local
+                                .remove(&ValueRef {
+                                    node: root,
+                                    result: k,
+                                })
+                                .ok_or_else(|| LowerError::internal("composite result missing"))
+                        })
+                        .collect()
+                })?;
+                functions.push(f);
+                self.made.borrow_mut().insert(sig, fname.clone());
+                fname
+            }
+        };
+        let operands: Vec<&T> = inputs.iter().map(|v| &values[v]).collect();
+        e.op_n(
+            "stablehlo.composite",
+            &operands,
+            &[
+                ("name", format!("\"tpuc.{}\"", group.name)),
+                ("composite_attributes", "{}".into()),
+                ("decomposition", format!("@{fname}")),
+                ("version", "0 : i32".into()),
+            ],
+            &result_types,
+            vec![],
+        )
+        .map_err(|err| err.at(root_node))
+    }
+
+    /// Inside a decomposition only folded transposes are skipped.
+    fn skip_inside(&self, id: NodeId) -> bool {
+        self.folds.contains_key(&ValueRef {
+            node: id,
+            result: 0,
+        })
+    }
+
+    /// Everything the decomposition depends on: members' ops, literals, wiring and result
+    /// types, which results are read, folded transposes, and the operand types.
+    fn signature(
+        &self,
+        graph: &Graph,
+        group: &FusionGroup,
+        members: &HashMap<NodeId, usize>,
+        inputs: &[ValueRef],
+        arg_types: &[(Vec<i64>, DType)],
+        used: &HashMap<NodeId, Vec<bool>>,
+    ) -> String {
+        fn arg(a: &Arg, local: &dyn Fn(&ValueRef) -> String) -> String {
+            match a {
+                Arg::Value(v) => local(v),
+                Arg::List(items) => {
+                    let parts: Vec<String> = items.iter().map(|i| arg(i, local)).collect();
+                    format!("[{}]", parts.join(","))
+                }
+                other => format!("{other:?}"),
+            }
+        }
+        let local = |v: &ValueRef| match members.get(&v.node) {
+            Some(i) => format!("m{i}#{}", v.result),
+            None => {
+                let v = self.folds.get(v).map_or(*v, |(src, _)| *src);
+                let k = inputs.iter().position(|x| *x == v).unwrap_or(usize::MAX);
+                format!("in{k}")
+            }
+        };
+        let mut sig = format!("{} {arg_types:?}\n", group.name);
+        for &m in &group.nodes {
+            let n = graph.node(m);
+            let args: Vec<String> = n.args.iter().map(|a| arg(a, &local)).collect();
+            let kwargs: Vec<String> = n
+                .kwargs
+                .iter()
+                .map(|(k, a)| format!("{k}={}", arg(a, &local)))
+                .collect();
+            let fold = self
+                .folds
+                .get(&ValueRef { node: m, result: 0 })
+                .map(|(_, p)| p);
+            sig.push_str(&format!(
+                "{} {args:?} {kwargs:?} {:?} {:?} {fold:?}\n",
+                n.op,
+                n.results,
+                used.get(&m)
+            ));
+        }
+        sig
+    }
 }
 
 /// For every node, which of its results something reads.

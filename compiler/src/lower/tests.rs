@@ -4074,3 +4074,136 @@ fn sharding_plan_becomes_mhlo_annotations() {
     );
     assert_eq!(lowered.sharding, Some(plan));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Fusion passes acting in lowering
+// ---------------------------------------------------------------------------------------------
+
+/// A bmm reading permuted operands (any permutation) and an mm reading two transposes.
+fn permuted_matmuls() -> Graph {
+    Fx::new(&[
+        ("a", &[3, 2, 4], "float32"),
+        ("b", &[2, 3, 4], "float32"),
+        ("c", &[5, 3], "float32"),
+        ("d", &[4, 5], "float32"),
+    ])
+    .call(
+        "ap",
+        "aten.permute.default",
+        json!([n("a"), [1, 0, 2]]),
+        nokw(),
+        f32t(&[2, 3, 4]),
+    )
+    .call(
+        "bp",
+        "aten.permute.default",
+        json!([n("b"), [0, 2, 1]]),
+        nokw(),
+        f32t(&[2, 4, 3]),
+    )
+    .call(
+        "s",
+        "aten.bmm.default",
+        json!([n("ap"), n("bp")]),
+        nokw(),
+        f32t(&[2, 3, 3]),
+    )
+    .call(
+        "ct",
+        "aten.t.default",
+        json!([n("c")]),
+        nokw(),
+        f32t(&[3, 5]),
+    )
+    .call(
+        "dt",
+        "aten.transpose.int",
+        json!([n("d"), 0, 1]),
+        nokw(),
+        f32t(&[5, 4]),
+    )
+    .call(
+        "m",
+        "aten.mm.default",
+        json!([n("ct"), n("dt")]),
+        nokw(),
+        f32t(&[3, 4]),
+    )
+    .build(&["s", "m"])
+}
+
+fn with_passes(g: &Graph, passes: &[&str]) -> Graph {
+    let mut g = g.clone();
+    g.lowering.extend(passes.iter().map(|p| p.to_string()));
+    g
+}
+
+#[test]
+fn num_fold_transposes_matches_emitted_transposes() {
+    let plain = permuted_matmuls();
+    let folded = with_passes(&plain, &["fold_transposes"]);
+    assert!(mlir(&plain).contains("stablehlo.transpose"));
+    let text = mlir(&folded);
+    assert!(!text.contains("stablehlo.transpose"), "{text}");
+    let inputs = || {
+        vec![
+            Buf::F32(ramp(24, 0.5, -3.0)),
+            Buf::F32(ramp(24, -0.25, 2.0)),
+            Buf::F32(ramp(15, 1.0, -7.0)),
+            Buf::F32(ramp(20, 0.125, 1.0)),
+        ]
+    };
+    let want = run(&plain, &inputs());
+    let got = run(&folded, &inputs());
+    for (w, g) in want.iter().zip(&got) {
+        let w: Vec<f64> = w.f32().iter().map(|&x| x as f64).collect();
+        assert_close(g.f32(), &w, 0.0);
+    }
+}
+
+#[test]
+fn num_composites_share_a_decomposition_and_match() {
+    // Two layer norms of equal shapes and a GELU: two composite kinds, two functions.
+    let val = tuple(vec![f32t(&[2, 3]), f32t(&[2, 1]), f32t(&[2, 1])]);
+    let plain = Fx::new(&[("x", &[2, 3], "float32"), ("w", &[3], "float32")])
+        .call(
+            "l1",
+            "aten.native_layer_norm.default",
+            json!([n("x"), [3], n("w"), null, 1e-5]),
+            nokw(),
+            val.clone(),
+        )
+        .item("y1", "l1", 0, f32t(&[2, 3]))
+        .call(
+            "g",
+            "aten.gelu.default",
+            json!([n("y1")]),
+            nokw(),
+            f32t(&[2, 3]),
+        )
+        .call(
+            "l2",
+            "aten.native_layer_norm.default",
+            json!([n("g"), [3], n("w"), null, 1e-5]),
+            nokw(),
+            val,
+        )
+        .item("y2", "l2", 0, f32t(&[2, 3]))
+        .build(&["y2"]);
+    let fused = with_passes(&plain, &["composites"]);
+    let text = mlir(&fused);
+    assert_eq!(text.matches("\"stablehlo.composite\"").count(), 3, "{text}");
+    assert_eq!(
+        text.matches("sym_visibility = \"private\"").count(),
+        2,
+        "{text}"
+    );
+    assert!(
+        text.contains("decomposition = @tpuc.layer_norm.0") && !text.contains("tpuc.layer_norm.1")
+    );
+    let inputs = || vec![Buf::F32(ramp(6, 0.7, -2.0)), Buf::F32(vec![1.0, -0.5, 2.0])];
+    let want = run(&plain, &inputs());
+    let got = run(&fused, &inputs());
+    let w: Vec<f64> = want[0].f32().iter().map(|&x| x as f64).collect();
+    assert_close(got[0].f32(), &w, 0.0);
+}

@@ -566,3 +566,36 @@ fn spmd_partitioned_sum_all_reduces_across_devices() {
     let hlo = exe.optimized_hlo_text().unwrap().unwrap();
     assert!(hlo.contains("all-reduce("), "{hlo}");
 }
+
+/// `stablehlo.composite` (what the `composites` fusion pass makes lowering emit): two call sites
+/// share one private decomposition function, in the generic form tpuc prints. The plugin must
+/// compile it and compute the decomposition.
+const COMPOSITE: &str = r#"
+"builtin.module"() ({
+  "func.func"() <{function_type = (tensor<2x3xf32>, tensor<2x3xf32>) -> (tensor<2x3xf32>, tensor<2x3xf32>), sym_name = "main"}> ({
+  ^bb0(%a: tensor<2x3xf32>, %b: tensor<2x3xf32>):
+    %0 = "stablehlo.composite"(%a, %b) {name = "tpuc.add_mul", composite_attributes = {k = 2 : i64}, decomposition = @tpuc.add_mul.0, version = 0 : i32} : (tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x3xf32>
+    %1 = "stablehlo.composite"(%0, %b) {name = "tpuc.add_mul", composite_attributes = {k = 2 : i64}, decomposition = @tpuc.add_mul.0, version = 0 : i32} : (tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x3xf32>
+    "func.return"(%0, %1) : (tensor<2x3xf32>, tensor<2x3xf32>) -> ()
+  }) : () -> ()
+  "func.func"() <{function_type = (tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x3xf32>, sym_name = "tpuc.add_mul.0", sym_visibility = "private"}> ({
+  ^bb0(%x: tensor<2x3xf32>, %y: tensor<2x3xf32>):
+    %s = "stablehlo.add"(%x, %y) : (tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x3xf32>
+    %p = "stablehlo.multiply"(%s, %y) : (tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x3xf32>
+    "func.return"(%p) : (tensor<2x3xf32>) -> ()
+  }) : () -> ()
+}) : () -> ()
+"#;
+
+#[test]
+fn composite_with_shared_decomposition_runs() {
+    let c = client();
+    let exe = c.compile(COMPOSITE, &CompileOptions::default()).unwrap();
+    let a = upload(&c, &f32_bytes(&A), ElementType::F32, &[2, 3]);
+    let b = upload(&c, &f32_bytes(&B), ElementType::F32, &[2, 3]);
+    let out = exe.execute(&[&a, &b]).unwrap();
+    let first: Vec<f32> = A.iter().zip(B).map(|(a, b)| (a + b) * b).collect();
+    let second: Vec<f32> = first.iter().zip(B).map(|(x, b)| (x + b) * b).collect();
+    assert_eq!(bytes_f32(&out[0].to_host_vec().unwrap()), first);
+    assert_eq!(bytes_f32(&out[1].to_host_vec().unwrap()), second);
+}

@@ -40,27 +40,31 @@ fn dot_acc<'c, 'b>(
     cx.e.dot_general(&a, &b, batch, contract, &shape, acc)
 }
 
-fn dot<'c, 'b>(
+/// `a @ b` for `mm`/`bmm` operands read through their (folded) permutations `pa`, `pb`: the
+/// logical `[batch,] m, k` and `[batch,] k, n` dims are dims `pa[..]`, `pb[..]` of the tensors,
+/// so `dot_general` contracts those and no transpose is emitted. Its result dims (batch, the
+/// lhs's free dim, the rhs's free dim) are `[batch,] m, n` whatever the permutations.
+fn matmul_acc<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
-    a: &T<'c, 'b>,
-    b: &T<'c, 'b>,
-    batch: (&[i64], &[i64]),
-    contract: (&[i64], &[i64]),
+    (a, pa): &(T<'c, 'b>, Vec<i64>),
+    (b, pb): &(T<'c, 'b>, Vec<i64>),
 ) -> R<T<'c, 'b>> {
-    let r = dot_acc(cx, a, b, batch, contract)?;
-    cx.e.convert(&r, cx.out_dtype()?)
+    if pa.len() == 3 {
+        dot_acc(cx, a, b, (&pa[..1], &pb[..1]), (&pa[2..], &pb[1..2]))
+    } else {
+        dot_acc(cx, a, b, (&[], &[]), (&pa[1..], &pb[..1]))
+    }
 }
 
 fn mm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let a = cx.tensor(0, "self")?;
-    let b = cx.tensor(1, "mat2")?;
-    Ok(vec![dot(cx, &a, &b, (&[], &[]), (&[1], &[0]))?])
+    let a = cx.matrix(0, "self")?;
+    let b = cx.matrix(1, "mat2")?;
+    let r = matmul_acc(cx, &a, &b)?;
+    Ok(vec![cx.e.convert(&r, cx.out_dtype()?)?])
 }
 
 fn bmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let a = cx.tensor(0, "self")?;
-    let b = cx.tensor(1, "mat2")?;
-    Ok(vec![dot(cx, &a, &b, (&[0], &[0]), (&[2], &[1]))?])
+    mm(cx)
 }
 
 /// `beta * input + alpha * product` in the accumulation dtype, rounded once to the output
@@ -94,17 +98,17 @@ fn scaled_sum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, input: &T<'c, 'b>, prod: T<'c, 'b
 
 fn addmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let input = cx.tensor(0, "self")?;
-    let a = cx.tensor(1, "mat1")?;
-    let b = cx.tensor(2, "mat2")?;
-    let p = dot_acc(cx, &a, &b, (&[], &[]), (&[1], &[0]))?;
+    let a = cx.matrix(1, "mat1")?;
+    let b = cx.matrix(2, "mat2")?;
+    let p = matmul_acc(cx, &a, &b)?;
     Ok(vec![scaled_sum(cx, &input, p)?])
 }
 
 fn baddbmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let input = cx.tensor(0, "self")?;
-    let a = cx.tensor(1, "batch1")?;
-    let b = cx.tensor(2, "batch2")?;
-    let p = dot_acc(cx, &a, &b, (&[0], &[0]), (&[2], &[1]))?;
+    let a = cx.matrix(1, "batch1")?;
+    let b = cx.matrix(2, "batch2")?;
+    let p = matmul_acc(cx, &a, &b)?;
     Ok(vec![scaled_sum(cx, &input, p)?])
 }
 
