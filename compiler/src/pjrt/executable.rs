@@ -285,8 +285,11 @@ impl LoadedExecutable {
                     .collect()
             })
             .collect();
+        let spin = super::execute_spin();
         for e in events {
-            if let Err(err) = e.wait("PJRT_LoadedExecutable_Execute (device completion)") {
+            if let Err(err) =
+                e.wait_spinning("PJRT_LoadedExecutable_Execute (device completion)", spin)
+            {
                 first_err.get_or_insert(err);
             }
         }
