@@ -103,7 +103,7 @@ class CallPlan:
     the graph's outputs are assembled. A call that does not fit the plan (a tensor on another
     device, non-contiguous, another shape or dtype) takes the general path."""
 
-    __slots__ = ("exe", "run_ptrs", "inputs", "outputs", "result", "identity", "extra", "rng")
+    __slots__ = ("exe", "run_ptrs", "inputs", "outputs", "result", "identity", "extra", "rng", "simple")
 
     def __init__(self, graph: CompiledGraph, exe, out_types, plan, floats):
         self.exe = exe
@@ -125,9 +125,11 @@ class CallPlan:
                 result.append((1, None))
         self.result = tuple(result)
         self.identity = list(self.result) == [(0, k) for k in range(len(self.outputs))]
-        # Inputs after the caller's and the attributes: size-derived floats (fixed per shape).
-        self.extra = list(floats)
+        # Inputs after the caller's: the graph's attributes and size-derived floats (both fixed
+        # per executable), then a fresh random seed for graphs with random ops.
+        self.extra = [*graph.attr_tensors, *floats]
         self.rng = graph.rng
+        self.simple = not self.extra and not self.rng  # the caller's list is the whole input
 
 
 def cache_args(opts: options_mod.Options) -> tuple:
@@ -412,12 +414,12 @@ class CompiledGraph:
     def _run_plan(self, plan: CallPlan, args: list):
         """The hot path: runs `plan`'s executable, or returns None when a tensor does not fit
         the plan (the caller then takes the general path)."""
-        if self.attr_tensors or plan.extra or plan.rng:
-            full = [*args, *self.attr_tensors, *plan.extra]
+        if plan.simple:
+            full = args
+        else:
+            full = [*args, *plan.extra]
             if plan.rng:
                 full.append(_rng_seed())
-        else:
-            full = args
         ptrs = []
         append = ptrs.append
         for i, shape, dtype, slot in plan.inputs:
@@ -440,12 +442,12 @@ class CompiledGraph:
         """`_run_plan` with each phase timed into `self.profile` (TPUC_LOG=debug)."""
         clock = time.perf_counter_ns
         t0 = clock()
-        if self.attr_tensors or plan.extra or plan.rng:
-            full = [*args, *self.attr_tensors, *plan.extra]
+        if plan.simple:
+            full = args
+        else:
+            full = [*args, *plan.extra]
             if plan.rng:
                 full.append(_rng_seed())
-        else:
-            full = args
         ptrs = []
         for i, shape, dtype, slot in plan.inputs:
             t = full[i]
