@@ -30,7 +30,7 @@ def test_static_graph_gets_a_call_plan(monkeypatch):
     fn(x, y)
     plan = graphs[-1].fast
     assert plan is not None
-    assert [s for _, s, _, _ in plan.inputs] == [(4, 8), (4, 8)]
+    assert [s for _, s, _, _, _ in plan.inputs] == [(4, 8), (4, 8)]
     before = tpuc.stats()["executions"]
     for _ in range(3):
         a, b = fn(x, y)
@@ -125,3 +125,21 @@ def test_tpuc_log_filter_parsing():
     assert wants("debug") and wants("trace") and wants("tpuc=debug")
     assert wants("info,tpuc=debug")
     assert not wants("info") and not wants("tpuc_compiler=debug") and not wants(None)
+
+
+def test_lazily_conjugated_or_negated_inputs_are_materialized():
+    # conj() and the imaginary part of a conjugate are views with a conj/neg bit: their memory
+    # holds the unconjugated values, so the bare data pointer would give wrong results.
+    fn = torch.compile(lambda z: z * 2, backend="tpu", options={"cache_dir": None})
+    z = torch.randn(4, dtype=torch.complex64)
+    torch.testing.assert_close(fn(z), z * 2)
+    zc = z.conj()
+    assert zc.is_conj()
+    for _ in range(3):  # also once it would be resident
+        torch.testing.assert_close(fn(zc), zc * 2)
+    g = torch.compile(lambda x: x + 1, backend="tpu", options={"cache_dir": None})
+    w = torch.randn(4, dtype=torch.complex64)
+    neg = w.conj().imag
+    assert neg.is_neg()
+    for _ in range(3):
+        torch.testing.assert_close(g(neg), neg + 1)

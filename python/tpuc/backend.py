@@ -110,8 +110,9 @@ class CallPlan:
         self.run_ptrs = exe.run_ptrs
         types = exe.input_types
         tensor_slots = graph.tensor_slots
+        # (position, shape, dtype, residency slot, whether the dtype can carry a lazy conj bit)
         self.inputs = tuple(
-            (i, tuple(shape), _DTYPES[dtype], graph.slots[i])
+            (i, tuple(shape), _DTYPES[dtype], graph.slots[i], _DTYPES[dtype].is_complex)
             for i, (shape, dtype) in zip(tensor_slots, types, strict=True)
         )
         self.outputs = tuple((s, _contiguous_strides(s), d) for s, d in out_types)
@@ -376,6 +377,8 @@ class CompiledGraph:
             t = args[i]
             if t.device.type != "cpu":
                 t = t.cpu()
+            if t.is_neg() or t.is_conj():
+                t = t.resolve_conj().resolve_neg()  # lazy views: materialize their values
             pad = pads[i] if pads is not None else None
             if pad is not None:
                 t = buckets.pad(t, pad)
@@ -422,12 +425,19 @@ class CompiledGraph:
                 full.append(_rng_seed())
         ptrs = []
         append = ptrs.append
-        for i, shape, dtype, slot in plan.inputs:
+        for i, shape, dtype, slot, lazy_conj in plan.inputs:
             t = full[i]
             if slot.tensor is t and slot.version == t._version:
                 append(slot.buffer)  # resident: checked when it was uploaded
                 continue
-            if t.dtype is not dtype or t.shape != shape or not t.is_cpu or not t.is_contiguous():
+            if (
+                t.dtype is not dtype
+                or t.shape != shape
+                or not t.is_cpu
+                or not t.is_contiguous()
+                or t.is_neg()  # lazy negation/conjugation: the memory holds other values
+                or (lazy_conj and t.is_conj())
+            ):
                 return None
             buf = self._device_arg(i, t)
             append(t.data_ptr() if buf is None else buf)
@@ -449,12 +459,19 @@ class CompiledGraph:
             if plan.rng:
                 full.append(_rng_seed())
         ptrs = []
-        for i, shape, dtype, slot in plan.inputs:
+        for i, shape, dtype, slot, lazy_conj in plan.inputs:
             t = full[i]
             if slot.tensor is t and slot.version == t._version:
                 ptrs.append(slot.buffer)
                 continue
-            if t.dtype is not dtype or t.shape != shape or not t.is_cpu or not t.is_contiguous():
+            if (
+                t.dtype is not dtype
+                or t.shape != shape
+                or not t.is_cpu
+                or not t.is_contiguous()
+                or t.is_neg()
+                or (lazy_conj and t.is_conj())
+            ):
                 return None
             buf = self._device_arg(i, t)
             ptrs.append(t.data_ptr() if buf is None else buf)
