@@ -55,7 +55,8 @@ pub fn live_objects() -> LiveObjects {
 /// How long a thread that waits for an execution polls its completion event before it sleeps
 /// on it, in nanoseconds (`TPUC_EXECUTE_SPIN_US`, default 100 us; 0 never polls). The CPU
 /// plugin runs any program above a tiny cost on its worker pool; a blocking wait then adds a
-/// wake-up of the waiting thread, tens of microseconds on a busy machine.
+/// wake-up of the waiting thread, tens of microseconds on a busy machine. Only programs whose
+/// last run finished within this time are polled for (longer ones would lose a core to it).
 static EXECUTE_SPIN_NANOS: std::sync::OnceLock<std::sync::atomic::AtomicU64> =
     std::sync::OnceLock::new();
 
