@@ -1,9 +1,11 @@
 """Per-call overhead and lowering speed (issue 8, parts of "Done when"), measured in one process.
 
 (a) A trivial graph, `x + 1` on 16 floats: median time per call of eager PyTorch, Inductor, tpuc
-    through `torch.compile`, tpuc's runtime alone (`Executable.run` with host arrays: upload,
-    execute, copy out) and the bare PJRT execute on a resident buffer (`bare_execute_seconds`),
-    interleaved in rounds so that load on the machine hits all of them alike.
+    through `torch.compile`, tpuc's own call (`CompiledGraph.__call__`: call plan, outputs,
+    execute), tpuc's runtime alone (`Executable.run` with host array tuples: upload, execute,
+    copy out; `Executable.run_ptrs`, the call plan's entry, on a resident input) and the bare
+    PJRT execute on a resident buffer (`bare_execute_seconds`), interleaved in rounds so that
+    load on the machine hits all of them alike.
 (b) Lowering time on the same AOTAutograd forward graph of zoo models: tpuc (FX export + import +
     cleanup passes + specialize + StableHLO emission; no XLA compile) vs torch-mlir's
     `stateless_fx_import(gm, output_type="stablehlo")`.
@@ -64,11 +66,15 @@ def overhead(calls: int, rounds: int) -> dict:
     out = torch.empty(16)
     host = backend._host_array
     buf = graphs[-1].runtime.upload(host(x))
+    graph = graphs[-1]
+    out_ptr = out.data_ptr()
     variants = {
         "eager": lambda: f(x),
         "inductor": lambda: inductor_fn(x),
         "tpuc (torch.compile)": lambda: tpuc_fn(x),
-        "tpuc runtime (Executable.run)": lambda: exe.run([host(x)], [host(out)]),
+        "tpuc CompiledGraph call (no Dynamo/AOTAutograd)": lambda: graph([x]),
+        "tpuc runtime (Executable.run, host tuples)": lambda: exe.run([host(x)], [host(out)]),
+        "tpuc runtime (Executable.run_ptrs, resident input)": lambda: exe.run_ptrs([buf], [out_ptr]),
     }
     results: dict[str, list[float]] = {k: [] for k in variants}
     results["bare PJRT execute"] = []

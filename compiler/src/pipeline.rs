@@ -75,6 +75,9 @@ pub struct Engine {
     platform: String,
     /// Whether buffers may alias host memory (the CPU plugin): inputs are then never copied.
     host_zero_copy: bool,
+    /// Whether the plugin makes views of host memory (`CreateViewOfDeviceBuffer`); cleared at
+    /// the first refusal.
+    host_views: std::sync::atomic::AtomicBool,
     cpu: String,
 }
 
@@ -132,6 +135,35 @@ pub enum RunArg<'a> {
     Device(&'a Buffer),
 }
 
+/// An argument of [`Engine::run_ptrs`]: the address of a dense host array of exactly the
+/// executable's input type, or a buffer already on the device.
+pub enum PtrArg<'a> {
+    Host(usize),
+    Device(&'a Buffer),
+}
+
+/// Where [`Engine::run_ptrs`] spent its time: wrapping host arguments as buffers, executing
+/// (until the outputs are ready), copying outputs out and freeing the call's buffers.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunTimings {
+    pub stage: std::time::Duration,
+    pub execute: std::time::Duration,
+    pub fetch: std::time::Duration,
+}
+
+/// The alignment the CPU plugin requires of memory it computes on in place (XLA's minimum
+/// buffer alignment).
+const HOST_VIEW_ALIGN: usize = 64;
+
+/// Bytes of a dense array of `shape` and `dtype` (shapes of lowered signatures are valid).
+fn dense_bytes(shape: &[i64], dtype: DType) -> usize {
+    shape
+        .iter()
+        .map(|&d| usize::try_from(d).unwrap_or(0))
+        .product::<usize>()
+        * dtype.byte_size()
+}
+
 impl Engine {
     pub fn new(plugin_path: &Path, cpu_devices: Option<i64>) -> Result<Engine, PjrtError> {
         let plugin: &'static Plugin = pjrt::load_plugin(plugin_path)?;
@@ -139,6 +171,9 @@ impl Engine {
         let platform = client.platform_name()?.to_lowercase();
         Ok(Engine {
             host_zero_copy: platform == "cpu",
+            host_views: std::sync::atomic::AtomicBool::new(
+                std::env::var_os("TPUC_NO_HOST_VIEWS").is_none(),
+            ),
             client,
             cache: ExecutableCache::default(),
             disks: Mutex::new(HashMap::new()),
@@ -409,11 +444,7 @@ impl Engine {
     /// # Safety
     /// As for [`Engine::upload`].
     pub unsafe fn upload_to(&self, a: &HostArray, device: usize) -> Result<Buffer, PjrtError> {
-        let semantics = if self.host_zero_copy {
-            HostBufferSemantics::ImmutableZeroCopy
-        } else {
-            HostBufferSemantics::ImmutableOnlyDuringCall
-        };
+        let semantics = self.host_semantics();
         // SAFETY: forwarded from the caller.
         unsafe {
             self.client.buffer_from_host(
@@ -473,6 +504,131 @@ impl Engine {
         Ok(())
     }
 
+    /// [`Engine::run`] for a caller that already knows its arguments have the executable's
+    /// types (a call plan checked them): host arguments are bare addresses, read with the
+    /// signature's shapes and dtypes, and `outputs` are addresses of dense arrays of the output
+    /// types. Nothing per call but the PJRT work: no shapes to compare, nothing to allocate
+    /// besides the argument list.
+    ///
+    /// # Safety
+    /// Every address must be valid for the dense size of its signature type for the whole
+    /// call; outputs must be writable and not alias inputs.
+    pub unsafe fn run_ptrs(
+        &self,
+        compiled: &Compiled,
+        args: &[PtrArg],
+        outputs: &[usize],
+        mut timings: Option<&mut RunTimings>,
+    ) -> Result<(), CompileError> {
+        let t0 = timings.as_ref().map(|_| Instant::now());
+        let sig = &compiled.lowered;
+        if args.len() != sig.inputs.len() || outputs.len() != sig.outputs.len() {
+            return Err(CompileError::Run(format!(
+                "executable takes {} inputs and {} outputs, got {} and {}",
+                sig.inputs.len(),
+                sig.outputs.len(),
+                args.len(),
+                outputs.len()
+            )));
+        }
+        let mut staged: Vec<Buffer> = Vec::new();
+        for (a, (shape, dtype)) in args.iter().zip(&sig.inputs) {
+            if let PtrArg::Host(ptr) = a {
+                // SAFETY: forwarded from the caller; the buffer is dropped before return.
+                staged.push(unsafe { self.wrap_host(*ptr, shape, *dtype)? });
+            }
+        }
+        let mut next = staged.iter();
+        let refs: Vec<&Buffer> = args
+            .iter()
+            .map(|a| match a {
+                PtrArg::Device(b) => *b,
+                PtrArg::Host(_) => next.next().expect("one staged buffer per host argument"),
+            })
+            .collect();
+        let t1 = t0.map(|_| Instant::now());
+        let results = compiled.exe.execute(&refs)?;
+        let t2 = t0.map(|_| Instant::now());
+        if results.len() != outputs.len() {
+            return Err(CompileError::Run(format!(
+                "executable returned {} outputs, expected {}",
+                results.len(),
+                outputs.len()
+            )));
+        }
+        for ((buf, &ptr), (shape, dtype)) in results.iter().zip(outputs).zip(&sig.outputs) {
+            let out = HostArray {
+                ptr,
+                nbytes: dense_bytes(shape, *dtype),
+                dtype: *dtype,
+                shape: Vec::new(), // not read by `fetch`
+            };
+            // SAFETY: forwarded from the caller.
+            unsafe { self.fetch(buf, &out)? };
+        }
+        drop(results);
+        drop(staged);
+        if let (Some(t), Some(t0), Some(t1), Some(t2)) = (timings.as_mut(), t0, t1, t2) {
+            t.stage += t1 - t0;
+            t.execute += t2 - t1;
+            t.fetch += t2.elapsed();
+        }
+        Ok(())
+    }
+
+    /// A buffer over host memory for one execution: on the CPU plugin a view of the memory
+    /// itself (`CreateViewOfDeviceBuffer`: no copy, no event) when it is aligned as the plugin
+    /// requires, else `BufferFromHostBuffer` (zero-copy on the CPU plugin where it can).
+    ///
+    /// # Safety
+    /// `ptr` must point to the dense bytes of `shape` and `dtype`, valid and unmodified while
+    /// the buffer lives.
+    unsafe fn wrap_host(
+        &self,
+        ptr: usize,
+        shape: &[i64],
+        dtype: DType,
+    ) -> Result<Buffer, PjrtError> {
+        let nbytes = dense_bytes(shape, dtype);
+        if self.host_zero_copy
+            && nbytes > 0
+            && ptr.is_multiple_of(HOST_VIEW_ALIGN)
+            && self.host_views.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            // SAFETY: forwarded from the caller; tpuc never donates inputs.
+            match unsafe {
+                self.client
+                    .view_of_device_memory(ptr as *mut u8, element_type(dtype), shape, 0)
+            } {
+                Ok(b) => return Ok(b),
+                Err(e) => {
+                    tracing::debug!("host views unavailable, uploading instead: {e}");
+                    self.host_views
+                        .store(false, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.client.buffer_from_host(
+                ptr as *const u8,
+                nbytes,
+                element_type(dtype),
+                shape,
+                self.host_semantics(),
+                0,
+            )
+        }
+    }
+
+    fn host_semantics(&self) -> HostBufferSemantics {
+        if self.host_zero_copy {
+            HostBufferSemantics::ImmutableZeroCopy
+        } else {
+            HostBufferSemantics::ImmutableOnlyDuringCall
+        }
+    }
+
     /// Uploads each host argument to `device` after checking it against `expected` (`mismatch`
     /// words the error); device arguments are left as they are (`None`).
     ///
@@ -506,6 +662,9 @@ impl Engine {
     /// # Safety
     /// `out` must be writable for `out.nbytes` bytes and not alias the buffer.
     unsafe fn fetch(&self, buf: &Buffer, out: &HostArray) -> Result<(), PjrtError> {
+        if out.nbytes == 0 {
+            return Ok(()); // an empty tensor's data pointer may be null
+        }
         if self.host_zero_copy && buf.on_device_size()? == out.nbytes {
             // CPU plugin: device memory is host memory in the dense row-major layout, and
             // execute has finished, so a plain copy avoids ToHostBuffer's async round trip

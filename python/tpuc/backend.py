@@ -22,11 +22,12 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, buckets, counters, dump, fx_export, precompiler, runtime
+from . import _native, buckets, callprof, counters, dump, fx_export, precompiler, runtime
 from . import options as options_mod
 from . import sharding as sharding_mod
 
 log = logging.getLogger("tpuc")
+_STATS = counters.live()  # the counters' dict, for a cheap `executions` increment per call
 
 _DTYPES = {
     "float64": torch.float64,
@@ -77,6 +78,59 @@ _warn_lock = threading.Lock()
 
 def _host_array(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.nbytes, _DTYPE_NAMES[t.dtype], list(t.shape))
+
+
+# Output allocation on the hot path: Inductor's own allocator for CPU tensors (about 0.5 us, a
+# quarter of `torch.empty(shape, dtype=...)`), where this torch has it.
+_empty_strided = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+_empty_strided = getattr(_empty_strided, "_empty_strided_cpu", None) or (
+    lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype)
+)
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+class CallPlan:
+    """Everything about calling one executable that does not change between calls, computed
+    once: per tensor input its position, shape and dtype (checked, then passed to Rust as a bare
+    data pointer or a resident DeviceBuffer), per output its shape, strides and dtype, and how
+    the graph's outputs are assembled. A call that does not fit the plan (a tensor on another
+    device, non-contiguous, another shape or dtype) takes the general path."""
+
+    __slots__ = ("exe", "run_ptrs", "inputs", "outputs", "result", "identity", "extra", "rng", "simple")
+
+    def __init__(self, graph: CompiledGraph, exe, out_types, plan, floats):
+        self.exe = exe
+        self.run_ptrs = exe.run_ptrs
+        types = exe.input_types
+        tensor_slots = graph.tensor_slots
+        # (position, shape, dtype, residency slot, whether the dtype can carry a lazy conj bit)
+        self.inputs = tuple(
+            (i, tuple(shape), _DTYPES[dtype], graph.slots[i], _DTYPES[dtype].is_complex)
+            for i, (shape, dtype) in zip(tensor_slots, types, strict=True)
+        )
+        self.outputs = tuple((s, _contiguous_strides(s), d) for s, d in out_types)
+        result = []
+        for kind, value in plan:
+            if kind == "tensor":
+                result.append((0, int(value)))
+            elif kind == "int":
+                result.append((1, int(value)))
+            else:
+                result.append((1, None))
+        self.result = tuple(result)
+        self.identity = list(self.result) == [(0, k) for k in range(len(self.outputs))]
+        # Inputs after the caller's: the graph's attributes and size-derived floats (both fixed
+        # per executable), then a fresh random seed for graphs with random ops.
+        self.extra = [*graph.attr_tensors, *floats]
+        self.rng = graph.rng
+        self.simple = not self.extra and not self.rng  # the caller's list is the whole input
 
 
 def cache_args(opts: options_mod.Options) -> tuple:
@@ -159,8 +213,12 @@ class CompiledGraph:
         self.last_bindings: dict | None = None
         counters.add(graphs_compiled=1)
         precompiler.record_graph(self)
+        # Per-call phase timings, logged every so many calls, when TPUC_LOG asks for debug.
+        self.profile = callprof.CallProfile(name) if callprof.enabled() else None
+        self.fast = None  # the static executable's CallPlan: most calls need nothing else
         if not self.symbolic:
             self.static = self._compile({}, None)
+            self.fast = self.static[4]
         else:
             self.static = None
 
@@ -172,7 +230,14 @@ class CompiledGraph:
         record_compile(exe)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
-        entry = (exe, out_types, plan, self.symfloats(bindings))
+        floats = self.symfloats(bindings)
+        call_plan = None
+        if self.sharded is None:
+            try:
+                call_plan = CallPlan(self, exe, out_types, plan, floats)
+            except (KeyError, ValueError) as e:  # a type the plan cannot describe: general path
+                log.debug("tpuc: no call plan for %s: %s", self.name, e)
+        entry = (exe, out_types, plan, floats, call_plan)
         if self.opts.dump_dir is not None:
             dump.write(self, exe, bindings)
         log.debug("tpuc: compiled %s for %s (%s)", self.name, bindings or "static shapes", exe.cache)
@@ -312,6 +377,8 @@ class CompiledGraph:
             t = args[i]
             if t.device.type != "cpu":
                 t = t.cpu()
+            if t.is_neg() or t.is_conj():
+                t = t.resolve_conj().resolve_neg()  # lazy views: materialize their values
             pad = pads[i] if pads is not None else None
             if pad is not None:
                 t = buckets.pad(t, pad)
@@ -340,14 +407,120 @@ class CompiledGraph:
         return None
 
     def __call__(self, args: list):
+        fast = self.fast
+        if fast is not None and self.profile is None:
+            out = self._run_plan(fast, args)
+            if out is not None:
+                return out
+        return self._call(args)
+
+    def _run_plan(self, plan: CallPlan, args: list):
+        """The hot path: runs `plan`'s executable, or returns None when a tensor does not fit
+        the plan (the caller then takes the general path)."""
+        if plan.simple:
+            full = args
+        else:
+            full = [*args, *plan.extra]
+            if plan.rng:
+                full.append(_rng_seed())
+        ptrs = []
+        append = ptrs.append
+        for i, shape, dtype, slot, lazy_conj in plan.inputs:
+            t = full[i]
+            if slot.tensor is t and slot.version == t._version:
+                append(slot.buffer)  # resident: checked when it was uploaded
+                continue
+            if (
+                t.dtype is not dtype
+                or t.shape != shape
+                or not t.is_cpu
+                or not t.is_contiguous()
+                or t.is_neg()  # lazy negation/conjugation: the memory holds other values
+                or (lazy_conj and t.is_conj())
+            ):
+                return None
+            buf = self._device_arg(i, t)
+            append(t.data_ptr() if buf is None else buf)
+        outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
+        plan.run_ptrs(ptrs, [o.data_ptr() for o in outs])
+        _STATS["executions"] += 1
+        if plan.identity:
+            return outs
+        return [outs[v] if k == 0 else v for k, v in plan.result]
+
+    def _run_plan_profiled(self, plan: CallPlan, args: list, t_start: int):
+        """`_run_plan` with each phase timed into `self.profile` (TPUC_LOG=debug)."""
+        clock = time.perf_counter_ns
+        t0 = clock()
+        if plan.simple:
+            full = args
+        else:
+            full = [*args, *plan.extra]
+            if plan.rng:
+                full.append(_rng_seed())
+        ptrs = []
+        for i, shape, dtype, slot, lazy_conj in plan.inputs:
+            t = full[i]
+            if slot.tensor is t and slot.version == t._version:
+                ptrs.append(slot.buffer)
+                continue
+            if (
+                t.dtype is not dtype
+                or t.shape != shape
+                or not t.is_cpu
+                or not t.is_contiguous()
+                or t.is_neg()
+                or (lazy_conj and t.is_conj())
+            ):
+                return None
+            buf = self._device_arg(i, t)
+            ptrs.append(t.data_ptr() if buf is None else buf)
+        t1 = clock()
+        outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
+        out_ptrs = [o.data_ptr() for o in outs]
+        t2 = clock()
+        stage, execute, fetch = plan.exe.run_ptrs_timed(ptrs, out_ptrs)
+        t3 = clock()
+        _STATS["executions"] += 1
+        result = outs if plan.identity else [outs[v] if k == 0 else v for k, v in plan.result]
+        t4 = clock()
+        self.profile.add(
+            plan=t0 - t_start,
+            inputs=t1 - t0,
+            alloc_outputs=t2 - t1,
+            upload=int(stage * 1e9),
+            execute=int(execute * 1e9),
+            copy_out=int(fetch * 1e9),
+            rust_call=(t3 - t2) - int((stage + execute + fetch) * 1e9),
+            wrap_outputs=t4 - t3,
+        )
+        return result
+
+    def _call(self, args: list):
+        """The general path: shape lookup, eager fallback, buckets, sharding, inputs that need
+        a copy (non-contiguous, another device)."""
+        profile = self.profile
+        if profile is not None:
+            t_start = time.perf_counter_ns()
+        user_args = args
         args = list(args) + self.attr_tensors
         entry = self.static or self._entry_for(args)
         if entry is _EAGER:
             return list(self.eager(*args[: len(args) - len(self.attr_tensors)]))
+        call_plan = entry[4] if type(entry) is tuple else None
+        if call_plan is not None:
+            if profile is not None:
+                out = self._run_plan_profiled(call_plan, user_args, t_start)
+            else:
+                out = self._run_plan(call_plan, user_args)
+            if out is not None:
+                return out
+            if profile is not None:
+                profile.count_general()
         seed = [_rng_seed()] if self.rng else []
         if type(entry) is buckets.Plan:
             return self._run_bucketed(entry, args + entry.symfloats + seed)
-        exe, out_types, plan, floats = entry
+        exe, out_types, plan, floats, _ = entry
         args += floats + seed
         if self.sharded is not None:
             outs = self.sharded.run(exe, [args[i] for i in self.tensor_slots], out_types, _host_array)

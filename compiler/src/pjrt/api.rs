@@ -190,6 +190,7 @@ impl_args! {
     PJRT_Event_Destroy_Args => PJRT_Event_Destroy_Args_STRUCT_SIZE,
     PJRT_Event_Await_Args => PJRT_Event_Await_Args_STRUCT_SIZE,
     PJRT_Event_Error_Args => PJRT_Event_Error_Args_STRUCT_SIZE,
+    PJRT_Event_IsReady_Args => PJRT_Event_IsReady_Args_STRUCT_SIZE,
     PJRT_Client_Create_Args => PJRT_Client_Create_Args_STRUCT_SIZE,
     PJRT_Client_Destroy_Args => PJRT_Client_Destroy_Args_STRUCT_SIZE,
     PJRT_Client_PlatformName_Args => PJRT_Client_PlatformName_Args_STRUCT_SIZE,
@@ -198,6 +199,7 @@ impl_args! {
     PJRT_Program => PJRT_Program_STRUCT_SIZE,
     PJRT_Client_Compile_Args => PJRT_Client_Compile_Args_STRUCT_SIZE,
     PJRT_Client_BufferFromHostBuffer_Args => PJRT_Client_BufferFromHostBuffer_Args_STRUCT_SIZE,
+    PJRT_Client_CreateViewOfDeviceBuffer_Args => PJRT_Client_CreateViewOfDeviceBuffer_Args_STRUCT_SIZE,
     PJRT_Executable_DeserializeAndLoad_Args => PJRT_Executable_DeserializeAndLoad_Args_STRUCT_SIZE,
     PJRT_LoadedExecutable_Destroy_Args => PJRT_LoadedExecutable_Destroy_Args_STRUCT_SIZE,
     PJRT_LoadedExecutable_GetExecutable_Args => PJRT_LoadedExecutable_GetExecutable_Args_STRUCT_SIZE,
@@ -246,18 +248,46 @@ impl Event {
         Some(Event { api, raw })
     }
 
+    /// Whether the event has completed (with or without an error); never blocks.
+    pub(crate) fn is_ready(&self) -> Result<bool, PjrtError> {
+        let mut args = sys::PJRT_Event_IsReady_Args::new();
+        args.event = self.raw;
+        // SAFETY: the event is live until `self` drops.
+        unsafe { pjrt_call!(self.api, PJRT_Event_IsReady, &mut args) }?;
+        Ok(args.is_ready)
+    }
+
+    /// Like [`Event::wait`], but polls the event for up to `spin` first instead of sleeping on
+    /// it at once. For short work on another thread (an execution the CPU plugin hands to its
+    /// worker pool), being woken from a blocking wait costs more than the work itself.
+    pub(crate) fn wait_spinning(
+        self,
+        what: &'static str,
+        spin: std::time::Duration,
+    ) -> Result<(), PjrtError> {
+        if !spin.is_zero() {
+            let start = std::time::Instant::now();
+            let mut polls = 0u32;
+            while !self.is_ready().map_err(|e| e.in_context(what))? {
+                polls = polls.wrapping_add(1);
+                // Read the clock only every few polls: it costs about as much as a poll.
+                if polls.is_multiple_of(16) && start.elapsed() >= spin {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+        }
+        self.wait(what)
+    }
+
     /// Blocks until the event is ready, then reports its error, if any.
     /// `what` names the operation the event belongs to, for the message.
     pub(crate) fn wait(self, what: &'static str) -> Result<(), PjrtError> {
         let mut args = sys::PJRT_Event_Await_Args::new();
         args.event = self.raw;
-        // SAFETY: the event is live until `self` drops.
-        unsafe { pjrt_call!(self.api, PJRT_Event_Await, &mut args) }
-            .map_err(|e| e.in_context(what))?;
-        let mut args = sys::PJRT_Event_Error_Args::new();
-        args.event = self.raw;
-        // SAFETY: as above; the event is ready, so this does not block.
-        unsafe { pjrt_call!(self.api, PJRT_Event_Error, &mut args) }.map_err(|e| e.in_context(what))
+        // SAFETY: the event is live until `self` drops. Await returns the event's own error
+        // status (the same one PJRT_Event_Error would give), so one call does both.
+        unsafe { pjrt_call!(self.api, PJRT_Event_Await, &mut args) }.map_err(|e| e.in_context(what))
     }
 }
 

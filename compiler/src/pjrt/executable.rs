@@ -68,6 +68,10 @@ pub struct LoadedExecutable {
     /// Devices it runs on: one argument list per device in `execute_sharded`.
     num_devices: usize,
     deserialized: bool,
+    /// Nanoseconds the last execution took until its outputs were ready: a wait polls the
+    /// completion event only for programs that finish within the poll time (see
+    /// [`super::execute_spin`]); polling through a longer one would only take a core from it.
+    last_run_nanos: std::sync::atomic::AtomicU64,
 }
 
 // SAFETY: PJRT loaded executables are thread-safe (concurrent Execute calls are
@@ -138,6 +142,7 @@ impl LoadedExecutable {
             num_outputs: 0,
             num_devices: 0,
             deserialized,
+            last_run_nanos: std::sync::atomic::AtomicU64::new(0),
         };
         exe.num_outputs = {
             let view = exe.view()?;
@@ -259,6 +264,7 @@ impl LoadedExecutable {
         args.output_lists = out_ptrs.as_ptr();
         args.device_complete_events = events.as_mut_ptr();
         let api = self.client.api();
+        let started = std::time::Instant::now();
         // SAFETY: all arrays have the sizes PJRT expects ([num_devices][num_args]
         // inputs of this client, [num_devices][num_outputs] outputs,
         // [num_devices] events) and outlive the call.
@@ -285,11 +291,23 @@ impl LoadedExecutable {
                     .collect()
             })
             .collect();
+        let mut spin = super::execute_spin();
+        let last = self
+            .last_run_nanos
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if u128::from(last) > spin.as_nanos() {
+            spin = std::time::Duration::ZERO;
+        }
         for e in events {
-            if let Err(err) = e.wait("PJRT_LoadedExecutable_Execute (device completion)") {
+            if let Err(err) =
+                e.wait_spinning("PJRT_LoadedExecutable_Execute (device completion)", spin)
+            {
                 first_err.get_or_insert(err);
             }
         }
+        let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.last_run_nanos
+            .store(took, std::sync::atomic::Ordering::Relaxed);
         match first_err {
             Some(e) => Err(e),
             None => Ok(outputs),

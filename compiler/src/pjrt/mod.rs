@@ -52,6 +52,35 @@ pub fn live_objects() -> LiveObjects {
     }
 }
 
+/// How long a thread that waits for an execution polls its completion event before it sleeps
+/// on it, in nanoseconds (`TPUC_EXECUTE_SPIN_US`, default 100 us; 0 never polls). The CPU
+/// plugin runs any program above a tiny cost on its worker pool; a blocking wait then adds a
+/// wake-up of the waiting thread, tens of microseconds on a busy machine. Only programs whose
+/// last run finished within this time are polled for (longer ones would lose a core to it).
+static EXECUTE_SPIN_NANOS: std::sync::OnceLock<std::sync::atomic::AtomicU64> =
+    std::sync::OnceLock::new();
+
+fn execute_spin_cell() -> &'static std::sync::atomic::AtomicU64 {
+    EXECUTE_SPIN_NANOS.get_or_init(|| {
+        let us = std::env::var("TPUC_EXECUTE_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(100);
+        std::sync::atomic::AtomicU64::new(us.saturating_mul(1000))
+    })
+}
+
+/// The current poll time before a blocking wait on an execution (see `TPUC_EXECUTE_SPIN_US`).
+pub fn execute_spin() -> std::time::Duration {
+    std::time::Duration::from_nanos(execute_spin_cell().load(Ordering::Relaxed))
+}
+
+/// Sets the poll time before a blocking wait on an execution, for this process.
+pub fn set_execute_spin(spin: std::time::Duration) {
+    let nanos = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
+    execute_spin_cell().store(nanos, Ordering::Relaxed);
+}
+
 /// Errors of the PJRT runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum PjrtError {

@@ -599,3 +599,45 @@ fn composite_with_shared_decomposition_runs() {
     assert_eq!(bytes_f32(&out[0].to_host_vec().unwrap()), first);
     assert_eq!(bytes_f32(&out[1].to_host_vec().unwrap()), second);
 }
+
+#[test]
+fn views_of_host_memory_execute_in_place() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    let mut a_store = Box::new(Aligned([0; 128]));
+    let mut b_store = Box::new(Aligned([0; 128]));
+    a_store.0[..24].copy_from_slice(&f32_bytes(&A));
+    b_store.0[..24].copy_from_slice(&f32_bytes(&B));
+    {
+        // SAFETY: the stores outlive the views (dropped at the end of this block) and are not
+        // modified while they live; nothing is donated.
+        let (a, b) = unsafe {
+            (
+                c.view_of_device_memory(a_store.0.as_mut_ptr(), ElementType::F32, &[2, 3], 0)
+                    .unwrap(),
+                c.view_of_device_memory(b_store.0.as_mut_ptr(), ElementType::F32, &[2, 3], 0)
+                    .unwrap(),
+            )
+        };
+        assert_eq!(a.device_pointer().unwrap(), a_store.0.as_ptr() as usize);
+        assert_eq!(a.dims().unwrap(), vec![2, 3]);
+        check_add_mul(&exe.execute(&[&a, &b]).unwrap());
+        check_add_mul(&exe.execute(&[&a, &b]).unwrap());
+    }
+    // A view leaves the memory alone when it goes: the memory is still ours.
+    assert_eq!(bytes_f32(&a_store.0[..24]), A);
+}
+
+#[test]
+fn execute_with_and_without_polling_the_completion_event() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    let a = upload(&c, &f32_bytes(&A), ElementType::F32, &[2, 3]);
+    let b = upload(&c, &f32_bytes(&B), ElementType::F32, &[2, 3]);
+    let old = execute_spin();
+    for spin in [0, 1, 1000] {
+        set_execute_spin(std::time::Duration::from_micros(spin));
+        check_add_mul(&exe.execute(&[&a, &b]).unwrap());
+    }
+    set_execute_spin(old);
+}

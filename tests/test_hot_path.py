@@ -1,0 +1,145 @@
+"""The per-call hot path (issue 8): call plans, outputs that never alias, the general path for
+inputs a plan does not fit, and the per-call profile of TPUC_LOG=debug."""
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import tpuc
+from tpuc import _native, backend, callprof
+
+
+def _capture_graphs(monkeypatch) -> list:
+    graphs = []
+    original = backend.CompiledGraph.__init__
+
+    def recording(self, *a, **k):
+        original(self, *a, **k)
+        graphs.append(self)
+
+    monkeypatch.setattr(backend.CompiledGraph, "__init__", recording)
+    return graphs
+
+
+def test_static_graph_gets_a_call_plan(monkeypatch):
+    graphs = _capture_graphs(monkeypatch)
+    fn = torch.compile(lambda x, y: (x * y + 1, x.sum()), backend="tpu", options={"cache_dir": None})
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    fn(x, y)
+    plan = graphs[-1].fast
+    assert plan is not None
+    assert [s for _, s, _, _, _ in plan.inputs] == [(4, 8), (4, 8)]
+    before = tpuc.stats()["executions"]
+    for _ in range(3):
+        a, b = fn(x, y)
+        torch.testing.assert_close(a, x * y + 1)
+        torch.testing.assert_close(b, x.sum())
+    assert tpuc.stats()["executions"] == before + 3
+
+
+def test_outputs_are_fresh_tensors_every_call():
+    fn = torch.compile(lambda x: x + 1, backend="tpu", options={"cache_dir": None})
+    x = torch.randn(16)
+    first = fn(x)
+    kept = first.clone()
+    seen = {first.data_ptr()}
+    for k in range(5):
+        out = fn(x + k)
+        torch.testing.assert_close(out, x + k + 1)
+        seen.add(out.data_ptr())
+    torch.testing.assert_close(first, kept)  # never overwritten by a later call
+    assert out.data_ptr() != first.data_ptr()
+
+
+def test_inputs_that_do_not_fit_the_plan_take_the_general_path(monkeypatch):
+    graphs = _capture_graphs(monkeypatch)
+    fn = torch.compile(lambda x: x * 2 + 1, backend="tpu", options={"cache_dir": None})
+    x = torch.randn(6, 5)
+    fn(x)
+    g = graphs[-1]
+    t = torch.randn(5, 6).t()  # same shape, not contiguous
+    assert not t.is_contiguous()
+    assert g._run_plan(g.fast, [t]) is None
+    (out,) = g([t])
+    torch.testing.assert_close(out, t * 2 + 1)
+    # another shape or dtype than the plan's never reaches the executable through the plan
+    assert g._run_plan(g.fast, [torch.randn(6, 4)]) is None
+    assert g._run_plan(g.fast, [torch.randn(6, 5, dtype=torch.float64)]) is None
+
+
+def test_parameters_stay_resident_through_the_plan():
+    lin = torch.nn.Linear(8, 4)
+    fn = torch.compile(lin, backend="tpu", options={"cache_dir": None})
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        fn(x)
+        uploads = tpuc.stats()["device_uploads"]
+        for _ in range(5):
+            torch.testing.assert_close(fn(x), lin(x))
+        # weight and bias (and x, the same object each call) became resident once
+        assert tpuc.stats()["device_uploads"] - uploads <= 3
+        lin.weight.add_(1.0)  # an in-place update re-uploads and is seen
+        torch.testing.assert_close(fn(x), lin(x))
+
+
+def test_execute_spin_setting_round_trips():
+    old = _native.execute_spin_us()
+    try:
+        assert _native.execute_spin_us(0) == 0
+        fn = torch.compile(lambda x: x @ x.T, backend="tpu", options={"cache_dir": None})
+        x = torch.randn(64, 64)
+        torch.testing.assert_close(fn(x), x @ x.T, rtol=1e-4, atol=1e-4)
+        assert _native.execute_spin_us(250) == 250
+        torch.testing.assert_close(fn(x), x @ x.T, rtol=1e-4, atol=1e-4)
+    finally:
+        _native.execute_spin_us(old)
+
+
+def test_tpuc_log_debug_reports_per_call_phases():
+    code = textwrap.dedent(
+        """
+        import torch
+        from tpuc import callprof
+        fn = torch.compile(lambda x: x + 1, backend="tpu", options={"cache_dir": None})
+        x = torch.randn(16)
+        for _ in range(10):
+            torch.testing.assert_close(fn(x), x + 1)
+        (prof,) = callprof.call_profiles().values()
+        assert prof["calls"] == 10, prof
+        assert prof["execute"] > 0, prof
+        """
+    )
+    env = {**__import__("os").environ, "TPUC_LOG": "debug", "TPUC_PROFILE_EVERY": "5"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if "planned calls" in line]
+    assert len(lines) == 3, r.stderr[-3000:]  # after call 1, 5 and 10
+    for phase in callprof._PHASES:
+        assert f"{phase} " in lines[-1]
+
+
+def test_tpuc_log_filter_parsing():
+    wants = callprof._env_wants_debug
+    assert wants("debug") and wants("trace") and wants("tpuc=debug")
+    assert wants("info,tpuc=debug")
+    assert not wants("info") and not wants("tpuc_compiler=debug") and not wants(None)
+
+
+def test_lazily_conjugated_or_negated_inputs_are_materialized():
+    # conj() and the imaginary part of a conjugate are views with a conj/neg bit: their memory
+    # holds the unconjugated values, so the bare data pointer would give wrong results.
+    fn = torch.compile(lambda z: z * 2, backend="tpu", options={"cache_dir": None})
+    z = torch.randn(4, dtype=torch.complex64)
+    torch.testing.assert_close(fn(z), z * 2)
+    zc = z.conj()
+    assert zc.is_conj()
+    for _ in range(3):  # also once it would be resident
+        torch.testing.assert_close(fn(zc), zc * 2)
+    g = torch.compile(lambda x: x + 1, backend="tpu", options={"cache_dir": None})
+    w = torch.randn(4, dtype=torch.complex64)
+    neg = w.conj().imag
+    assert neg.is_neg()
+    for _ in range(3):
+        torch.testing.assert_close(g(neg), neg + 1)
