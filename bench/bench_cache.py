@@ -7,7 +7,7 @@
     guards), AOTAutograd (functionalization, decompositions), tpuc's FX export and import,
     tpuc's lowering (specialize + StableHLO) and tpuc's compile (PJRT compile when cold, disk
     read + verify + deserialize when warm), the run itself.
-(b) Precompile of 8 shape buckets, in parallel (default: one compile worker process per CPU) vs
+(b) Precompile of 8 shape buckets, in parallel (TPUC_COMPILE_PROCESSES=<CPUs> worker processes) vs
     serially (TPUC_COMPILE_PROCESSES=1 RAYON_NUM_THREADS=1), each in a new process with a fresh
     cache folder. The whole `tpuc.precompile` call is timed, and its compiling part separately.
 (c) A saved compiled model (`tpuc.save_compiled`): saved in one process with an empty cache, then
@@ -317,7 +317,11 @@ def measure_precompile(model: str, reps: int, tmp: Path) -> dict:
     par, ser = [], []
     for r in range(reps):
         # Alternate the order so that drifting load hits both alike.
-        order = [("parallel", {}), ("serial", {"TPUC_COMPILE_PROCESSES": "1", "RAYON_NUM_THREADS": "1"})]
+        workers = str(os.cpu_count() or 2)
+        order = [
+            ("parallel", {"TPUC_COMPILE_PROCESSES": workers}),
+            ("serial", {"TPUC_COMPILE_PROCESSES": "1", "RAYON_NUM_THREADS": "1"}),
+        ]
         for kind, env in order if r % 2 == 0 else order[::-1]:
             rep = _child("precompile", model, tmp / f"pre-{kind}-{r}", **env)
             assert rep["executables"] == len(BUCKETS) and rep["compiled"] == len(BUCKETS), rep
@@ -414,7 +418,7 @@ def _markdown(r: dict) -> str:
         f"## (b) tpuc.precompile of {len(BUCKETS)} buckets ({r['precompile_model']}, batch dim dynamic, "
         f"buckets {BUCKETS}), parallel vs serial",
         "",
-        "Parallel: tpuc's default, one compile worker process per CPU (`TPUC_COMPILE_PROCESSES`, "
+        "Parallel: one compile worker process per CPU (`TPUC_COMPILE_PROCESSES=<CPUs>`, "
         "python/tpuc/compile_workers.py); serial: `TPUC_COMPILE_PROCESSES=1 RAYON_NUM_THREADS=1` (one "
         "process, one thread); fresh cache folders. Compiling = the buckets' part of `tpuc.precompile` "
         "(workers compile into the cache, then this process loads every executable); total = the whole "
@@ -432,6 +436,10 @@ def _markdown(r: dict) -> str:
         f"| whole precompile (median) | {p['parallel']['seconds']:.2f} | {p['serial']['seconds']:.2f} | "
         f"{p['speedup_total']:.2f}x |",
         f"| compile processes | {p['parallel']['processes']} | {p['serial']['processes']} | |",
+        "",
+        f"Cores kept busy by one serial process (CPU s / whole-call wall s): "
+        f"{p['serial']['cpu_seconds'] / p['serial']['seconds']:.2f}. When that is already the machine's "
+        "CPU count, one XLA compile uses every core and worker processes cannot help.",
         "",
     ]
     return "\n".join(lines)

@@ -1,11 +1,12 @@
-"""Compiling many executables in several processes at once (`tpuc.precompile`).
+"""Compiling many executables in several processes at once (`tpuc.precompile`, opt-in).
 
-The CPU PJRT plugin compiles one program at a time per process: rayon threads calling
-`PJRT_Client_Compile` together keep one core busy (bench/results/cache.md). Precompile therefore
-hands its jobs (an IR graph and its size bindings each) to worker processes that load only tpuc's
-extension (no torch, ~0.1 s to start), each with its own PJRT client, compiling its share into the
-shared disk cache; this process then loads every executable from disk. Entries are written
-atomically and verified on read (cache/), so racing workers are safe.
+With `TPUC_COMPILE_PROCESSES=N` (N > 1), precompile hands its jobs (an IR graph and its size
+bindings each) to N worker processes that load only tpuc's extension (no torch, ~0.1 s to start),
+each with its own PJRT client, compiling its share into the shared disk cache; this process then
+loads every executable from disk. Entries are written atomically and verified on read (cache/),
+so racing workers are safe. Off by default: measured on this 2-core machine, one XLA CPU compile
+already keeps both cores busy (6.4 CPU s in 3.2 s wall for 8 buckets), so workers only add their
+start-up (bench/results/cache.md); they are for hosts with more cores than one compile uses.
 
 Worker: `python -m tpuc.compile_workers` reads a pickled job list on stdin and prints one JSON line
 per finished job: {"job": i, "cache": "miss" | "disk" | "memory"} or {"job": i, "error": text}.
@@ -23,23 +24,20 @@ from pathlib import Path
 
 
 def process_count(n_jobs: int, cache_dir) -> int:
-    """How many worker processes to use: `TPUC_COMPILE_PROCESSES`, else the CPUs this process
-    may run on; 1 (compile in this process) without a disk cache or with fewer than 2 jobs."""
+    """How many worker processes to use: `TPUC_COMPILE_PROCESSES` (default 1: compile in this
+    process), at most one per job; 1 without a disk cache or with fewer than 2 jobs."""
+    value = os.environ.get("TPUC_COMPILE_PROCESSES")
+    if not value:
+        return 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"tpuc: TPUC_COMPILE_PROCESSES must be a positive integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"tpuc: TPUC_COMPILE_PROCESSES must be a positive integer, got {value!r}")
     if cache_dir is None or n_jobs < 2:
         return 1
-    value = os.environ.get("TPUC_COMPILE_PROCESSES")
-    if value:
-        try:
-            n = int(value)
-        except ValueError:
-            raise ValueError(
-                f"tpuc: TPUC_COMPILE_PROCESSES must be a positive integer, got {value!r}"
-            ) from None
-        if n < 1:
-            raise ValueError(f"tpuc: TPUC_COMPILE_PROCESSES must be a positive integer, got {value!r}")
-    else:
-        n = len(os.sched_getaffinity(0))
-    return max(1, min(n, n_jobs))
+    return min(n, n_jobs)
 
 
 def compile_in_workers(
