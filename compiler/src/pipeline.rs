@@ -470,15 +470,7 @@ impl Engine {
         outputs: &[HostArray],
     ) -> Result<(), CompileError> {
         let sig = &compiled.lowered;
-        if args.len() != sig.inputs.len() || outputs.len() != sig.outputs.len() {
-            return Err(CompileError::Run(format!(
-                "executable takes {} inputs and {} outputs, got {} and {}",
-                sig.inputs.len(),
-                sig.outputs.len(),
-                args.len(),
-                outputs.len()
-            )));
-        }
+        check_arity(sig, args.len(), outputs.len())?;
         // SAFETY: forwarded from the caller; the buffers are dropped before return.
         let staged = unsafe {
             self.stage(args, &sig.inputs, 0, |i, (shape, dtype), h| {
@@ -522,15 +514,7 @@ impl Engine {
     ) -> Result<(), CompileError> {
         let t0 = timings.as_ref().map(|_| Instant::now());
         let sig = &compiled.lowered;
-        if args.len() != sig.inputs.len() || outputs.len() != sig.outputs.len() {
-            return Err(CompileError::Run(format!(
-                "executable takes {} inputs and {} outputs, got {} and {}",
-                sig.inputs.len(),
-                sig.outputs.len(),
-                args.len(),
-                outputs.len()
-            )));
-        }
+        check_arity(sig, args.len(), outputs.len())?;
         let mut staged: Vec<Buffer> = Vec::new();
         for (a, (shape, dtype)) in args.iter().zip(&sig.inputs) {
             if let PtrArg::Host(ptr) = a {
@@ -755,4 +739,16 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// The error for a call with another number of inputs or outputs than the executable has.
+fn check_arity(sig: &Lowered, inputs: usize, outputs: usize) -> Result<(), CompileError> {
+    if inputs != sig.inputs.len() || outputs != sig.outputs.len() {
+        return Err(CompileError::Run(format!(
+            "executable takes {} inputs and {} outputs, got {inputs} and {outputs}",
+            sig.inputs.len(),
+            sig.outputs.len(),
+        )));
+    }
+    Ok(())
 }

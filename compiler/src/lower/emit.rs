@@ -640,6 +640,49 @@ impl<'c, 'b> Emitter<'c, 'b> {
         args: &[(Vec<i64>, DType)],
         body: impl for<'r> FnOnce(&Emitter<'c, 'r>, Vec<T<'c, 'r>>) -> R<Vec<T<'c, 'r>>>,
     ) -> R<Region<'c>> {
+        self.body_region(args, body, "stablehlo.return")
+    }
+
+    /// A private `func.func @name(args) -> results` whose body `body` builds with an emitter of
+    /// its own (the decomposition of a `stablehlo.composite`). The caller puts it in the module.
+    pub fn function(
+        &self,
+        name: &str,
+        args: &[(Vec<i64>, DType)],
+        results: &[(Vec<i64>, DType)],
+        body: impl for<'r> FnOnce(&Emitter<'c, 'r>, Vec<T<'c, 'r>>) -> R<Vec<T<'c, 'r>>>,
+    ) -> R<melior::ir::Operation<'c>> {
+        let region = self.body_region(args, body, "func.return")?;
+        let in_types: Vec<Type<'c>> = args
+            .iter()
+            .map(|(s, d)| tensor_type(self.ctx, s, *d))
+            .collect();
+        let out_types: Vec<Type<'c>> = results
+            .iter()
+            .map(|(s, d)| tensor_type(self.ctx, s, *d))
+            .collect();
+        let fn_type = melior::ir::r#type::FunctionType::new(self.ctx, &in_types, &out_types);
+        Ok(melior::dialect::func::func(
+            self.ctx,
+            melior::ir::attribute::StringAttribute::new(self.ctx, name),
+            melior::ir::attribute::TypeAttribute::new(fn_type.into()),
+            region,
+            &[(
+                Identifier::new(self.ctx, "sym_visibility"),
+                self.attr("\"private\"")?,
+            )],
+            self.loc,
+        ))
+    }
+
+    /// A one-block region with arguments `args`, built by `body` with an emitter of its own and
+    /// ended by the `terminator` op over `body`'s results.
+    fn body_region(
+        &self,
+        args: &[(Vec<i64>, DType)],
+        body: impl for<'r> FnOnce(&Emitter<'c, 'r>, Vec<T<'c, 'r>>) -> R<Vec<T<'c, 'r>>>,
+        terminator: &str,
+    ) -> R<Region<'c>> {
         let err = |e: melior::Error| LowerError::internal(e.to_string());
         let types: Vec<(Type<'c>, Location<'c>)> = args
             .iter()
@@ -667,7 +710,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
                 .collect::<R<Vec<_>>>()?;
             let results = body(&inner, params)?;
             let vals: Vec<Value> = results.iter().map(|t| t.v).collect();
-            let ret = OperationBuilder::new("stablehlo.return", self.loc)
+            let ret = OperationBuilder::new(terminator, self.loc)
                 .add_operands(&vals)
                 .build()
                 .map_err(err)?;
@@ -676,65 +719,6 @@ impl<'c, 'b> Emitter<'c, 'b> {
         let region = Region::new();
         region.append_block(block);
         Ok(region)
-    }
-
-    /// A private `func.func @name(args) -> results` whose body `body` builds with an emitter of
-    /// its own (the decomposition of a `stablehlo.composite`). The caller puts it in the module.
-    pub fn function(
-        &self,
-        name: &str,
-        args: &[(Vec<i64>, DType)],
-        results: &[(Vec<i64>, DType)],
-        body: impl for<'r> FnOnce(&Emitter<'c, 'r>, Vec<T<'c, 'r>>) -> R<Vec<T<'c, 'r>>>,
-    ) -> R<melior::ir::Operation<'c>> {
-        let err = |e: melior::Error| LowerError::internal(e.to_string());
-        let types: Vec<(Type<'c>, Location<'c>)> = args
-            .iter()
-            .map(|(s, d)| (tensor_type(self.ctx, s, *d), self.loc))
-            .collect();
-        let block = Block::new(&types);
-        {
-            let inner = Emitter::new(
-                self.ctx,
-                &block,
-                self.loc,
-                self.precision,
-                self.diagnostics.clone(),
-            );
-            let params = args
-                .iter()
-                .enumerate()
-                .map(|(i, (s, d))| {
-                    Ok(T {
-                        v: block.argument(i).map_err(err)?.into(),
-                        shape: s.clone(),
-                        dtype: *d,
-                    })
-                })
-                .collect::<R<Vec<_>>>()?;
-            let out = body(&inner, params)?;
-            let vals: Vec<Value> = out.iter().map(|t| t.v).collect();
-            block.append_operation(melior::dialect::func::r#return(&vals, self.loc));
-        }
-        let region = Region::new();
-        region.append_block(block);
-        let in_types: Vec<Type<'c>> = types.iter().map(|(t, _)| *t).collect();
-        let out_types: Vec<Type<'c>> = results
-            .iter()
-            .map(|(s, d)| tensor_type(self.ctx, s, *d))
-            .collect();
-        let fn_type = melior::ir::r#type::FunctionType::new(self.ctx, &in_types, &out_types);
-        Ok(melior::dialect::func::func(
-            self.ctx,
-            melior::ir::attribute::StringAttribute::new(self.ctx, name),
-            melior::ir::attribute::TypeAttribute::new(fn_type.into()),
-            region,
-            &[(
-                Identifier::new(self.ctx, "sym_visibility"),
-                self.attr("\"private\"")?,
-            )],
-            self.loc,
-        ))
     }
 
     /// A region `(x, y) -> y`: the update rule of a scatter that overwrites.
