@@ -100,8 +100,10 @@ def test_graph_svg_is_valid_and_names_the_ops(mlp_dump):
     assert {"node input", "node output", "node matmul", "node elementwise", "node reduction"} <= classes, (
         classes
     )
-    # relu -> mul is an elementwise region, drawn as a cluster; the legend counts kinds
-    assert any(t.startswith("elementwise region (2 ops)") for t in texts), texts
+    # addmm -> relu -> mul -> addmm is the MLP unit lowered as one composite, drawn as a labelled
+    # cluster (so is the softmax); the legend counts kinds
+    assert any(t.startswith("composite tpuc.mlp (") for t in texts), texts
+    assert any(t.startswith("composite tpuc.softmax (") for t in texts), texts
     assert "matmul/conv (2)" in texts
 
 
@@ -303,3 +305,41 @@ def test_fx_graph_to_dot_keeps_symbolic_sizes():
     assert dot.startswith("digraph tpuc {") and 'label="t"' in dot
     assert 'label="relu.default\\nf32[s0,4]"' in dot and 'label="x\\nf32[s0,4]"' in dot
     assert "out0 [shape=house" in dot and "legend" not in dot
+
+
+def test_graph_picture_groups_each_composite_unit(tmp_path):
+    """With the fusion passes on, every unit lowering emits as a `stablehlo.composite` is its own
+    labelled cluster in graph.dot / graph.svg (the picture shows what XLA gets as one op)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from models import make
+
+    model, (x,) = make("preln", batch=2)
+    compiled = torch.compile(model, backend="tpu", options={"dump_dir": str(tmp_path), "cache_dir": None})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    dot_text = (folder / "graph.dot").read_text()
+    labels = re.findall(r'label="composite tpuc\.(\w+) \((\d+) ops\)"', dot_text)
+    names = {name for name, _ in labels}
+    assert {"attention", "layer_norm"} <= names, labels
+    assert all(int(n) >= 1 for _, n in labels)
+    hlo = (folder / "stablehlo.mlir").read_text()
+    assert hlo.count('"stablehlo.composite"') == len(labels)  # one cluster per composite op
+    if shutil.which("dot"):
+        texts = [
+            t.text or "" for t in ET.fromstring((folder / "graph.svg").read_text()).iter(f"{SVG_NS}text")
+        ]
+        assert any(t.startswith("composite tpuc.attention") for t in texts), texts
+
+    # Without the composites pass: no such clusters.
+    off = tmp_path / "off"
+    compiled = torch.compile(
+        model,
+        backend="tpu",
+        options={"dump_dir": str(off), "cache_dir": None, "passes": {"composites": False}},
+    )
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled(x)
+    (folder,) = [p for p in off.iterdir() if p.is_dir()]
+    assert "composite tpuc." not in (folder / "graph.dot").read_text()

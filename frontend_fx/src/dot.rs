@@ -248,6 +248,9 @@ pub struct DotOptions {
     /// that far apart is drawn once per use. Long edges are what makes `dot` slow on big
     /// graphs (each is a chain of virtual nodes through every rank). 0: draw every edge.
     pub long_edge: usize,
+    /// Units the fusion pass emits as one `stablehlo.composite`: `(name, members)`, each drawn
+    /// as its own labelled cluster instead of joining same-kind regions.
+    pub composites: Vec<(String, Vec<NodeId>)>,
 }
 
 impl Default for DotOptions {
@@ -257,6 +260,7 @@ impl Default for DotOptions {
             clusters: true,
             legend: true,
             long_edge: 60,
+            composites: Vec::new(),
         }
     }
 }
@@ -306,17 +310,25 @@ pub fn to_dot(g: &Graph, opts: &DotOptions) -> String {
         .map(|&id| (id, kind_of(&g.node(id).op)))
         .collect();
 
-    // Regions: connected components of same-kind ops (inputs are never grouped).
+    // Composite units first; then regions: connected components of same-kind ops outside
+    // them (inputs are never grouped).
+    let in_composite: BTreeMap<NodeId, usize> = opts
+        .composites
+        .iter()
+        .enumerate()
+        .flat_map(|(k, (_, members))| members.iter().map(move |&id| (id, k)))
+        .collect();
     let mut uf = UnionFind::<usize>::new(g.dag.node_bound());
     for e in g.dag.edge_references() {
         let (a, b) = (e.source(), e.target());
-        if kinds[&a] == kinds[&b] && kinds[&a] != Kind::Input {
+        let free = !in_composite.contains_key(&a) && !in_composite.contains_key(&b);
+        if free && kinds[&a] == kinds[&b] && kinds[&a] != Kind::Input {
             uf.union(a.index(), b.index());
         }
     }
     let mut regions: BTreeMap<usize, Vec<NodeId>> = BTreeMap::new();
     for &id in &order {
-        if kinds[&id] != Kind::Input {
+        if kinds[&id] != Kind::Input && !in_composite.contains_key(&id) {
             regions.entry(uf.find(id.index())).or_default().push(id);
         }
     }
@@ -429,6 +441,23 @@ pub fn to_dot(g: &Graph, opts: &DotOptions) -> String {
         if !split_inputs.contains(&id) || output_nodes.contains(&id) {
             write_node(&mut s, id, "  ");
         }
+    }
+
+    for (k, (name, members)) in opts.composites.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "  subgraph cluster_composite_{k} {{\n    label=\"composite tpuc.{} ({} ops)\"; \
+             style=\"rounded,filled,bold\"; fillcolor=\"{}\"; color=\"{}\"; fontsize=10; \
+             fontcolor=\"#333333\";",
+            esc(name),
+            members.len(),
+            Kind::Fused.region_color(),
+            Kind::Fused.color(),
+        );
+        for &id in members {
+            write_node(&mut s, id, "    ");
+        }
+        let _ = writeln!(s, "  }}");
     }
 
     for (i, members) in regions.values().enumerate() {

@@ -295,10 +295,20 @@ impl FxGraph {
 }
 
 fn graph_dot(g: &Graph, title: &str, clusters: bool, legend: bool) -> String {
+    // The units lowering emits as composites (when the `composites` pass ran), grouped.
+    let composites = if clusters && g.lowering.contains("composites") {
+        tpuc_passes::fusion_groups(g)
+            .into_iter()
+            .map(|u| (u.name.to_string(), u.nodes))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let opts = tpuc_frontend_fx::dot::DotOptions {
         title: title.to_string(),
         clusters,
         legend,
+        composites,
         ..Default::default()
     };
     tpuc_frontend_fx::dot::to_dot(g, &opts)
