@@ -10,8 +10,8 @@
 //!   scaled by exp(x) inside so nothing underflows; leading terms of the series below x = 1e-9.
 
 use super::elementwise::unary_f64;
+use super::formula::F;
 use super::matrix::fori;
-use crate::lower::emit::Emitter;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, R, T};
 use tpuc_frontend_fx::DType;
@@ -33,42 +33,6 @@ const F64: DType = DType::Float64;
 const EULER: f64 = 0.577_215_664_901_532_9;
 const PI: f64 = std::f64::consts::PI;
 const SERIES_MAX: f64 = 20.0;
-
-struct F<'x, 'c, 'b> {
-    e: &'x Emitter<'c, 'b>,
-}
-
-impl<'c, 'b> F<'_, 'c, 'b> {
-    fn k(&self, v: f64) -> R<T<'c, 'b>> {
-        self.e.k(v, F64)
-    }
-    fn mulk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
-        self.e.mul(x, &self.k(v)?)
-    }
-    fn addk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
-        self.e.add(x, &self.k(v)?)
-    }
-    fn un(&self, op: &str, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.unary(op, x)
-    }
-    fn cmpk(&self, x: &T<'c, 'b>, v: f64, dir: &str) -> R<T<'c, 'b>> {
-        self.e.compare(x, &self.k(v)?, dir)
-    }
-    fn sel(&self, p: &T<'c, 'b>, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.select(p, a, b, F64)
-    }
-    fn selk(&self, p: &T<'c, 'b>, v: f64, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.select(p, &self.k(v)?, b, F64)
-    }
-    fn max(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
-        let k = self.e.broadcast_to(&self.k(v)?, &x.shape)?;
-        self.e.op("stablehlo.maximum", &[x, &k], &[], &x.shape, F64)
-    }
-    fn min(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
-        let k = self.e.broadcast_to(&self.k(v)?, &x.shape)?;
-        self.e.op("stablehlo.minimum", &[x, &k], &[], &x.shape, F64)
-    }
-}
 
 /// Power-series parts at `a = |x|` (clamped to the series range): (J_n, S_n) where
 /// J_n = sum t_k and S_n = sum w_k t_k with the weights the Y_n series needs

@@ -8,7 +8,7 @@
 //! 1e-9. PyTorch's edge values: NaN for a < 0, x < 0, a = x = 0 and a = x = inf; P = 1 at
 //! a = 0 or x = inf, P = 0 at x = 0 or a = inf.
 
-use crate::lower::emit::Emitter;
+use super::formula::F;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
@@ -23,103 +23,9 @@ const F64: DType = DType::Float64;
 const I64: DType = DType::Int64;
 const TEMME_MIN_A: f64 = 1e4;
 
-struct F<'x, 'c, 'b> {
-    e: &'x Emitter<'c, 'b>,
-}
-
-impl<'c, 'b> F<'_, 'c, 'b> {
-    fn k(&self, v: f64) -> R<T<'c, 'b>> {
-        self.e.k(v, F64)
-    }
-    fn addk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
-        self.e.add(x, &self.k(v)?)
-    }
-    fn mulk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
-        self.e.mul(x, &self.k(v)?)
-    }
-    fn rdiv(&self, v: f64, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.div(&self.e.broadcast_to(&self.k(v)?, &x.shape)?, x)
-    }
-    fn un(&self, op: &str, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.unary(op, x)
-    }
-    fn cmpk(&self, x: &T<'c, 'b>, v: f64, dir: &str) -> R<T<'c, 'b>> {
-        self.e.compare(x, &self.k(v)?, dir)
-    }
-    fn sel(&self, p: &T<'c, 'b>, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.select(p, a, b, F64)
-    }
-    fn selk(&self, p: &T<'c, 'b>, v: f64, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.select(p, &self.k(v)?, b, F64)
-    }
-    fn abs(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.un("stablehlo.abs", x)
-    }
-    /// Keeps |x| >= tiny (sign kept; zero becomes +tiny).
-    fn away_from_zero(&self, x: &T<'c, 'b>, tiny: f64) -> R<T<'c, 'b>> {
-        let small = self.cmpk(&self.abs(x)?, tiny, "LT")?;
-        self.selk(&small, tiny, x)
-    }
-}
-
-/// ln Gamma(a) for a > 0 (Lanczos, g = 7, 9 terms; relative error ~1e-15).
+/// ln Gamma(a) for a > 0: ln Gamma(a + 1) - ln a keeps the Lanczos argument >= 1.
 fn lgamma_pos<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>) -> R<T<'c, 'b>> {
-    const C: [f64; 9] = [
-        0.999_999_999_999_809_9,
-        676.520_368_121_885_1,
-        -1_259.139_216_722_402_8,
-        771.323_428_777_653_1,
-        -176.615_029_162_140_6,
-        12.507_343_278_686_905,
-        -0.138_571_095_265_720_12,
-        9.984_369_578_019_572e-6,
-        1.505_632_735_149_311_6e-7,
-    ];
-    let e = f.e;
-    // Gamma(a) = Gamma(a + 1) / a keeps the Lanczos argument >= 1.
-    let z = a.clone();
-    let mut s = e.broadcast_to(&f.k(C[0])?, &a.shape)?;
-    for (i, &c) in C.iter().enumerate().skip(1) {
-        s = e.add(&s, &f.rdiv(c, &f.addk(&z, i as f64)?)?)?;
-    }
-    let t = f.addk(&z, 7.5)?;
-    let lg1 = e.add(
-        &e.sub(&e.mul(&f.addk(&z, 0.5)?, &f.un("stablehlo.log", &t)?)?, &t)?,
-        &f.addk(
-            &f.un("stablehlo.log", &s)?,
-            0.5 * (2.0 * std::f64::consts::PI).ln(),
-        )?,
-    )?; // ln Gamma(a + 1)
-    e.sub(&lg1, &f.un("stablehlo.log", a)?)
-}
-
-/// erfc(z) for any real z, with relative error ~1e-7 (NR's Chebyshev fit `erfcc`).
-fn erfc<'c, 'b>(f: &F<'_, 'c, 'b>, z: &T<'c, 'b>) -> R<T<'c, 'b>> {
-    const C: [f64; 10] = [
-        0.170_872_77,
-        -0.822_152_23,
-        1.488_515_87,
-        -1.135_203_98,
-        0.278_868_07,
-        -0.186_288_06,
-        0.096_784_18,
-        0.374_091_96,
-        1.000_023_68,
-        -1.265_512_23,
-    ];
-    let e = f.e;
-    let za = f.abs(z)?;
-    let t = f.rdiv(1.0, &f.addk(&f.mulk(&za, 0.5)?, 1.0)?)?;
-    let mut p = e.broadcast_to(&f.k(C[0])?, &z.shape)?;
-    for &c in &C[1..] {
-        p = f.addk(&e.mul(&p, &t)?, c)?;
-    }
-    let r = e.mul(
-        &t,
-        &f.un("stablehlo.exponential", &e.sub(&p, &e.mul(&za, &za)?)?)?,
-    )?;
-    let neg = f.cmpk(z, 0.0, "LT")?;
-    f.sel(&neg, &e.sub(&f.k(2.0)?, &r)?, &r)
+    f.e.sub(&f.lanczos_lgamma1(a)?, &f.un("stablehlo.log", a)?)
 }
 
 /// (P, Q) by the series / continued fraction, for 0 < a, 0 < x, both finite.
@@ -256,8 +162,8 @@ fn pq_temme<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, x: &T<'c, 'b>) -> R<(T<'c,
     )?;
     let r = e.mul(&ra, &c0)?;
     let arg = e.mul(&eta, &f.un("stablehlo.sqrt", &f.mulk(a, 0.5)?)?)?;
-    let q = e.add(&f.mulk(&erfc(f, &arg)?, 0.5)?, &r)?;
-    let p = e.sub(&f.mulk(&erfc(f, &f.mulk(&arg, -1.0)?)?, 0.5)?, &r)?;
+    let q = e.add(&f.mulk(&f.erfc(&arg)?, 0.5)?, &r)?;
+    let p = e.sub(&f.mulk(&f.erfc(&f.mulk(&arg, -1.0)?)?, 0.5)?, &r)?;
     Ok((p, q))
 }
 

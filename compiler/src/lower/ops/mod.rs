@@ -6,6 +6,7 @@ pub mod bessel;
 pub mod complex;
 pub mod creation;
 pub mod elementwise;
+mod formula;
 pub mod gamma;
 pub mod hash;
 pub mod histogram;

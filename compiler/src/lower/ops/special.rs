@@ -4,7 +4,7 @@
 //! erfinv/ndtri ~1.3e-7, lgamma/digamma/polygamma and the Bessel functions ~1e-13 or better.
 
 use super::elementwise::unary_f64;
-use crate::lower::emit::Emitter;
+use super::formula::F;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
@@ -84,98 +84,12 @@ type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
 
 const F64: DType = DType::Float64;
 
-/// Shorthands for formulas over f64 tensors.
-struct F<'e, 'c, 'b> {
-    e: &'e Emitter<'c, 'b>,
-}
-
-impl<'c, 'b> F<'_, 'c, 'b> {
-    fn k(&self, v: f64) -> R<T<'c, 'b>> {
-        self.e.k(v, F64)
-    }
-    fn un(&self, name: &str, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.unary(name, x)
-    }
-    /// `v - x` for a constant `v`.
-    fn rsub(&self, v: f64, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.binary("stablehlo.subtract", &self.k(v)?, x, F64)
-    }
-    /// `v / x` for a constant `v`.
-    fn rdiv(&self, v: f64, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.binary("stablehlo.divide", &self.k(v)?, x, F64)
-    }
-    fn addk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
-        self.e.add(x, &self.k(v)?)
-    }
-    fn mulk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
-        self.e.mul(x, &self.k(v)?)
-    }
-    fn cmpk(&self, x: &T<'c, 'b>, v: f64, dir: &str) -> R<T<'c, 'b>> {
-        self.e.compare(x, &self.k(v)?, dir)
-    }
-    fn sel(&self, p: &T<'c, 'b>, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.select(p, a, b, F64)
-    }
-    /// `c[0] x^(n-1) + ... + c[n-1]` by Horner's rule.
-    fn poly(&self, x: &T<'c, 'b>, c: &[f64]) -> R<T<'c, 'b>> {
-        let mut acc = self.k(c[0])?;
-        for &ci in &c[1..] {
-            acc = self.addk(&self.e.mul(&acc, x)?, ci)?;
-        }
-        Ok(acc)
-    }
-    /// `x^n` by repeated multiplication (exact sign for negative x).
-    fn powi(&self, x: &T<'c, 'b>, n: u32) -> R<T<'c, 'b>> {
-        let mut acc = x.clone();
-        for _ in 1..n {
-            acc = self.e.mul(&acc, x)?;
-        }
-        Ok(acc)
-    }
-    fn is_inf(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.cmpk(&self.un("stablehlo.abs", x)?, f64::INFINITY, "EQ")
-    }
-    /// `x - round(x)`, in [-0.5, 0.5]: the argument reduction for sin(pi x) and tan(pi x).
-    fn frac(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-        self.e.sub(x, &self.un("stablehlo.round_nearest_even", x)?)
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Error-function family
 // ---------------------------------------------------------------------------------------------
 
-/// For z >= 0: (t, p) with erfc(z) = t exp(p - z^2), erfcx(z) = t exp(p), t = 1 / (1 + z/2): the
-/// Chebyshev fit of Numerical Recipes' `erfcc` (relative error below 1.2e-7 for every z >= 0).
-fn erfc_parts<'c, 'b>(f: &F<'_, 'c, 'b>, z: &T<'c, 'b>) -> R<(T<'c, 'b>, T<'c, 'b>)> {
-    const C: [f64; 10] = [
-        0.17087277,
-        -0.82215223,
-        1.48851587,
-        -1.13520398,
-        0.27886807,
-        -0.18628806,
-        0.09678418,
-        0.37409196,
-        1.00002368,
-        -1.26551223,
-    ];
-    let t = f.rdiv(1.0, &f.addk(&f.mulk(z, 0.5)?, 1.0)?)?;
-    let p = f.poly(&t, &C)?;
-    Ok((t, p))
-}
-
 fn erfc<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    unary_f64(cx, |e, x| {
-        let f = F { e };
-        let z = f.un("stablehlo.abs", x)?;
-        let (t, p) = erfc_parts(&f, &z)?;
-        let pos = e.mul(
-            &t,
-            &f.un("stablehlo.exponential", &e.sub(&p, &e.mul(&z, &z)?)?)?,
-        )?;
-        f.sel(&f.cmpk(x, 0.0, "GE")?, &pos, &f.rsub(2.0, &pos)?)
-    })
+    unary_f64(cx, |e, x| F { e }.erfc(x))
 }
 
 /// erfcx(x) = exp(x^2) erfc(x), without overflow for large x; 2 exp(x^2) - erfcx(-x) below 0.
@@ -183,7 +97,7 @@ fn erfcx<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     unary_f64(cx, |e, x| {
         let f = F { e };
         let z = f.un("stablehlo.abs", x)?;
-        let (t, p) = erfc_parts(&f, &z)?;
+        let (t, p) = f.erfc_parts(&z)?;
         let pos = e.mul(&t, &f.un("stablehlo.exponential", &p)?)?;
         let big = f.mulk(&f.un("stablehlo.exponential", &e.mul(x, x)?)?, 2.0)?;
         f.sel(&f.cmpk(x, 0.0, "GE")?, &pos, &e.sub(&big, &pos)?)
@@ -248,35 +162,11 @@ fn ndtri<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// x >= 1/2, the reflection formula log(pi / |sin(pi x)|) - lgamma(1 - x) below; +inf at the
 /// poles (0, -1, -2, ...) and at +-inf.
 fn lgamma<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    const G: f64 = 7.0;
-    const C: [f64; 9] = [
-        0.999_999_999_999_809_9,
-        676.520_368_121_885_1,
-        -1_259.139_216_722_402_8,
-        771.323_428_777_653_1,
-        -176.615_029_162_140_6,
-        12.507_343_278_686_905,
-        -0.138_571_095_265_720_12,
-        9.984_369_578_019_572e-6,
-        1.505_632_735_149_311_6e-7,
-    ];
     unary_f64(cx, |e, x| {
         let f = F { e };
         let reflect = f.cmpk(x, 0.5, "LT")?;
         let y = f.sel(&reflect, &f.rsub(1.0, x)?, x)?;
-        let z = f.addk(&y, -1.0)?;
-        let mut a = f.k(C[0])?;
-        for (i, &c) in C.iter().enumerate().skip(1) {
-            a = e.add(&a, &f.rdiv(c, &f.addk(&z, i as f64)?)?)?;
-        }
-        let t = f.addk(&z, G + 0.5)?;
-        let lg = e.add(
-            &e.sub(&e.mul(&f.addk(&z, 0.5)?, &f.un("stablehlo.log", &t)?)?, &t)?,
-            &f.addk(
-                &f.un("stablehlo.log", &a)?,
-                0.5 * (2.0 * std::f64::consts::PI).ln(),
-            )?,
-        )?;
+        let lg = f.lanczos_lgamma1(&f.addk(&y, -1.0)?)?;
         let s = f.un(
             "stablehlo.abs",
             &f.un(
