@@ -90,7 +90,7 @@ fn embedding_bag<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     }
     let bag = e.select(&member, &bag, &zero_i, I64)?;
     let bag_idx = e.reshape(&bag, &[n, 1])?;
-    let rows = take_along(cx, &weight, 0, &idx, &[n, d])?; // (n, d)
+    let rows = take_along(cx.e, &weight, 0, &idx, &[n, d])?; // (n, d)
     let rows = match &psw {
         Some(w) => {
             let w = e.broadcast_in_dim(&e.convert(w, weight.dtype)?, &[n, d], &[0])?;
@@ -164,7 +164,7 @@ fn embedding_bag<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
                 &[nb],
                 I64,
             )?;
-            let first = take_along(cx, &rows, 0, &at, &[nb, d])?;
+            let first = take_along(cx.e, &rows, 0, &at, &[nb, d])?;
             let nan = e.splat(Scalar::Float(f64::NAN), &[], weight.dtype)?;
             let m = e.select(&e.isnan(&first)?, &nan, &m, weight.dtype)?;
             let has = e.compare(&count, &zero_i, "GT")?;

@@ -120,7 +120,7 @@ fn bin_of<'c, 'b>(
             &[n],
             I64,
         )?;
-        let em = take_along(cx, &edges, 0, &at, &[n])?;
+        let em = take_along(cx.e, &edges, 0, &at, &[n])?;
         // !(x < e[middle]): go right.
         let right = e.unary("stablehlo.not", &e.compare(col, &em, "LT")?)?;
         let go_right = e.and(&active, &right)?;
@@ -273,20 +273,7 @@ fn histogramdd_from_bin_cts<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let (x, bins, edges) = dd_edges(cx)?;
     let weight = cx.opt_tensor(3, "weight")?;
     let density = cx.bool_or(4, "density", false)?;
-    let b = edges
-        .iter()
-        .enumerate()
-        .map(|(d, ed)| bin_of(cx, &column(cx.e, &x, d as i64)?, ed))
-        .collect::<R<Vec<_>>>()?;
-    Ok(vec![accumulate(
-        cx,
-        &b,
-        &bins,
-        &edges,
-        weight,
-        density,
-        cx.out_dtype()?,
-    )?])
+    Ok(vec![dd_counts(cx, &x, &bins, &edges, weight, density)?])
 }
 
 fn histogramdd_from_bin_tensors<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
@@ -295,18 +282,22 @@ fn histogramdd_from_bin_tensors<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let weight = cx.opt_tensor(2, "weight")?;
     let density = cx.bool_or(3, "density", false)?;
     let sizes: Vec<i64> = edges.iter().map(|t| t.shape[0] - 1).collect();
+    Ok(vec![dd_counts(cx, &x, &sizes, &edges, weight, density)?])
+}
+
+/// The histogramdd counts of the (n, D) samples `x` over per-dim `edges` (`sizes` bins each).
+fn dd_counts<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    sizes: &[i64],
+    edges: &[T<'c, 'b>],
+    weight: Option<T<'c, 'b>>,
+    density: bool,
+) -> R<T<'c, 'b>> {
     let b = edges
         .iter()
         .enumerate()
-        .map(|(d, ed)| bin_of(cx, &column(cx.e, &x, d as i64)?, ed))
+        .map(|(d, ed)| bin_of(cx, &column(cx.e, x, d as i64)?, ed))
         .collect::<R<Vec<_>>>()?;
-    Ok(vec![accumulate(
-        cx,
-        &b,
-        &sizes,
-        &edges,
-        weight,
-        density,
-        cx.out_dtype()?,
-    )?])
+    accumulate(cx, &b, sizes, edges, weight, density, cx.out_dtype()?)
 }

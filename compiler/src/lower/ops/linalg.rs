@@ -525,7 +525,7 @@ fn pdist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let xf = e.convert(&x, acc)?;
     let rows = |idx: &[i64]| -> R<T<'c, 'b>> {
         let ix = e.constant_i64(idx, &[k], DType::Int64)?;
-        crate::lower::ops::shape::take_along(cx, &xf, 0, &ix, &[k, m])
+        crate::lower::ops::shape::take_along(cx.e, &xf, 0, &ix, &[k, m])
     };
     let d = e.sub(&rows(&is)?, &rows(&js)?)?;
     Ok(vec![e.convert(&pnorm(e, &d, 1, p)?, out)?])

@@ -509,7 +509,7 @@ fn adaptive_max_pool<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             let idx = e.constant_i64(&pos, &[o], DType::Int64)?;
             let mut vshape = v.shape.clone();
             vshape[d] = o;
-            v = take_along(cx, &v, d, &idx, &vshape)?;
+            v = take_along(cx.e, &v, d, &idx, &vshape)?;
             let okd = e.broadcast_in_dim(
                 &e.convert(&e.constant_i64(&ok, &[o], DType::Int64)?, DType::Bool)?,
                 &shape,

@@ -3,6 +3,7 @@
 //! (`GridSampler.h`): each tap is a gather of all channels at one integer position, weighted
 //! and masked when it falls outside the input.
 
+use super::shape::take_along;
 use crate::lower::emit::{array_i64, int_list, Emitter};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
@@ -408,7 +409,7 @@ fn resample_dim<'c, 'b>(
     let mut gshape = x.shape[..dim].to_vec();
     gshape.extend([out, width]);
     gshape.extend_from_slice(&x.shape[dim + 1..]);
-    let g = gather_along(e, x, dim, &idx, &gshape)?;
+    let g = take_along(e, x, dim, &idx, &gshape)?;
     let bdims = [dim as i64, dim as i64 + 1];
     let wb = e.broadcast_in_dim(&wt, &gshape, &bdims)?;
     let vb = e.broadcast_in_dim(&valid, &gshape, &bdims)?;
@@ -451,39 +452,4 @@ fn upsample_bilinear2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let y = resample_dim(e, &xd, 3, &tw)?;
     let y = resample_dim(e, &y, 2, &th)?;
     Ok(vec![e.convert(&y, out_dtype)?])
-}
-
-/// `x` gathered along `dim` at a 2-d constant `index`, giving `out_shape` (x's shape with `dim`
-/// replaced by the index's two dims).
-fn gather_along<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    x: &T<'c, 'b>,
-    dim: usize,
-    index: &T<'c, 'b>,
-    out_shape: &[i64],
-) -> R<T<'c, 'b>> {
-    let mut s = index.shape.clone();
-    s.push(1);
-    let idx = e.reshape(index, &s)?;
-    let ib = index.rank() as i64;
-    let offset_dims: Vec<i64> = (0..x.rank() as i64 - 1)
-        .map(|k| if k < dim as i64 { k } else { k + ib })
-        .collect();
-    let mut slice_sizes = x.shape.clone();
-    slice_sizes[dim] = 1;
-    let dnums = format!(
-        "#stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{dim}], start_index_map = [{dim}], index_vector_dim = {ib}>",
-        int_list(&offset_dims)
-    );
-    e.op(
-        "stablehlo.gather",
-        &[x, &idx],
-        &[
-            ("dimension_numbers", dnums),
-            ("slice_sizes", array_i64(&slice_sizes)),
-            ("indices_are_sorted", "false".into()),
-        ],
-        out_shape,
-        x.dtype,
-    )
 }

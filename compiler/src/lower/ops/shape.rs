@@ -248,17 +248,17 @@ fn constant_pad_nd<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// along that dim. Out-of-range indices are clamped by the gather, so they never read outside
 /// the tensor.
 pub fn take_along<'c, 'b>(
-    cx: &NodeCx<'_, 'c, 'b>,
+    e: &Emitter<'c, 'b>,
     x: &T<'c, 'b>,
     dim: usize,
     index: &T<'c, 'b>,
     out_shape: &[i64],
 ) -> R<T<'c, 'b>> {
-    let idx = cx.e.convert(index, DType::Int64)?;
+    let idx = e.convert(index, DType::Int64)?;
     // Index tensor gets a trailing vector dim of size 1.
     let mut idx_shape = idx.shape.clone();
     idx_shape.push(1);
-    let idx = cx.e.reshape(&idx, &idx_shape)?;
+    let idx = e.reshape(&idx, &idx_shape)?;
     let ib = index.rank() as i64;
     let offset_dims: Vec<i64> = (0..x.rank() as i64 - 1)
         .map(|k| if k < dim as i64 { k } else { k + ib })
@@ -269,7 +269,7 @@ pub fn take_along<'c, 'b>(
         "#stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{dim}], start_index_map = [{dim}], index_vector_dim = {ib}>",
         int_list(&offset_dims)
     );
-    cx.e.op(
+    e.op(
         "stablehlo.gather",
         &[x, &idx],
         &[
@@ -291,7 +291,13 @@ fn index_select<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let (shape, _) = cx.out(0)?;
         return Ok(vec![cx.e.broadcast_to(&x, &shape)?]);
     }
-    let g = take_along(cx, &x, d, &index, &out_shape_for(&x.shape, d, &index.shape))?;
+    let g = take_along(
+        cx.e,
+        &x,
+        d,
+        &index,
+        &out_shape_for(&x.shape, d, &index.shape),
+    )?;
     // A 0-d index keeps the dim as size 1 in index_select.
     Ok(vec![cx.e.reshape(&g, &cx.out_shape()?)?])
 }
@@ -308,7 +314,7 @@ fn embedding<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let w = cx.tensor(0, "weight")?;
     let index = cx.tensor(1, "indices")?;
     let shape = out_shape_for(&w.shape, 0, &index.shape);
-    Ok(vec![take_along(cx, &w, 0, &index, &shape)?])
+    Ok(vec![take_along(cx.e, &w, 0, &index, &shape)?])
 }
 
 /// Indices as int64 with negative values counted from the end of a dim of `size`, as PyTorch
@@ -940,7 +946,7 @@ fn unfold<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         &e.iota(&[windows, size], 1, DType::Int64)?,
     )?;
     let g = take_along(
-        cx,
+        cx.e,
         &x,
         d,
         &idx,
@@ -1168,7 +1174,7 @@ fn masked_scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let pos = e.binary("stablehlo.minimum", &rank, &last, DType::Int64)?;
     let pos = e.binary("stablehlo.maximum", &pos, &zero, DType::Int64)?;
     let flat_src = e.reshape(&e.convert(&src, x.dtype)?, &[src.numel()])?;
-    let taken = take_along(cx, &flat_src, 0, &pos, &[n])?;
+    let taken = take_along(cx.e, &flat_src, 0, &pos, &[n])?;
     let flat = e.reshape(&x, &[n])?;
     let r = e.select(&m, &taken, &flat, x.dtype)?;
     Ok(vec![e.reshape(&r, &x.shape)?])
