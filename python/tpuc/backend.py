@@ -417,6 +417,19 @@ class CompiledGraph:
     def _run_plan(self, plan: CallPlan, args: list):
         """The hot path: runs `plan`'s executable, or returns None when a tensor does not fit
         the plan (the caller then takes the general path)."""
+        ptrs = self._plan_inputs(plan, args)
+        if ptrs is None:
+            return None
+        outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
+        plan.run_ptrs(ptrs, [o.data_ptr() for o in outs])
+        _STATS["executions"] += 1
+        if plan.identity:
+            return outs
+        return [outs[v] if k == 0 else v for k, v in plan.result]
+
+    def _plan_inputs(self, plan: CallPlan, args: list) -> list | None:
+        """What `run_ptrs` takes for each of `plan`'s inputs (a resident buffer or a data
+        pointer), or None when a tensor does not fit the plan."""
         if plan.simple:
             full = args
         else:
@@ -441,40 +454,15 @@ class CompiledGraph:
                 return None
             buf = self._device_arg(i, t)
             append(t.data_ptr() if buf is None else buf)
-        outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
-        plan.run_ptrs(ptrs, [o.data_ptr() for o in outs])
-        _STATS["executions"] += 1
-        if plan.identity:
-            return outs
-        return [outs[v] if k == 0 else v for k, v in plan.result]
+        return ptrs
 
     def _run_plan_profiled(self, plan: CallPlan, args: list, t_start: int):
         """`_run_plan` with each phase timed into `self.profile` (TPUC_LOG=debug)."""
         clock = time.perf_counter_ns
         t0 = clock()
-        if plan.simple:
-            full = args
-        else:
-            full = [*args, *plan.extra]
-            if plan.rng:
-                full.append(_rng_seed())
-        ptrs = []
-        for i, shape, dtype, slot, lazy_conj in plan.inputs:
-            t = full[i]
-            if slot.tensor is t and slot.version == t._version:
-                ptrs.append(slot.buffer)
-                continue
-            if (
-                t.dtype is not dtype
-                or t.shape != shape
-                or not t.is_cpu
-                or not t.is_contiguous()
-                or t.is_neg()
-                or (lazy_conj and t.is_conj())
-            ):
-                return None
-            buf = self._device_arg(i, t)
-            ptrs.append(t.data_ptr() if buf is None else buf)
+        ptrs = self._plan_inputs(plan, args)
+        if ptrs is None:
+            return None
         t1 = clock()
         outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
         out_ptrs = [o.data_ptr() for o in outs]
