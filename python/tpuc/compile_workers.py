@@ -26,15 +26,11 @@ from pathlib import Path
 def process_count(n_jobs: int, cache_dir) -> int:
     """How many worker processes to use: `TPUC_COMPILE_PROCESSES` (default 1: compile in this
     process), at most one per job; 1 without a disk cache or with fewer than 2 jobs."""
-    value = os.environ.get("TPUC_COMPILE_PROCESSES")
-    if not value:
+    from .runtime import positive_int_env
+
+    if not os.environ.get("TPUC_COMPILE_PROCESSES"):  # unset or empty: this process
         return 1
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"tpuc: TPUC_COMPILE_PROCESSES must be a positive integer, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"tpuc: TPUC_COMPILE_PROCESSES must be a positive integer, got {value!r}")
+    n = positive_int_env("TPUC_COMPILE_PROCESSES", 1)
     if cache_dir is None or n_jobs < 2:
         return 1
     return min(n, n_jobs)

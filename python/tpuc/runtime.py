@@ -74,17 +74,23 @@ def resolve_plugin(plugin: str | None) -> Path:
     return path.resolve()
 
 
-def cpu_device_count() -> int | None:
-    value = os.environ.get("TPUC_CPU_DEVICES")
+def positive_int_env(name: str, default: int) -> int:
+    """The environment variable `name` as a positive integer (`default` when unset); anything
+    else raises ValueError naming the variable."""
+    value = os.environ.get(name)
     if value is None:
-        return 1
+        return default
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"tpuc: TPUC_CPU_DEVICES must be a positive integer, got {value!r}") from None
+        raise ValueError(f"tpuc: {name} must be a positive integer, got {value!r}") from None
     if n < 1:
-        raise ValueError(f"tpuc: TPUC_CPU_DEVICES must be a positive integer, got {value!r}")
+        raise ValueError(f"tpuc: {name} must be a positive integer, got {value!r}")
     return n
+
+
+def cpu_device_count() -> int | None:
+    return positive_int_env("TPUC_CPU_DEVICES", 1)
 
 
 def check_plugin_file(path: Path) -> None:
