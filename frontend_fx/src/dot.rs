@@ -357,14 +357,7 @@ pub fn to_dot(g: &Graph, opts: &DotOptions) -> String {
             }
         })
         .collect();
-    let output_nodes: std::collections::BTreeSet<NodeId> = g
-        .outputs
-        .iter()
-        .filter_map(|o| match o {
-            Output::Value(v) => Some(v.node),
-            _ => None,
-        })
-        .collect();
+    let output_nodes: std::collections::BTreeSet<NodeId> = g.output_nodes().collect();
 
     let mut s = String::new();
     let _ = writeln!(s, "digraph tpuc {{");

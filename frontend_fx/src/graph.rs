@@ -143,6 +143,14 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// The nodes whose results the graph returns as tensors, in output order.
+    pub fn output_nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.outputs.iter().filter_map(|o| match o {
+            Output::Value(v) => Some(v.node),
+            _ => None,
+        })
+    }
+
     pub fn node(&self, id: NodeId) -> &Node {
         &self.dag[id]
     }

@@ -1,18 +1,11 @@
 use std::collections::HashSet;
-use tpuc_frontend_fx::{Graph, NodeId, Output};
+use tpuc_frontend_fx::{Graph, NodeId};
 
 /// Removes ops whose results nothing reads (graph inputs always stay: they are the signature).
 /// Returns how many ops it removed.
 pub fn dead_code_elimination(g: &mut Graph) -> usize {
     let mut live: HashSet<NodeId> = HashSet::new();
-    let mut stack: Vec<NodeId> = g
-        .outputs
-        .iter()
-        .filter_map(|o| match o {
-            Output::Value(v) => Some(v.node),
-            _ => None,
-        })
-        .collect();
+    let mut stack: Vec<NodeId> = g.output_nodes().collect();
     while let Some(id) = stack.pop() {
         if live.insert(id) {
             stack.extend(g.node(id).operands().iter().map(|v| v.node));

@@ -8,13 +8,7 @@ use tpuc_frontend_fx::{Arg, Dim, Graph, NodeId, Output, TensorType, ValueRef};
 /// Nodes whose results the graph returns. They are never removed or replaced: two outputs must
 /// stay two distinct tensors, and the caller maps outputs by node.
 pub fn output_nodes(g: &Graph) -> HashSet<NodeId> {
-    g.outputs
-        .iter()
-        .filter_map(|o| match o {
-            Output::Value(v) => Some(v.node),
-            _ => None,
-        })
-        .collect()
+    g.output_nodes().collect()
 }
 
 /// `v` (or nothing) when `a` is exactly one tensor value.

@@ -439,14 +439,7 @@ pub fn shard(graph: &Graph, req: &ShardingRequest) -> R<ShardingPlan> {
         }
         None => HashSet::new(),
     };
-    let out_nodes: Vec<NodeId> = graph
-        .outputs
-        .iter()
-        .filter_map(|o| match o {
-            Output::Value(v) => Some(v.node),
-            _ => None,
-        })
-        .collect();
+    let out_nodes: Vec<NodeId> = graph.output_nodes().collect();
     let mut outputs = Vec::with_capacity(outs.len());
     for (k, ((shape, slot), node)) in outs.iter().zip(&req.outputs).zip(&out_nodes).enumerate() {
         let spec = if let Some(s) = &slot.fixed {
