@@ -417,9 +417,10 @@ class CompiledGraph:
     def _run_plan(self, plan: CallPlan, args: list):
         """The hot path: runs `plan`'s executable, or returns None when a tensor does not fit
         the plan (the caller then takes the general path)."""
-        ptrs = self._plan_inputs(plan, args)
-        if ptrs is None:
+        inputs = self._plan_inputs(plan, args)
+        if inputs is None:
             return None
+        ptrs, _alive = inputs  # _alive holds the tensors behind the pointers until the run ends
         outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
         plan.run_ptrs(ptrs, [o.data_ptr() for o in outs])
         _STATS["executions"] += 1
@@ -427,9 +428,11 @@ class CompiledGraph:
             return outs
         return [outs[v] if k == 0 else v for k, v in plan.result]
 
-    def _plan_inputs(self, plan: CallPlan, args: list) -> list | None:
+    def _plan_inputs(self, plan: CallPlan, args: list) -> tuple[list, list] | None:
         """What `run_ptrs` takes for each of `plan`'s inputs (a resident buffer or a data
-        pointer), or None when a tensor does not fit the plan."""
+        pointer), with the list of the tensors those pointers point into (the per-call random
+        seed among them: the caller must hold it until the run ends), or None when a tensor does
+        not fit the plan."""
         if plan.simple:
             full = args
         else:
@@ -454,15 +457,16 @@ class CompiledGraph:
                 return None
             buf = self._device_arg(i, t)
             append(t.data_ptr() if buf is None else buf)
-        return ptrs
+        return ptrs, full
 
     def _run_plan_profiled(self, plan: CallPlan, args: list, t_start: int):
         """`_run_plan` with each phase timed into `self.profile` (TPUC_LOG=debug)."""
         clock = time.perf_counter_ns
         t0 = clock()
-        ptrs = self._plan_inputs(plan, args)
-        if ptrs is None:
+        inputs = self._plan_inputs(plan, args)
+        if inputs is None:
             return None
+        ptrs, _alive = inputs  # held until the run ends (see _plan_inputs)
         t1 = clock()
         outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
         out_ptrs = [o.data_ptr() for o in outs]
