@@ -238,6 +238,30 @@ def test_pooling_variants_and_transposed_convolution():
     check(f, x, w, gw, gb, rtol=1e-4, atol=1e-4, fallback="error")
 
 
+def test_depthwise_convolutions_as_tap_sums(tmp_path):
+    # groups == channels is lowered as a sum over the kernel's taps (XLA's CPU grouped convolution
+    # is slow): strides, dilations, asymmetric kernels, 1-D, low precision, and a grouped
+    # convolution that is not depthwise (stays a stablehlo.convolution) side by side.
+    x = torch.randn(2, 6, 11, 9)
+    w7, w35, wg = torch.randn(6, 1, 7, 7), torch.randn(6, 1, 3, 5), torch.randn(6, 3, 3, 3)
+    x1, w1 = torch.randn(2, 4, 13), torch.randn(4, 1, 5)
+    b = torch.randn(6)
+
+    def f(x, w7, w35, wg, x1, w1, b):
+        return (
+            F.conv2d(x, w7, b, padding=3, groups=6),
+            F.conv2d(x, w35, None, stride=(2, 1), padding=(1, 0), dilation=(1, 2), groups=6),
+            F.conv2d(x, wg, b, padding=1, groups=2),
+            F.conv1d(x1, w1, None, stride=2, padding=2, groups=4),
+        )
+
+    check(f, x, w7, w35, wg, x1, w1, b, rtol=1e-4, atol=1e-4, fallback="error", dump_dir=str(tmp_path))
+    (module,) = tmp_path.glob("*/stablehlo.mlir")
+    assert module.read_text().count("stablehlo.convolution") == 1  # only the groups=2 one
+    half = (x.to(torch.bfloat16), w7.to(torch.bfloat16))
+    check(lambda x, w: F.conv2d(x, w, padding=3, groups=6), *half, rtol=2e-2, atol=2e-2)
+
+
 def test_special_functions_and_inverse_trig():
     x = torch.linspace(-4.75, 9.5, 41)
     u = torch.linspace(-0.999, 0.999, 41)

@@ -135,20 +135,19 @@ pub enum RunArg<'a> {
     Device(&'a Buffer),
 }
 
-/// An argument of [`Engine::run_ptrs`]: the address of a dense host array of exactly the
+/// An argument of [`Engine::execute_ptrs`]: the address of a dense host array of exactly the
 /// executable's input type, or a buffer already on the device.
 pub enum PtrArg<'a> {
     Host(usize),
     Device(&'a Buffer),
 }
 
-/// Where [`Engine::run_ptrs`] spent its time: wrapping host arguments as buffers, executing
-/// (until the outputs are ready), copying outputs out and freeing the call's buffers.
+/// Where [`Engine::execute_ptrs`] spent its time: wrapping host arguments as buffers, and
+/// executing (until the outputs are ready).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RunTimings {
     pub stage: std::time::Duration,
     pub execute: std::time::Duration,
-    pub fetch: std::time::Duration,
 }
 
 /// The alignment the CPU plugin requires of memory it computes on in place (XLA's minimum
@@ -498,23 +497,29 @@ impl Engine {
 
     /// [`Engine::run`] for a caller that already knows its arguments have the executable's
     /// types (a call plan checked them): host arguments are bare addresses, read with the
-    /// signature's shapes and dtypes, and `outputs` are addresses of dense arrays of the output
-    /// types. Nothing per call but the PJRT work: no shapes to compare, nothing to allocate
-    /// besides the argument list.
+    /// signature's shapes and dtypes; nothing per call but the PJRT work. Returns the output
+    /// buffers, ready to read: a caller that can use device memory in place (see
+    /// [`Engine::host_view`]) takes them as they are, others copy them out with
+    /// [`Engine::fetch_into`].
     ///
     /// # Safety
-    /// Every address must be valid for the dense size of its signature type for the whole
-    /// call; outputs must be writable and not alias inputs.
-    pub unsafe fn run_ptrs(
+    /// Every host address must be valid for the dense size of its signature type for the whole
+    /// call.
+    pub unsafe fn execute_ptrs(
         &self,
         compiled: &Compiled,
         args: &[PtrArg],
-        outputs: &[usize],
-        mut timings: Option<&mut RunTimings>,
-    ) -> Result<(), CompileError> {
+        timings: Option<&mut RunTimings>,
+    ) -> Result<Vec<Buffer>, CompileError> {
         let t0 = timings.as_ref().map(|_| Instant::now());
         let sig = &compiled.lowered;
-        check_arity(sig, args.len(), outputs.len())?;
+        if args.len() != sig.inputs.len() {
+            return Err(CompileError::Run(format!(
+                "executable takes {} inputs, got {}",
+                sig.inputs.len(),
+                args.len()
+            )));
+        }
         let mut staged: Vec<Buffer> = Vec::new();
         for (a, (shape, dtype)) in args.iter().zip(&sig.inputs) {
             if let PtrArg::Host(ptr) = a {
@@ -532,32 +537,49 @@ impl Engine {
             .collect();
         let t1 = t0.map(|_| Instant::now());
         let results = compiled.exe.execute(&refs)?;
-        let t2 = t0.map(|_| Instant::now());
-        if results.len() != outputs.len() {
+        drop(staged);
+        if let (Some(t), Some(t0), Some(t1)) = (timings, t0, t1) {
+            t.stage += t1 - t0;
+            t.execute += t1.elapsed();
+        }
+        if results.len() != sig.outputs.len() {
             return Err(CompileError::Run(format!(
                 "executable returned {} outputs, expected {}",
                 results.len(),
-                outputs.len()
+                sig.outputs.len()
             )));
         }
-        for ((buf, &ptr), (shape, dtype)) in results.iter().zip(outputs).zip(&sig.outputs) {
-            let out = HostArray {
-                ptr,
-                nbytes: dense_bytes(shape, *dtype),
-                dtype: *dtype,
-                shape: Vec::new(), // not read by `fetch`
-            };
-            // SAFETY: forwarded from the caller.
-            unsafe { self.fetch(buf, &out)? };
+        Ok(results)
+    }
+
+    /// The address of `buf`'s memory when the host can read it in place as a dense row-major
+    /// array of `nbytes` (the CPU plugin: device memory is host memory), else None. Valid while
+    /// `buf` lives; the buffer must be ready (as [`Engine::execute_ptrs`] returns them).
+    pub fn host_view(&self, buf: &Buffer, nbytes: usize) -> Result<Option<usize>, PjrtError> {
+        if !self.host_zero_copy || nbytes == 0 || buf.on_device_size()? != nbytes {
+            return Ok(None);
         }
-        drop(results);
-        drop(staged);
-        if let (Some(t), Some(t0), Some(t1), Some(t2)) = (timings.as_mut(), t0, t1, t2) {
-            t.stage += t1 - t0;
-            t.execute += t2 - t1;
-            t.fetch += t2.elapsed();
-        }
-        Ok(())
+        buf.device_pointer().map(Some)
+    }
+
+    /// Copies a ready output buffer into `nbytes` of host memory at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must be writable for `nbytes` and not alias the buffer.
+    pub unsafe fn fetch_into(
+        &self,
+        buf: &Buffer,
+        ptr: usize,
+        nbytes: usize,
+    ) -> Result<(), PjrtError> {
+        let out = HostArray {
+            ptr,
+            nbytes,
+            dtype: DType::Uint8, // not read by `fetch`
+            shape: Vec::new(),   // not read by `fetch`
+        };
+        // SAFETY: forwarded from the caller.
+        unsafe { self.fetch(buf, &out) }
     }
 
     /// A buffer over host memory for one execution: on the CPU plugin a view of the memory

@@ -3,6 +3,7 @@
 //! Python exception carrying the core's message.
 
 mod bucket;
+mod hot;
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -14,8 +15,7 @@ use std::sync::Arc;
 use tpuc_cache::{CacheError, DiskCache};
 use tpuc_compiler::lower::{LowerError, Precision};
 use tpuc_compiler::pipeline::{
-    CacheOutcome, CompileError, Compiled, DiskCacheOptions, Engine, HostArray, PtrArg, RunArg,
-    RunTimings,
+    CacheOutcome, CompileError, Compiled, DiskCacheOptions, Engine, HostArray, RunArg,
 };
 use tpuc_compiler::pjrt::{Buffer, PjrtError};
 use tpuc_frontend_fx::{DType, Dim, Graph, InputKind, Output};
@@ -636,35 +636,6 @@ impl Executable {
             .map_err(compile_err)
     }
 
-    /// The hot path of a call plan: `args` holds, per input, a DeviceBuffer or the data pointer
-    /// (an int) of a contiguous host tensor whose shape and dtype the caller checked against
-    /// `input_types`; `outs`, per output, the data pointer of a fresh contiguous tensor of the
-    /// output's type. GIL released while running.
-    fn run_ptrs(
-        &self,
-        py: Python<'_>,
-        args: &Bound<'_, PyList>,
-        outs: &Bound<'_, PyList>,
-    ) -> PyResult<()> {
-        self.run_ptrs_impl(py, args, outs, None)
-    }
-
-    /// `run_ptrs`, also returning the seconds spent `(wrapping host inputs, executing, copying
-    /// outputs out)` (for `TPUC_LOG=debug`'s per-call profile).
-    fn run_ptrs_timed(
-        &self,
-        py: Python<'_>,
-        args: &Bound<'_, PyList>,
-        outs: &Bound<'_, PyList>,
-    ) -> PyResult<(f64, f64, f64)> {
-        let mut t = RunTimings::default();
-        self.run_ptrs_impl(py, args, outs, Some(&mut t))?;
-        Ok((
-            t.stage.as_secs_f64(),
-            t.execute.as_secs_f64(),
-            t.fetch.as_secs_f64(),
-        ))
-    }
     /// Runs a sharded executable: `args[d]` holds device `d`'s piece of each input (a host
     /// array tuple or a DeviceBuffer on device `d`), `outs[d]` a host array tuple per output to
     /// receive device `d`'s piece, or None to skip it. GIL released while running.
@@ -833,47 +804,6 @@ impl Executable {
     }
 }
 
-impl Executable {
-    fn run_ptrs_impl(
-        &self,
-        py: Python<'_>,
-        args: &Bound<'_, PyList>,
-        outs: &Bound<'_, PyList>,
-        timings: Option<&mut RunTimings>,
-    ) -> PyResult<()> {
-        let mut held: Vec<Bound<'_, DeviceBuffer>> = Vec::new();
-        let mut kinds: Vec<Option<usize>> = Vec::with_capacity(args.len());
-        for a in args.iter() {
-            match a.cast_into::<DeviceBuffer>() {
-                Ok(d) => {
-                    kinds.push(None);
-                    held.push(d);
-                }
-                Err(e) => kinds.push(Some(e.into_inner().extract::<usize>()?)),
-            }
-        }
-        let mut devices = held.iter();
-        let run_args: Vec<PtrArg> = kinds
-            .iter()
-            .map(|k| match k {
-                Some(ptr) => PtrArg::Host(*ptr),
-                None => PtrArg::Device(&devices.next().expect("one per device arg").get().buffer),
-            })
-            .collect();
-        let outs: Vec<usize> = outs
-            .iter()
-            .map(|o| o.extract::<usize>())
-            .collect::<PyResult<_>>()?;
-        let engine = &self.engine;
-        let compiled = &self.compiled;
-        // SAFETY: the Python caller (a call plan) passes live, contiguous tensors' pointers of
-        // the signature's types (outputs freshly allocated, so not aliasing inputs) and holds
-        // them for the duration of this call.
-        py.detach(|| unsafe { engine.run_ptrs(compiled, &run_args, &outs, timings) })
-            .map_err(compile_err)
-    }
-}
-
 fn parse_precision(p: &str) -> PyResult<Precision> {
     Precision::parse(p)
         .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("bad precision {p:?}")))
@@ -992,6 +922,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Executable>()?;
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<bucket::BucketedGraph>()?;
+    m.add_class::<hot::CallPlan>()?;
+    m.add_function(wrap_pyfunction!(hot::plan_executions, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::bucket_graph, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::eval_sym, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;

@@ -27,7 +27,6 @@ from . import options as options_mod
 from . import sharding as sharding_mod
 
 log = logging.getLogger("tpuc")
-_STATS = counters.live()  # the counters' dict, for a cheap `executions` increment per call
 
 _DTYPES = {
     "float64": torch.float64,
@@ -96,41 +95,35 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-class CallPlan:
-    """Everything about calling one executable that does not change between calls, computed
-    once: per tensor input its position, shape and dtype (checked, then passed to Rust as a bare
-    data pointer or a resident DeviceBuffer), per output its shape, strides and dtype, and how
-    the graph's outputs are assembled. A call that does not fit the plan (a tensor on another
-    device, non-contiguous, another shape or dtype) takes the general path."""
+def _call_plan(graph: CompiledGraph, exe, out_types, plan, floats) -> _native.CallPlan:
+    """The hot path of calling `exe` (see python/src/hot.rs): everything about a call that does
+    not change between calls, computed once. Per tensor input its position, shape and dtype
+    (checked, then passed to Rust as a resident DeviceBuffer or a bare data pointer), per output
+    its type (lent to torch in place on the CPU plugin, else copied into a fresh tensor), and
+    how the graph's outputs are assembled. A call that does not fit the plan (a tensor on
+    another device, non-contiguous, another shape or dtype) returns None: the general path."""
+    inputs = [
+        (i, tuple(shape), _DTYPES[dtype], graph.slots[i], _DTYPES[dtype].is_complex)
+        for i, (shape, dtype) in zip(graph.tensor_slots, exe.input_types, strict=True)
+    ]
+    outputs = [(s, _contiguous_strides(s), d) for s, d in out_types]
+    result = [
+        int(v) if kind == "tensor" else ("value", int(v) if kind == "int" else None) for kind, v in plan
+    ]
+    return _native.CallPlan(
+        exe,
+        inputs,
+        outputs,
+        result,
+        [*graph.attr_tensors, *floats],  # inputs after the caller's (fixed per executable)
+        _rng_seed if graph.rng else None,  # then a fresh seed per call
+        graph.device_arg,
+        _empty_strided,
+        _from_dlpack,
+    )
 
-    __slots__ = ("exe", "run_ptrs", "inputs", "outputs", "result", "identity", "extra", "rng", "simple")
 
-    def __init__(self, graph: CompiledGraph, exe, out_types, plan, floats):
-        self.exe = exe
-        self.run_ptrs = exe.run_ptrs
-        types = exe.input_types
-        tensor_slots = graph.tensor_slots
-        # (position, shape, dtype, residency slot, whether the dtype can carry a lazy conj bit)
-        self.inputs = tuple(
-            (i, tuple(shape), _DTYPES[dtype], graph.slots[i], _DTYPES[dtype].is_complex)
-            for i, (shape, dtype) in zip(tensor_slots, types, strict=True)
-        )
-        self.outputs = tuple((s, _contiguous_strides(s), d) for s, d in out_types)
-        result = []
-        for kind, value in plan:
-            if kind == "tensor":
-                result.append((0, int(value)))
-            elif kind == "int":
-                result.append((1, int(value)))
-            else:
-                result.append((1, None))
-        self.result = tuple(result)
-        self.identity = list(self.result) == [(0, k) for k in range(len(self.outputs))]
-        # Inputs after the caller's: the graph's attributes and size-derived floats (both fixed
-        # per executable), then a fresh random seed for graphs with random ops.
-        self.extra = [*graph.attr_tensors, *floats]
-        self.rng = graph.rng
-        self.simple = not self.extra and not self.rng  # the caller's list is the whole input
+_from_dlpack = torch._C._from_dlpack
 
 
 def cache_args(opts: options_mod.Options) -> tuple:
@@ -164,6 +157,27 @@ class _Slot:
         self.buffer = None
 
 
+def _residency(rt):
+    """`device_arg(slot, t)`: the resident buffer of input tensor `t` at a position whose
+    `_Slot` is `slot`, uploading it the second time the same tensor comes back (or after it
+    changed), else None. Holds the runtime, not the graph (call plans keep it)."""
+
+    def device_arg(slot: _Slot, t: torch.Tensor):
+        if slot.tensor is t and slot.version == t._version:
+            return slot.buffer
+        if slot.ref is not None and slot.ref() is t:
+            # Seen before at this position: keep it resident from now on.
+            slot.tensor, slot.version = t, t._version
+            slot.buffer = rt.upload(_host_array(t))
+            counters.count_upload()
+            return slot.buffer
+        slot.ref = weakref.ref(t)
+        slot.tensor = slot.buffer = None
+        return None
+
+    return device_arg
+
+
 class CompiledGraph:
     """One AOTAutograd graph compiled by tpuc. Called boxed: with a list of args."""
 
@@ -194,6 +208,7 @@ class CompiledGraph:
         self.symbolic = any(k[0] == "symint" or any(isinstance(d, str) for d in k[1]) for k in self.inputs)
         self.executables: dict = {}
         self.slots = [_Slot() for _ in self.inputs]
+        self.device_arg = _residency(self.runtime)
         self.lock = threading.Lock()
         # Symbols with a declared maximum are bucketed: {symbol: (maximum, source, bucket sizes)}.
         self.maxima = {
@@ -234,7 +249,7 @@ class CompiledGraph:
         call_plan = None
         if self.sharded is None:
             try:
-                call_plan = CallPlan(self, exe, out_types, plan, floats)
+                call_plan = _call_plan(self, exe, out_types, plan, floats)
             except (KeyError, ValueError) as e:  # a type the plan cannot describe: general path
                 log.debug("tpuc: no call plan for %s: %s", self.name, e)
         entry = (exe, out_types, plan, floats, call_plan)
@@ -384,7 +399,7 @@ class CompiledGraph:
                 t = buckets.pad(t, pad)
             elif not t.is_contiguous():
                 t = t.contiguous()
-            buf = self._device_arg(i, t) if t is args[i] else None
+            buf = self.device_arg(self.slots[i], t) if t is args[i] else None
             if buf is not None:
                 specs.append(buf)
             else:
@@ -392,101 +407,29 @@ class CompiledGraph:
                 specs.append(_host_array(t))
         return specs, keep
 
-    def _device_arg(self, i: int, t: torch.Tensor):
-        slot = self.slots[i]
-        if slot.tensor is t and slot.version == t._version:
-            return slot.buffer
-        if slot.ref is not None and slot.ref() is t:
-            # Seen before at this position: keep it resident from now on.
-            slot.tensor, slot.version = t, t._version
-            slot.buffer = self.runtime.upload(_host_array(t))
-            counters.count_upload()
-            return slot.buffer
-        slot.ref = weakref.ref(t)
-        slot.tensor = slot.buffer = None
-        return None
-
     def __call__(self, args: list):
         fast = self.fast
         if fast is not None and self.profile is None:
-            out = self._run_plan(fast, args)
+            out = fast(args)
             if out is not None:
                 return out
         return self._call(args)
 
-    def _run_plan(self, plan: CallPlan, args: list):
-        """The hot path: runs `plan`'s executable, or returns None when a tensor does not fit
-        the plan (the caller then takes the general path)."""
-        inputs = self._plan_inputs(plan, args)
-        if inputs is None:
+    def _run_plan_profiled(self, plan: _native.CallPlan, args: list, t_start: int):
+        """The plan's call with each phase timed into `self.profile` (TPUC_LOG=debug)."""
+        t0 = time.perf_counter_ns()
+        out, (inputs, upload, execute, outputs) = plan.call_timed(args)
+        t1 = time.perf_counter_ns()
+        if out is None:
             return None
-        ptrs, _alive = inputs  # _alive holds the tensors behind the pointers until the run ends
-        outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
-        plan.run_ptrs(ptrs, [o.data_ptr() for o in outs])
-        _STATS["executions"] += 1
-        if plan.identity:
-            return outs
-        return [outs[v] if k == 0 else v for k, v in plan.result]
-
-    def _plan_inputs(self, plan: CallPlan, args: list) -> tuple[list, list] | None:
-        """What `run_ptrs` takes for each of `plan`'s inputs (a resident buffer or a data
-        pointer), with the list of the tensors those pointers point into (the per-call random
-        seed among them: the caller must hold it until the run ends), or None when a tensor does
-        not fit the plan."""
-        if plan.simple:
-            full = args
-        else:
-            full = [*args, *plan.extra]
-            if plan.rng:
-                full.append(_rng_seed())
-        ptrs = []
-        append = ptrs.append
-        for i, shape, dtype, slot, lazy_conj in plan.inputs:
-            t = full[i]
-            if slot.tensor is t and slot.version == t._version:
-                append(slot.buffer)  # resident: checked when it was uploaded
-                continue
-            if (
-                t.dtype is not dtype
-                or t.shape != shape
-                or not t.is_cpu
-                or not t.is_contiguous()
-                or t.is_neg()  # lazy negation/conjugation: the memory holds other values
-                or (lazy_conj and t.is_conj())
-            ):
-                return None
-            buf = self._device_arg(i, t)
-            append(t.data_ptr() if buf is None else buf)
-        return ptrs, full
-
-    def _run_plan_profiled(self, plan: CallPlan, args: list, t_start: int):
-        """`_run_plan` with each phase timed into `self.profile` (TPUC_LOG=debug)."""
-        clock = time.perf_counter_ns
-        t0 = clock()
-        inputs = self._plan_inputs(plan, args)
-        if inputs is None:
-            return None
-        ptrs, _alive = inputs  # held until the run ends (see _plan_inputs)
-        t1 = clock()
-        outs = [_empty_strided(s, st, d) for s, st, d in plan.outputs]
-        out_ptrs = [o.data_ptr() for o in outs]
-        t2 = clock()
-        stage, execute, fetch = plan.exe.run_ptrs_timed(ptrs, out_ptrs)
-        t3 = clock()
-        _STATS["executions"] += 1
-        result = outs if plan.identity else [outs[v] if k == 0 else v for k, v in plan.result]
-        t4 = clock()
-        self.profile.add(
-            plan=t0 - t_start,
-            inputs=t1 - t0,
-            alloc_outputs=t2 - t1,
-            upload=int(stage * 1e9),
-            execute=int(execute * 1e9),
-            copy_out=int(fetch * 1e9),
-            rust_call=(t3 - t2) - int((stage + execute + fetch) * 1e9),
-            wrap_outputs=t4 - t3,
-        )
-        return result
+        phases = {
+            "inputs": int(inputs * 1e9),
+            "upload": int(upload * 1e9),
+            "execute": int(execute * 1e9),
+            "outputs": int(outputs * 1e9),
+        }
+        self.profile.add(plan=t0 - t_start, rust_call=(t1 - t0) - sum(phases.values()), **phases)
+        return out
 
     def _call(self, args: list):
         """The general path: shape lookup, eager fallback, buckets, sharding, inputs that need
@@ -504,7 +447,7 @@ class CompiledGraph:
             if profile is not None:
                 out = self._run_plan_profiled(call_plan, user_args, t_start)
             else:
-                out = self._run_plan(call_plan, user_args)
+                out = call_plan(user_args)
             if out is not None:
                 return out
             if profile is not None:

@@ -6,17 +6,15 @@ logger `tpuc.calls` reports the median time per phase over the last `TPUC_PROFIL
 calls (default 1000), after the first call and then every that many calls:
 
     tpuc: g1_forward: 1000 planned calls (0 general), median us per call over the last 1000:
-    plan 0.4, inputs 0.6, alloc_outputs 0.7, upload 0.0, execute 3.1, copy_out 0.1,
-    rust_call 0.5, wrap_outputs 0.1; sum 5.5
+    plan 0.4, inputs 0.3, upload 0.0, execute 2.4, outputs 0.8, rust_call 0.3; sum 4.2
 
 - `plan`: the shape lookup and argument list (the general path's work before the plan);
 - `inputs`: checking each tensor against the plan, resident parameters, data pointers;
-- `alloc_outputs`: allocating the output tensors;
 - `upload`: wrapping host inputs as PJRT buffers (no copy on the CPU plugin);
 - `execute`: PJRT execute until the outputs are ready;
-- `copy_out`: copying outputs into the tensors and freeing the call's buffers;
-- `rust_call`: the rest of the call into Rust (argument conversion, releasing the GIL);
-- `wrap_outputs`: assembling the returned list.
+- `outputs`: handing the outputs to torch (in place through DLPack on the CPU plugin, else a
+  fresh tensor and a copy) and assembling the returned list;
+- `rust_call`: the rest of the call into Rust (argument conversion, releasing the GIL).
 
 Calls that do not fit the plan (non-contiguous inputs, another device) are counted as
 `general`. Without the setting none of this runs: the hot path only checks one attribute.
@@ -34,16 +32,7 @@ import threading
 
 log = logging.getLogger("tpuc.calls")
 
-_PHASES = (
-    "plan",
-    "inputs",
-    "alloc_outputs",
-    "upload",
-    "execute",
-    "copy_out",
-    "rust_call",
-    "wrap_outputs",
-)
+_PHASES = ("plan", "inputs", "upload", "execute", "outputs", "rust_call")
 _profiles: list[CallProfile] = []
 _lock = threading.Lock()
 _handler_added = False

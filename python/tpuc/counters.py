@@ -5,13 +5,20 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from . import _native
+
 _lock = threading.Lock()
 _stats: dict = {}
+# Call plans (the hot path, in Rust) count their executions there; `stats()` adds those made
+# since the last reset.
+_plan_executions_at_reset = 0
 
 
 def reset_stats() -> None:
     """Sets every counter back to zero."""
+    global _plan_executions_at_reset
     with _lock:
+        _plan_executions_at_reset = _native.plan_executions()
         _stats.clear()
         _stats.update(
             graphs_compiled=0,
@@ -32,6 +39,7 @@ def stats() -> dict:
     """A snapshot of the counters (see API.md for the keys)."""
     with _lock:
         out = dict(_stats)
+        out["executions"] += _native.plan_executions() - _plan_executions_at_reset
         out["fallback_ops"] = dict(_stats["fallback_ops"])
         out["passes"] = {k: dict(v) for k, v in _stats["passes"].items()}
         return out
@@ -57,12 +65,6 @@ def record_passes(report) -> None:
             p["ops_removed"] += before - after
             p["changes"] += changes
             p["seconds"] += seconds
-
-
-def live() -> dict:
-    """The counters' own dict (never replaced, only cleared): hot paths increment `executions`
-    in it directly; a plain int increment under the GIL."""
-    return _stats
 
 
 def count_fallback(op: str, n: int = 1) -> None:

@@ -179,6 +179,9 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             &shape,
             acc,
         )?
+    } else if is_depthwise(&x.shape, &w.shape, groups) {
+        let (xa, wa) = (cx.e.convert(&xc, acc)?, cx.e.convert(&wc, acc)?);
+        depthwise_taps(cx, &xa, &wa, &stride, &padding, &dilation, &shape)?
     } else {
         let pads: Vec<(i64, i64)> = padding.iter().map(|&p| (p, p)).collect();
         conv_general(
@@ -205,6 +208,97 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         None => r,
     };
     Ok(vec![cx.e.convert(&r, out)?])
+}
+
+/// Most kernel taps for which a depthwise convolution is lowered as a sum over its taps.
+const DEPTHWISE_MAX_TAPS: i64 = 81;
+
+/// Whether a forward convolution is depthwise: one filter of one input channel per output
+/// channel (`groups == C_in == C_out`, MobileNet's and ConvNeXt's spatial convolutions), with at
+/// most [`DEPTHWISE_MAX_TAPS`] taps.
+fn is_depthwise(x: &[i64], w: &[i64], groups: i64) -> bool {
+    groups > 1
+        && x.get(1) == Some(&groups)
+        && w.first() == Some(&groups)
+        && w.get(1) == Some(&1)
+        && w[2..].iter().product::<i64>() <= DEPTHWISE_MAX_TAPS
+}
+
+/// A depthwise convolution as the sum over the kernel's taps of a strided slice of the
+/// zero-padded input times each channel's weight for that tap: one elementwise loop fusion in
+/// XLA. Its CPU backend runs `feature_group_count = C` convolutions group by group: a 7x7
+/// depthwise convolution over 32 channels of 16x16 took milliseconds where eager PyTorch takes
+/// a tenth of one. `x`, `w` in the accumulation dtype; `out_shape` is the result's.
+fn depthwise_taps<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    w: &T<'c, 'b>,
+    stride: &[i64],
+    padding: &[i64],
+    dilation: &[i64],
+    out_shape: &[i64],
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let rank = x.rank();
+    let kernel = &w.shape[2..];
+    let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
+    let mut padded_shape = x.shape.clone();
+    for k in 0..kernel.len() {
+        let d = k + 2;
+        let needed = (out_shape[d] - 1) * stride[k] + (kernel[k] - 1) * dilation[k] + 1;
+        lo[d] = padding[k];
+        hi[d] = (needed - x.shape[d] - padding[k]).max(0);
+        padded_shape[d] += lo[d] + hi[d];
+    }
+    let zero = e.splat(Scalar::Float(0.0), &[], x.dtype)?;
+    let xp = e.op(
+        "stablehlo.pad",
+        &[x, &zero],
+        &[
+            ("edge_padding_low", array_i64(&lo)),
+            ("edge_padding_high", array_i64(&hi)),
+            ("interior_padding", array_i64(&vec![0; rank])),
+        ],
+        &padded_shape,
+        x.dtype,
+    )?;
+    let channels = w.shape[0];
+    let mut sum: Option<T<'c, 'b>> = None;
+    let taps: i64 = kernel.iter().product();
+    for tap in 0..taps {
+        // The tap's index per kernel dim, row-major.
+        let mut index = vec![0; kernel.len()];
+        let mut rest = tap;
+        for k in (0..kernel.len()).rev() {
+            index[k] = rest % kernel[k];
+            rest /= kernel[k];
+        }
+        let (mut start, mut limit, mut steps) =
+            (vec![0; rank], padded_shape.clone(), vec![1; rank]);
+        for k in 0..kernel.len() {
+            let d = k + 2;
+            start[d] = index[k] * dilation[k];
+            limit[d] = start[d] + (out_shape[d] - 1) * stride[k] + 1;
+            steps[d] = stride[k];
+        }
+        limit[0] = x.shape[0];
+        limit[1] = channels;
+        let window = e.slice(&xp, &start, &limit, &steps)?;
+        let mut w_start = vec![0; rank];
+        w_start[2..].copy_from_slice(&index);
+        let mut w_limit: Vec<i64> = w_start.iter().map(|s| s + 1).collect();
+        w_limit[0] = channels;
+        let w_tap = e.reshape(
+            &e.slice(w, &w_start, &w_limit, &vec![1; rank])?,
+            &[channels],
+        )?;
+        let term = e.mul(&window, &e.broadcast_in_dim(&w_tap, out_shape, &[1])?)?;
+        sum = Some(match sum {
+            Some(s) => e.add(&s, &term)?,
+            None => term,
+        });
+    }
+    sum.ok_or_else(|| cx.err("depthwise convolution with an empty kernel"))
 }
 
 /// The window arguments shared by `convolution` and `convolution_backward`: `stride, padding,

@@ -1,0 +1,480 @@
+//! The per-call hot path of a compiled graph: one Rust call from the graph's `__call__` that
+//! checks the caller's tensors against the executable's signature, runs it with the GIL
+//! released, and hands its outputs to torch. On the CPU plugin an output's device memory is
+//! host memory, so torch gets it in place through DLPack (no allocation, no copy); elsewhere the
+//! output is copied into a fresh torch tensor.
+//!
+//! Everything that does not change between calls is computed once, in `CallPlan::new`, from
+//! what Python's `backend._call_plan` passes. A call that does not fit the plan (a tensor of
+//! another shape, dtype or device, non-contiguous, lazily negated) returns None and Python takes
+//! its general path.
+
+use crate::{compile_err, pjrt_err, DeviceBuffer, Executable};
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use std::ffi::{c_void, CStr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use tpuc_compiler::pipeline::{Compiled, Engine, PtrArg, RunTimings};
+use tpuc_compiler::pjrt::Buffer;
+use tpuc_frontend_fx::DType;
+
+// DLPack's C ABI (dlpack.h, v0.8 layout, the one `torch._C._from_dlpack` reads).
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    strides: *mut i64, // null: dense row-major
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+const DL_CPU: i32 = 1;
+const DLTENSOR_NAME: &CStr = c"dltensor";
+
+/// An output buffer lent to torch: the DLPack record first (its address is the record's),
+/// then what it points into, freed together by `delete_lent` when torch lets go of the tensor.
+#[repr(C)]
+struct Lent {
+    managed: DLManagedTensor,
+    shape: Vec<i64>,
+    buffer: Buffer,
+}
+
+unsafe extern "C" fn delete_lent(m: *mut DLManagedTensor) {
+    // SAFETY: `m` is the first field of a `Lent` made by `Box::into_raw` in `lend`, and DLPack
+    // calls the deleter once. Dropping a PJRT buffer needs no GIL.
+    drop(unsafe { Box::from_raw(m.cast::<Lent>()) });
+}
+
+/// The capsule's destructor: frees the record only if torch never took it (a consumer renames
+/// the capsule to "used_dltensor" and owns the record from then on).
+unsafe extern "C" fn drop_capsule(capsule: *mut ffi::PyObject) {
+    // SAFETY: called by Python with the capsule being destroyed; IsValid sets no error.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, DLTENSOR_NAME.as_ptr()) == 1 {
+            let m = ffi::PyCapsule_GetPointer(capsule, DLTENSOR_NAME.as_ptr())
+                .cast::<DLManagedTensor>();
+            if let Some(delete) = (*m).deleter {
+                delete(m);
+            }
+        }
+    }
+}
+
+/// A "dltensor" capsule over `buffer`'s memory at `data` (dense, row-major `shape`).
+fn lend<'py>(
+    py: Python<'py>,
+    buffer: Buffer,
+    data: usize,
+    shape: &[i64],
+    dtype: DLDataType,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut lent = Box::new(Lent {
+        managed: DLManagedTensor {
+            dl_tensor: DLTensor {
+                data: data as *mut c_void,
+                device: DLDevice {
+                    device_type: DL_CPU,
+                    device_id: 0,
+                },
+                ndim: i32::try_from(shape.len()).map_err(|_| PyValueError::new_err("rank"))?,
+                dtype,
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_lent),
+        },
+        shape: shape.to_vec(),
+        buffer,
+    });
+    lent.managed.dl_tensor.shape = lent.shape.as_mut_ptr();
+    let raw = Box::into_raw(lent);
+    // SAFETY: `raw` stays valid until its deleter runs (from the capsule's destructor, or from
+    // torch once it has taken the record).
+    unsafe {
+        let capsule = ffi::PyCapsule_New(raw.cast(), DLTENSOR_NAME.as_ptr(), Some(drop_capsule));
+        if capsule.is_null() {
+            delete_lent(raw.cast());
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, capsule))
+    }
+}
+
+/// DLPack's name for `dtype`, where torch reads it back as the same dtype.
+fn dl_dtype(dtype: DType) -> Option<DLDataType> {
+    let (code, bits) = match dtype {
+        DType::Float64 => (2, 64),
+        DType::Float32 => (2, 32),
+        DType::Float16 => (2, 16),
+        DType::Bfloat16 => (4, 16),
+        DType::Int64 => (0, 64),
+        DType::Int32 => (0, 32),
+        DType::Int16 => (0, 16),
+        DType::Int8 => (0, 8),
+        DType::Uint8 => (1, 8),
+        DType::Bool => (6, 8),
+        DType::Complex64 => (5, 64),
+        DType::Complex128 => (5, 128),
+        DType::Uint64 => return None,
+    };
+    Some(DLDataType {
+        code,
+        bits,
+        lanes: 1,
+    })
+}
+
+struct PlanInput {
+    /// Index into the caller's args followed by `extra` (then the seed).
+    position: usize,
+    shape: Py<PyTuple>,
+    dtype: Py<PyAny>,
+    /// The position's `backend._Slot` (resident buffer of a tensor that keeps coming back).
+    slot: Py<PyAny>,
+    /// Whether the dtype can carry torch's lazy conjugation bit.
+    complex: bool,
+}
+
+struct PlanOutput {
+    shape: Vec<i64>,
+    nbytes: usize,
+    dl: Option<DLDataType>,
+    /// `(shape, strides, dtype)` for the allocator, when the output is copied out.
+    alloc_args: Py<PyTuple>,
+}
+
+enum ResultItem {
+    Output(usize),
+    Value(Py<PyAny>),
+}
+
+/// One executable's call plan (see the module docs). Called with the graph's boxed args list;
+/// returns the graph's outputs, or None when the args do not fit.
+#[pyclass(module = "tpuc._native", frozen)]
+pub struct CallPlan {
+    engine: Arc<Engine>,
+    compiled: Arc<Compiled>,
+    inputs: Vec<PlanInput>,
+    outputs: Vec<PlanOutput>,
+    result: Vec<ResultItem>,
+    identity: bool,
+    extra: Vec<Py<PyAny>>,
+    /// Draws the per-call random seed tensor (graphs with random ops).
+    seed: Option<Py<PyAny>>,
+    /// `(slot, tensor) -> DeviceBuffer | None`: residency of a tensor not resident yet.
+    device_arg: Py<PyAny>,
+    /// `(shape, strides, dtype) -> tensor` for outputs copied out.
+    alloc: Py<PyAny>,
+    from_dlpack: Py<PyAny>,
+}
+
+/// Executions through call plans since the process started (`tpuc.stats()["executions"]` adds
+/// them to the general path's count).
+static EXECUTIONS: AtomicU64 = AtomicU64::new(0);
+
+#[pyfunction]
+pub fn plan_executions() -> u64 {
+    EXECUTIONS.load(Ordering::Relaxed)
+}
+
+/// `(position, shape, dtype, slot, complex)` of one tensor input, as Python passes it.
+type InputTuple = (usize, Py<PyTuple>, Py<PyAny>, Py<PyAny>, bool);
+
+/// Seconds of one timed call: `(checking inputs, wrapping host inputs, executing, handing
+/// outputs to torch)`.
+type CallTimes = (f64, f64, f64, f64);
+
+#[pymethods]
+impl CallPlan {
+    /// `inputs`: per tensor input `(position, shape, dtype, slot, complex)`; `outputs`: per
+    /// output `(shape, strides, dtype)` (torch values, in the executable's order); `result`:
+    /// the graph's outputs, each an int index into the outputs or `("value", v)`.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        exe: &Bound<'_, Executable>,
+        inputs: Vec<InputTuple>,
+        outputs: Vec<Py<PyTuple>>,
+        result: Vec<Bound<'_, PyAny>>,
+        extra: Vec<Py<PyAny>>,
+        seed: Option<Py<PyAny>>,
+        device_arg: Py<PyAny>,
+        alloc: Py<PyAny>,
+        from_dlpack: Py<PyAny>,
+    ) -> PyResult<Self> {
+        let exe = exe.get();
+        let sig = &exe.compiled.lowered;
+        if inputs.len() != sig.inputs.len() || outputs.len() != sig.outputs.len() {
+            return Err(PyValueError::new_err(format!(
+                "call plan: {} inputs and {} outputs for an executable of {} and {}",
+                inputs.len(),
+                outputs.len(),
+                sig.inputs.len(),
+                sig.outputs.len()
+            )));
+        }
+        let outputs = outputs
+            .into_iter()
+            .zip(&sig.outputs)
+            .map(|(alloc_args, (shape, dtype))| PlanOutput {
+                shape: shape.clone(),
+                nbytes: shape
+                    .iter()
+                    .map(|&d| usize::try_from(d).unwrap_or(0))
+                    .product::<usize>()
+                    * dtype.byte_size(),
+                dl: dl_dtype(*dtype),
+                alloc_args,
+            })
+            .collect();
+        let result: Vec<ResultItem> = result
+            .into_iter()
+            .map(|r| match r.extract::<usize>() {
+                Ok(k) => Ok(ResultItem::Output(k)),
+                Err(_) => {
+                    let (_, v): (String, Py<PyAny>) = r.extract()?;
+                    Ok(ResultItem::Value(v))
+                }
+            })
+            .collect::<PyResult<_>>()?;
+        let identity = result.len() == sig.outputs.len()
+            && result
+                .iter()
+                .enumerate()
+                .all(|(i, r)| matches!(r, ResultItem::Output(k) if *k == i));
+        Ok(CallPlan {
+            engine: exe.engine.clone(),
+            compiled: exe.compiled.clone(),
+            inputs: inputs
+                .into_iter()
+                .map(|(position, shape, dtype, slot, complex)| PlanInput {
+                    position,
+                    shape,
+                    dtype,
+                    slot,
+                    complex,
+                })
+                .collect(),
+            outputs,
+            result,
+            identity,
+            extra,
+            seed,
+            device_arg,
+            alloc,
+            from_dlpack,
+        })
+    }
+
+    fn __call__(&self, py: Python<'_>, args: &Bound<'_, PyList>) -> PyResult<Option<Py<PyAny>>> {
+        self.call(py, args, None)
+    }
+
+    /// `__call__`, also returning where the time went: `(result or None, (inputs, upload,
+    /// execute, outputs))` in seconds (`TPUC_LOG=debug`'s per-call profile).
+    fn call_timed(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, PyList>,
+    ) -> PyResult<(Option<Py<PyAny>>, CallTimes)> {
+        let mut t = PlanTimings::default();
+        let out = self.call(py, args, Some(&mut t))?;
+        Ok((
+            out,
+            (
+                t.inputs,
+                t.run.stage.as_secs_f64(),
+                t.run.execute.as_secs_f64(),
+                t.outputs,
+            ),
+        ))
+    }
+}
+
+#[derive(Default)]
+struct PlanTimings {
+    inputs: f64,
+    run: RunTimings,
+    outputs: f64,
+}
+
+/// An input as `run_ptrs` takes it: a resident buffer or a host tensor's data pointer.
+enum Arg<'py> {
+    Device(Bound<'py, DeviceBuffer>),
+    Host(usize),
+}
+
+impl CallPlan {
+    fn call(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, PyList>,
+        mut timings: Option<&mut PlanTimings>,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let t0 = timings.as_ref().map(|_| Instant::now());
+        // Held until the run ends: the tensors behind the host pointers (the seed among them).
+        let seed = match &self.seed {
+            Some(draw) => Some(draw.bind(py).call0()?),
+            None => None,
+        };
+        let n_args = args.len();
+        let mut run_args: Vec<Arg<'_>> = Vec::with_capacity(self.inputs.len());
+        let mut held: Vec<Bound<'_, PyAny>> = Vec::with_capacity(self.inputs.len());
+        for input in &self.inputs {
+            let t = if input.position < n_args {
+                args.get_item(input.position)?
+            } else if let Some(e) = self.extra.get(input.position - n_args) {
+                e.bind(py).clone()
+            } else if let Some(s) = &seed {
+                s.clone()
+            } else {
+                return Ok(None);
+            };
+            match self.check_input(py, input, &t)? {
+                Some(arg) => run_args.push(arg),
+                None => return Ok(None),
+            }
+            held.push(t);
+        }
+        let ptr_args: Vec<PtrArg<'_>> = run_args
+            .iter()
+            .map(|a| match a {
+                Arg::Device(d) => PtrArg::Device(&d.get().buffer),
+                Arg::Host(p) => PtrArg::Host(*p),
+            })
+            .collect();
+        if let (Some(t), Some(t0)) = (timings.as_mut(), t0) {
+            t.inputs += t0.elapsed().as_secs_f64();
+        }
+        let (engine, compiled) = (&self.engine, &self.compiled);
+        let mut run_t = timings.as_ref().map(|_| RunTimings::default());
+        // SAFETY: each host pointer is the data of a live (held), CPU, contiguous tensor whose
+        // shape and dtype were just checked against the signature.
+        let buffers = py
+            .detach(|| unsafe { engine.execute_ptrs(compiled, &ptr_args, run_t.as_mut()) })
+            .map_err(compile_err)?;
+        drop(ptr_args);
+        drop(held);
+        let t2 = timings.as_ref().map(|_| Instant::now());
+        let outs = self.hand_out(py, buffers)?;
+        EXECUTIONS.fetch_add(1, Ordering::Relaxed);
+        let result = if self.identity {
+            PyList::new(py, outs)?
+        } else {
+            PyList::new(
+                py,
+                self.result.iter().map(|r| match r {
+                    ResultItem::Output(k) => outs[*k].clone(),
+                    ResultItem::Value(v) => v.bind(py).clone(),
+                }),
+            )?
+        };
+        if let (Some(t), Some(t2), Some(run)) = (timings, t2, run_t) {
+            t.run = run;
+            t.outputs += t2.elapsed().as_secs_f64();
+        }
+        Ok(Some(result.into_any().unbind()))
+    }
+
+    /// How `t` goes to the executable at `input`, or None when it does not fit the plan.
+    fn check_input<'py>(
+        &self,
+        py: Python<'py>,
+        input: &PlanInput,
+        t: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Arg<'py>>> {
+        let slot = input.slot.bind(py);
+        if slot.getattr(intern!(py, "tensor"))?.is(t) {
+            // Resident: checked when it was uploaded; valid while unchanged.
+            let version: i64 = slot.getattr(intern!(py, "version"))?.extract()?;
+            if t.getattr(intern!(py, "_version"))?.extract::<i64>()? == version {
+                let buffer = slot.getattr(intern!(py, "buffer"))?;
+                return Ok(Some(Arg::Device(buffer.cast_into::<DeviceBuffer>()?)));
+            }
+        }
+        let Ok(dtype) = t.getattr(intern!(py, "dtype")) else {
+            return Ok(None); // not a tensor
+        };
+        let fits = dtype.is(input.dtype.bind(py))
+            && t.getattr(intern!(py, "shape"))?.eq(input.shape.bind(py))?
+            && t.getattr(intern!(py, "is_cpu"))?.is_truthy()?
+            && t.call_method0(intern!(py, "is_contiguous"))?.is_truthy()?
+            // Lazy negation/conjugation: the memory holds other values.
+            && !t.call_method0(intern!(py, "is_neg"))?.is_truthy()?
+            && !(input.complex && t.call_method0(intern!(py, "is_conj"))?.is_truthy()?);
+        if !fits {
+            return Ok(None);
+        }
+        let resident = self.device_arg.bind(py).call1((slot, t))?;
+        if resident.is_none() {
+            let ptr: usize = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+            return Ok(Some(Arg::Host(ptr)));
+        }
+        Ok(Some(Arg::Device(resident.cast_into::<DeviceBuffer>()?)))
+    }
+
+    /// The executable's outputs as torch tensors: lent in place where the host can read the
+    /// device memory, else copied into fresh tensors.
+    fn hand_out<'py>(
+        &self,
+        py: Python<'py>,
+        buffers: Vec<Buffer>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut outs = Vec::with_capacity(buffers.len());
+        for (buffer, out) in buffers.into_iter().zip(&self.outputs) {
+            let view = match out.dl {
+                Some(_) => self
+                    .engine
+                    .host_view(&buffer, out.nbytes)
+                    .map_err(pjrt_err)?,
+                None => None,
+            };
+            if let (Some(data), Some(dl)) = (view, out.dl) {
+                let capsule = lend(py, buffer, data, &out.shape, dl)?;
+                outs.push(self.from_dlpack.bind(py).call1((capsule,))?);
+                continue;
+            }
+            let tensor = self.alloc.bind(py).call1(out.alloc_args.bind(py))?;
+            if out.nbytes > 0 {
+                let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
+                let engine = &self.engine;
+                // SAFETY: a fresh contiguous tensor of the output's type, held across the copy.
+                py.detach(|| unsafe { engine.fetch_into(&buffer, ptr, out.nbytes) })
+                    .map_err(pjrt_err)?;
+            }
+            outs.push(tensor);
+        }
+        Ok(outs)
+    }
+}
