@@ -39,8 +39,8 @@ def verify_stablehlo(text: str) -> None:
 def _verify_every_module():
     original = backend.CompiledGraph._compile
 
-    def compile_and_verify(self, bindings, key):
-        entry = original(self, bindings, key)
+    def compile_and_verify(self, bindings, key, **kwargs):
+        entry = original(self, bindings, key, **kwargs)
         verify_stablehlo(entry[0].mlir)
         _verified.append(self.name)
         return entry

@@ -62,13 +62,34 @@ def test_inputs_that_do_not_fit_the_plan_take_the_general_path(monkeypatch):
     g = graphs[-1]
     t = torch.randn(5, 6).t()  # same shape, not contiguous
     assert not t.is_contiguous()
-    assert g.fast([t]) is None
+    assert g.fast.try_call([t]) is None
     (out,) = g([t])
     torch.testing.assert_close(out, t * 2 + 1)
     # another shape or dtype than the plan's never reaches the executable through the plan
-    assert g.fast([torch.randn(6, 4)]) is None
-    assert g.fast([torch.randn(6, 5, dtype=torch.float64)]) is None
-    assert g.fast([3]) is None  # not a tensor
+    assert g.fast.try_call([torch.randn(6, 4)]) is None
+    assert g.fast.try_call([torch.randn(6, 5, dtype=torch.float64)]) is None
+    assert g.fast.try_call([3]) is None  # not a tensor
+    # the plan is what AOTAutograd calls: what does not fit goes to the graph's general path
+    (out,) = g.fast([t])
+    torch.testing.assert_close(out, t * 2 + 1)
+
+
+def test_a_dropped_compiled_function_frees_its_graph(monkeypatch):
+    # The static plan (what AOTAutograd holds) falls back to its graph, which holds the plan:
+    # Python's GC must see that cycle (CallPlan.__traverse__) and free both.
+    import weakref
+
+    graphs = _capture_graphs(monkeypatch)
+    lin = torch.nn.Linear(8, 4)
+    fn = torch.compile(lin, backend="tpu", options={"cache_dir": None})
+    with torch.no_grad():
+        fn(torch.randn(3, 8))
+    gone = weakref.ref(graphs.pop())
+    assert gone() is not None
+    del fn
+    torch._dynamo.reset()
+    gc.collect()
+    assert gone() is None
 
 
 def test_outputs_are_lent_in_place_and_outlive_everything():

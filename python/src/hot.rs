@@ -15,10 +15,11 @@ use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
+use pyo3::{PyTraverseError, PyVisit};
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tpuc_compiler::pipeline::{Compiled, Engine, PtrArg, RunTimings};
 use tpuc_compiler::pjrt::Buffer;
 use tpuc_frontend_fx::DType;
@@ -179,8 +180,9 @@ enum ResultItem {
     Value(Py<PyAny>),
 }
 
-/// One executable's call plan (see the module docs). Called with the graph's boxed args list;
-/// returns the graph's outputs, or None when the args do not fit.
+/// One executable's call plan (see the module docs). Called with the graph's boxed args list,
+/// it returns the graph's outputs; args that do not fit go to `fallback` (the graph's general
+/// path). A static graph's plan is what AOTAutograd calls, with nothing in between.
 #[pyclass(module = "tpuc._native", frozen)]
 pub struct CallPlan {
     engine: Arc<Engine>,
@@ -197,7 +199,15 @@ pub struct CallPlan {
     /// `(shape, strides, dtype) -> tensor` for outputs copied out.
     alloc: Py<PyAny>,
     from_dlpack: Py<PyAny>,
+    /// `(args) -> outputs` for args that do not fit (holds the graph, which holds this plan: the
+    /// cycle is visible to Python's GC through `__traverse__`).
+    fallback: Option<Py<PyAny>>,
 }
+
+/// Executions that took less than this last time keep the GIL: releasing and re-acquiring it
+/// costs more than the execution frees for other threads, and re-acquiring it from a busy
+/// thread can wait its whole switch interval (5 ms), a thousand times the execution.
+const HOLD_GIL_BELOW: Duration = Duration::from_micros(10);
 
 /// Executions through call plans since the process started (`tpuc.stats()["executions"]` adds
 /// them to the general path's count).
@@ -221,6 +231,7 @@ impl CallPlan {
     /// output `(shape, strides, dtype)` (torch values, in the executable's order); `result`:
     /// the graph's outputs, each an int index into the outputs or `("value", v)`.
     #[new]
+    #[pyo3(signature = (exe, inputs, outputs, result, extra, seed, device_arg, alloc, from_dlpack, fallback=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         exe: &Bound<'_, Executable>,
@@ -232,6 +243,7 @@ impl CallPlan {
         device_arg: Py<PyAny>,
         alloc: Py<PyAny>,
         from_dlpack: Py<PyAny>,
+        fallback: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let exe = exe.get();
         let sig = &exe.compiled.lowered;
@@ -294,11 +306,58 @@ impl CallPlan {
             device_arg,
             alloc,
             from_dlpack,
+            fallback,
         })
     }
 
-    fn __call__(&self, py: Python<'_>, args: &Bound<'_, PyList>) -> PyResult<Option<Py<PyAny>>> {
+    /// AOTAutograd calls compiled graphs with one list of args.
+    #[classattr]
+    fn _boxed_call() -> bool {
+        true
+    }
+
+    fn __call__(&self, py: Python<'_>, args: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        if let Ok(list) = args.cast::<PyList>() {
+            if let Some(out) = self.call(py, list, None)? {
+                return Ok(out);
+            }
+        }
+        match &self.fallback {
+            Some(general) => Ok(general.bind(py).call1((args,))?.unbind()),
+            None => Err(PyValueError::new_err(
+                "tpuc: the arguments do not fit this call plan (use try_call)",
+            )),
+        }
+    }
+
+    /// The outputs, or None when the args do not fit the plan.
+    fn try_call(&self, py: Python<'_>, args: &Bound<'_, PyList>) -> PyResult<Option<Py<PyAny>>> {
         self.call(py, args, None)
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        for input in &self.inputs {
+            visit.call(&input.shape)?;
+            visit.call(&input.dtype)?;
+            visit.call(&input.slot)?;
+        }
+        for out in &self.outputs {
+            visit.call(&out.alloc_args)?;
+        }
+        for r in &self.result {
+            if let ResultItem::Value(v) = r {
+                visit.call(v)?;
+            }
+        }
+        for e in &self.extra {
+            visit.call(e)?;
+        }
+        visit.call(&self.seed)?;
+        visit.call(&self.device_arg)?;
+        visit.call(&self.alloc)?;
+        visit.call(&self.from_dlpack)?;
+        visit.call(&self.fallback)?;
+        Ok(())
     }
 
     /// `__call__`, also returning where the time went: `(result or None, (inputs, upload,
@@ -381,9 +440,13 @@ impl CallPlan {
         let mut run_t = timings.as_ref().map(|_| RunTimings::default());
         // SAFETY: each host pointer is the data of a live (held), CPU, contiguous tensor whose
         // shape and dtype were just checked against the signature.
-        let buffers = py
-            .detach(|| unsafe { engine.execute_ptrs(compiled, &ptr_args, run_t.as_mut()) })
-            .map_err(compile_err)?;
+        let mut run = || unsafe { engine.execute_ptrs(compiled, &ptr_args, run_t.as_mut()) };
+        let buffers = if compiled.exe.last_run().is_some_and(|d| d < HOLD_GIL_BELOW) {
+            run()
+        } else {
+            py.detach(run)
+        }
+        .map_err(compile_err)?;
         drop(ptr_args);
         drop(held);
         let t2 = timings.as_ref().map(|_| Instant::now());

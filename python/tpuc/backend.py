@@ -95,13 +95,14 @@ def _contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def _call_plan(graph: CompiledGraph, exe, out_types, plan, floats) -> _native.CallPlan:
+def _call_plan(graph: CompiledGraph, exe, out_types, plan, floats, fallback=None) -> _native.CallPlan:
     """The hot path of calling `exe` (see python/src/hot.rs): everything about a call that does
     not change between calls, computed once. Per tensor input its position, shape and dtype
     (checked, then passed to Rust as a resident DeviceBuffer or a bare data pointer), per output
     its type (lent to torch in place on the CPU plugin, else copied into a fresh tensor), and
     how the graph's outputs are assembled. A call that does not fit the plan (a tensor on
-    another device, non-contiguous, another shape or dtype) returns None: the general path."""
+    another device, non-contiguous, another shape or dtype) goes to `fallback` (the graph's
+    general path; `try_call` returns None instead)."""
     inputs = [
         (i, tuple(shape), _DTYPES[dtype], graph.slots[i], _DTYPES[dtype].is_complex)
         for i, (shape, dtype) in zip(graph.tensor_slots, exe.input_types, strict=True)
@@ -120,6 +121,7 @@ def _call_plan(graph: CompiledGraph, exe, out_types, plan, floats) -> _native.Ca
         graph.device_arg,
         _empty_strided,
         _from_dlpack,
+        fallback,
     )
 
 
@@ -232,12 +234,12 @@ class CompiledGraph:
         self.profile = callprof.CallProfile(name) if callprof.enabled() else None
         self.fast = None  # the static executable's CallPlan: most calls need nothing else
         if not self.symbolic:
-            self.static = self._compile({}, None)
+            self.static = self._compile({}, None, fallback=self._call)
             self.fast = self.static[4]
         else:
             self.static = None
 
-    def _compile(self, bindings: dict, key):
+    def _compile(self, bindings: dict, key, fallback=None):
         request = self.sharded.request() if self.sharded is not None else None
         exe = self.runtime.compile(self.graph, bindings, self.opts.precision, *cache_args(self.opts), request)
         if self.sharded is not None:
@@ -249,7 +251,7 @@ class CompiledGraph:
         call_plan = None
         if self.sharded is None:
             try:
-                call_plan = _call_plan(self, exe, out_types, plan, floats)
+                call_plan = _call_plan(self, exe, out_types, plan, floats, fallback)
             except (KeyError, ValueError) as e:  # a type the plan cannot describe: general path
                 log.debug("tpuc: no call plan for %s: %s", self.name, e)
         entry = (exe, out_types, plan, floats, call_plan)
@@ -410,10 +412,15 @@ class CompiledGraph:
     def __call__(self, args: list):
         fast = self.fast
         if fast is not None and self.profile is None:
-            out = fast(args)
+            out = fast.try_call(args)
             if out is not None:
                 return out
         return self._call(args)
+
+    def entry_point(self):
+        """What AOTAutograd calls: a static graph's call plan itself (falling back to this
+        graph's general path), unless calls are profiled; else this graph."""
+        return self.fast if self.fast is not None and self.profile is None else self
 
     def _run_plan_profiled(self, plan: _native.CallPlan, args: list, t_start: int):
         """The plan's call with each phase timed into `self.profile` (TPUC_LOG=debug)."""
@@ -447,7 +454,7 @@ class CompiledGraph:
             if profile is not None:
                 out = self._run_plan_profiled(call_plan, user_args, t_start)
             else:
-                out = call_plan(user_args)
+                out = call_plan.try_call(user_args)
             if out is not None:
                 return out
             if profile is not None:
@@ -665,11 +672,12 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=N
 
 def _compile_or_fallback(
     gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None
-) -> CompiledGraph | None:
-    """A CompiledGraph, or None (run `gm` eagerly) when lowering fails and fallback="eager".
+) -> CompiledGraph | _native.CallPlan | None:
+    """A CompiledGraph's entry point, or None (run `gm` eagerly) when lowering fails and
+    fallback="eager".
     Plugin errors always raise: they are not a matter of op coverage."""
     try:
-        return CompiledGraph(gm, opts, name, maxima, shard)
+        return CompiledGraph(gm, opts, name, maxima, shard).entry_point()
     except _native.TpucError as e:
         if opts.fallback == "error" or isinstance(e, _native.PjrtError):
             raise

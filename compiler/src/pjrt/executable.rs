@@ -314,6 +314,17 @@ impl LoadedExecutable {
         }
     }
 
+    /// How long the last execution took, from execute to completion (None before the first).
+    pub fn last_run(&self) -> Option<std::time::Duration> {
+        match self
+            .last_run_nanos
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => None,
+            n => Some(std::time::Duration::from_nanos(n)),
+        }
+    }
+
     /// Serializes the executable for [`crate::pjrt::Client::deserialize`].
     ///
     /// Refused for an executable that was itself deserialized: the CPU
