@@ -3,6 +3,7 @@
 //! Kept separate from the IR so the IR can change without changing what Python sends.
 
 use crate::{DType, Dim, SymExpr};
+use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -29,8 +30,10 @@ pub struct FxNode {
 }
 
 /// An argument of an FX node. Untagged: JSON numbers, bools, strings, arrays and null map to
-/// themselves; objects carry a one-key tag.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// themselves; objects carry a one-key tag. Read by a hand-written visitor (see the
+/// `Deserialize` impl below), not serde's untagged derive, which buffers every value and builds
+/// an error for each variant it tries before the one that fits (most of the import time).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum FxArg {
     Null,
@@ -58,6 +61,100 @@ pub enum FxArg {
     },
 }
 
+impl<'de> Deserialize<'de> for FxArg {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<FxArg, D::Error> {
+        d.deserialize_any(FxArgVisitor)
+    }
+}
+
+struct FxArgVisitor;
+
+/// The one-key objects an argument may be, by key.
+const TAGS: &[&str] = &["node", "dtype", "float", "device", "other"];
+
+impl<'de> Visitor<'de> for FxArgVisitor {
+    type Value = FxArg;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an FX argument: null, a bool, a number, a string, a list or a one-key object")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<FxArg, E> {
+        Ok(FxArg::Null)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<FxArg, E> {
+        Ok(FxArg::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<FxArg, D::Error> {
+        FxArg::deserialize(d)
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<FxArg, E> {
+        Ok(FxArg::Bool(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<FxArg, E> {
+        Ok(FxArg::Int(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<FxArg, E> {
+        // Past i64 the untagged derive fell through to Float; keep that.
+        Ok(i64::try_from(v).map_or(FxArg::Float(v as f64), FxArg::Int))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<FxArg, E> {
+        Ok(FxArg::Float(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<FxArg, E> {
+        Ok(FxArg::Str(v.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<FxArg, E> {
+        Ok(FxArg::Str(v))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<FxArg, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(FxArg::List(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<FxArg, A::Error> {
+        let key: String = map
+            .next_key()?
+            .ok_or_else(|| de::Error::custom("an FX argument object is empty"))?;
+        let arg = match key.as_str() {
+            "node" => FxArg::Node {
+                node: map.next_value()?,
+            },
+            "dtype" => FxArg::DType {
+                dtype: map.next_value()?,
+            },
+            "float" => FxArg::SpecialFloat {
+                float: map.next_value()?,
+            },
+            "device" => FxArg::Device {
+                device: map.next_value()?,
+            },
+            "other" => FxArg::Other {
+                other: map.next_value()?,
+            },
+            _ => return Err(de::Error::unknown_field(&key, TAGS)),
+        };
+        if let Some(extra) = map.next_key::<String>()? {
+            return Err(de::Error::custom(format!(
+                "an FX argument object has one key, got `{key}` and `{extra}`"
+            )));
+        }
+        Ok(arg)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FxMeta {
@@ -67,4 +164,53 @@ pub enum FxMeta {
     Int(i64),
     Float(f64),
     Bool(bool),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_read_back_as_written() {
+        let args = vec![
+            FxArg::Null,
+            FxArg::Bool(true),
+            FxArg::Int(-3),
+            FxArg::Int(i64::MAX),
+            FxArg::Float(0.5),
+            FxArg::Float(2.0),
+            FxArg::Str("mean".into()),
+            FxArg::List(vec![FxArg::Int(1), FxArg::Node { node: "x".into() }]),
+            FxArg::Node { node: "add".into() },
+            FxArg::DType {
+                dtype: DType::Float32,
+            },
+            FxArg::SpecialFloat {
+                float: "-inf".into(),
+            },
+            FxArg::Device {
+                device: "cpu".into(),
+            },
+            FxArg::Other {
+                other: "torch.strided".into(),
+            },
+        ];
+        let text = serde_json::to_string(&args).unwrap();
+        let back: Vec<FxArg> = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, args);
+        let big: FxArg = serde_json::from_str("18446744073709551615").unwrap();
+        assert_eq!(big, FxArg::Float(u64::MAX as f64));
+    }
+
+    #[test]
+    fn bad_arg_objects_are_errors() {
+        for text in [
+            r#"{}"#,
+            r#"{"what": 1}"#,
+            r#"{"node": "a", "dtype": "float32"}"#,
+            r#"{"node": 3}"#,
+        ] {
+            assert!(serde_json::from_str::<FxArg>(text).is_err(), "{text}");
+        }
+    }
 }

@@ -166,24 +166,30 @@ impl FxGraph {
     /// Runs the passes of the pipeline (`tpuc_passes::PIPELINE`, in its fixed order) named in
     /// `enabled` (all when None); returns
     /// `[(pass, ops_before, ops_after, graph_text_after, seconds, changes)]` and the new graph.
-    #[pyo3(signature = (enabled=None))]
+    /// `graph_text_after` is None unless `texts` (printing the graph after every pass costs
+    /// more than the passes; only dumps read it).
+    #[pyo3(signature = (enabled=None, texts=false))]
     #[allow(clippy::type_complexity)]
     fn cleanup(
         &self,
         py: Python<'_>,
         enabled: Option<Vec<String>>,
-    ) -> (Vec<(String, usize, usize, String, f64, usize)>, FxGraph) {
+        texts: bool,
+    ) -> (
+        Vec<(String, usize, usize, Option<String>, f64, usize)>,
+        FxGraph,
+    ) {
         py.detach(|| {
             let mut g = self.graph.clone();
-            let mut texts = Vec::new();
+            let mut after = Vec::new();
             let reports = tpuc_passes::run_pipeline(
                 &mut g,
                 |name| enabled.as_ref().is_none_or(|e| e.iter().any(|n| n == name)),
-                |_, g| texts.push(g.to_string()),
+                |_, g| after.push(texts.then(|| g.to_string())),
             );
             let report = reports
                 .into_iter()
-                .zip(texts)
+                .zip(after)
                 .map(|(r, text)| {
                     (
                         r.name.to_string(),

@@ -194,7 +194,9 @@ class CompiledGraph:
         self.name = name
         shard_ctx, shard_kind = shard if shard is not None else (None, None)
         self.runtime = runtime.get_runtime(opts.plugin, shard_ctx.mesh.size if shard_ctx else None)
-        self.fx_text = gm.print_readable(print_output=False)
+        # The texts only dumps read: printing the FX graph alone costs more than lowering it.
+        dumping = opts.dump_dir is not None
+        self.fx_text = gm.print_readable(print_output=False) if dumping else None
         wire, attr_targets = fx_export.export(gm)
         self.attr_tensors = [getattr(gm, t) for t in attr_targets]
         # Size-derived floats, inputs after the attributes, computed per shape from the sizes.
@@ -202,9 +204,9 @@ class CompiledGraph:
         # Random ops take a fresh seed per call, drawn from torch's generator (the last input).
         self.rng = fx_export.uses_rng(gm)
         imported = _native.FxGraph.from_json(wire)
-        self.pass_report, self.graph = imported.cleanup(opts.enabled_passes())
+        self.pass_report, self.graph = imported.cleanup(opts.enabled_passes(), texts=dumping)
         counters.record_passes(self.pass_report)
-        self.imported_text = str(imported)
+        self.imported_text = str(imported) if dumping else None
         self.inputs = self.graph.inputs()
         self.tensor_slots = [i for i, k in enumerate(self.inputs) if k[0] == "tensor"]
         self.symbolic = any(k[0] == "symint" or any(isinstance(d, str) for d in k[1]) for k in self.inputs)

@@ -16,9 +16,26 @@ import torch.fx
 
 from . import _native
 
+#: Names computed once per dtype and per op target: `str()` of an OpOverload formats it anew
+#: each call, and an export asks for every node's (keys are interned torch objects, few of them).
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_TARGET_NAMES: dict[object, str] = {}
+
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _target_name(target) -> str:
+    name = _TARGET_NAMES.get(target)
+    if name is None:
+        name = _TARGET_NAMES[target] = (
+            "<built-in function getitem>" if target is operator.getitem else str(target)
+        )
+    return name
 
 
 def _sym(value) -> str | int:
@@ -35,7 +52,12 @@ def _meta(val, node: torch.fx.Node):
     if val is None:
         return None
     if isinstance(val, torch.Tensor):
-        return {"tensor": {"shape": [_sym(d) for d in val.shape], "dtype": dtype_name(val.dtype)}}
+        return {
+            "tensor": {
+                "shape": [d if type(d) is int else _sym(d) for d in val.shape],
+                "dtype": dtype_name(val.dtype),
+            }
+        }
     if isinstance(val, torch.SymInt):
         s = _sym(val)
         return {"int": s} if isinstance(s, int) else {"symint": s}
@@ -53,7 +75,12 @@ def _meta(val, node: torch.fx.Node):
     return None
 
 
+_PLAIN = (int, bool, str, type(None))
+
+
 def _arg(a, node: torch.fx.Node):
+    if type(a) in _PLAIN:  # the common literals, exactly (subclasses take the checks below)
+        return a
     if isinstance(a, torch.fx.Node):
         return {"node": a.name}
     if a is None or isinstance(a, bool | str):
@@ -87,8 +114,6 @@ def _is_symfloat(a) -> bool:
 
 
 def _target(node: torch.fx.Node) -> str:
-    if node.target is operator.getitem:
-        return "<built-in function getitem>"
     target = node.target
     # A size-derived float becomes a 0-d tensor input: use the op's Tensor overload.
     if (
@@ -98,7 +123,7 @@ def _target(node: torch.fx.Node) -> str:
         and hasattr(target.overloadpacket, "Tensor")
     ):
         target = target.overloadpacket.Tensor
-    return str(target)
+    return _target_name(target)
 
 
 def symfloat_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -120,7 +145,7 @@ SEED_INPUT = "tpuc_rng_seed"
 
 def uses_rng(gm: torch.fx.GraphModule) -> bool:
     """Whether the exported graph takes a seed input (last, after the size-derived floats)."""
-    return any(n.op == "call_function" and str(n.target) in RANDOM_OPS for n in gm.graph.nodes)
+    return any(n.op == "call_function" and _target_name(n.target) in RANDOM_OPS for n in gm.graph.nodes)
 
 
 def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
@@ -144,7 +169,8 @@ def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
             attrs.append({"name": n.name, "op": "placeholder", "target": n.target, "val": _meta(val, n)})
         elif n.op in ("call_function", "output"):
             args = [_arg(a, n) for a in n.args]
-            if n.op == "call_function" and str(n.target) in RANDOM_OPS:
+            target = _target(n)
+            if n.op == "call_function" and target in RANDOM_OPS:
                 # Positional args padded to the schema's length, then the seed and the stream.
                 schema_len = len(n.target._schema.arguments)
                 args += [
@@ -157,7 +183,7 @@ def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
                 {
                     "name": n.name,
                     "op": n.op,
-                    "target": _target(n),
+                    "target": target,
                     "args": args,
                     "kwargs": {k: _arg(v, n) for k, v in n.kwargs.items()},
                     "val": _meta(n.meta.get("val"), n),
@@ -188,4 +214,8 @@ def export(gm: torch.fx.GraphModule) -> tuple[str, list[str]]:
                 "val": {"tensor": {"shape": [2], "dtype": "int64"}},
             }
         )
-    return json.dumps({"nodes": inputs + attrs + floats + ops}), attr_inputs
+    return _JSON.encode({"nodes": inputs + attrs + floats + ops}), attr_inputs
+
+
+# Compact and without the cycle check (the tree is built just above): a quarter less time.
+_JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)
