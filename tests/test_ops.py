@@ -262,6 +262,30 @@ def test_depthwise_convolutions_as_tap_sums(tmp_path):
     check(lambda x, w: F.conv2d(x, w, padding=3, groups=6), *half, rtol=2e-2, atol=2e-2)
 
 
+def test_convolutions_with_few_output_positions_as_tap_products(tmp_path):
+    # At most 4 output positions: a sum of per-tap matrix products (one product when every tap
+    # reads input; taps over padding only are skipped), not XLA's convolution.
+    x1, x2, x4 = torch.randn(2, 8, 1, 1), torch.randn(2, 8, 2, 2), torch.randn(2, 8, 4, 4)
+    w3, w1 = torch.randn(5, 8, 3, 3), torch.randn(5, 8, 1, 1)
+    xd, wd = torch.randn(2, 3, 4), torch.randn(4, 3, 3)
+    b = torch.randn(5)
+
+    def f(x1, x2, x4, w3, w1, xd, wd, b):
+        return (
+            F.conv2d(x1, w3, b, padding=1),  # only the centre tap reads input
+            F.conv2d(x2, w3, None, padding=1),  # every tap reads input: one product
+            F.conv2d(x4, w3, b, stride=2, padding=1),
+            F.conv2d(x4, w1, None, stride=2),  # ResNet's downsampling shortcut
+            F.conv2d(x4, w3, None, padding=2, dilation=3),
+            F.conv1d(xd, wd, None, stride=2, padding=1),
+        )
+
+    check(f, x1, x2, x4, w3, w1, xd, wd, b, rtol=1e-4, atol=1e-4, fallback="error", dump_dir=str(tmp_path))
+    (module,) = tmp_path.glob("*/stablehlo.mlir")
+    assert "stablehlo.convolution" not in module.read_text()
+    check(lambda x, w: F.conv2d(x, w, padding=1), x2.half(), w3.half(), rtol=2e-2, atol=2e-2)
+
+
 def test_special_functions_and_inverse_trig():
     x = torch.linspace(-4.75, 9.5, 41)
     u = torch.linspace(-0.999, 0.999, 41)

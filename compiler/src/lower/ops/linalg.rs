@@ -181,7 +181,12 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         )?
     } else if is_depthwise(&x.shape, &w.shape, groups) {
         let (xa, wa) = (cx.e.convert(&xc, acc)?, cx.e.convert(&wc, acc)?);
-        depthwise_taps(cx, &xa, &wa, &stride, &padding, &dilation, &shape)?
+        let window = TapWindow::new(cx, &xa, &w.shape[2..], &stride, &padding, &dilation, &shape)?;
+        depthwise_taps(cx, &window, &wa)?
+    } else if groups == 1 && shape[2..].iter().product::<i64>() <= TAP_DOTS_MAX_POSITIONS {
+        let (xa, wa) = (cx.e.convert(&xc, acc)?, cx.e.convert(&wc, acc)?);
+        let window = TapWindow::new(cx, &xa, &w.shape[2..], &stride, &padding, &dilation, &shape)?;
+        tap_dots(cx, &window, &wa)?
     } else {
         let pads: Vec<(i64, i64)> = padding.iter().map(|&p| (p, p)).collect();
         conv_general(
@@ -224,81 +229,232 @@ fn is_depthwise(x: &[i64], w: &[i64], groups: i64) -> bool {
         && w[2..].iter().product::<i64>() <= DEPTHWISE_MAX_TAPS
 }
 
-/// A depthwise convolution as the sum over the kernel's taps of a strided slice of the
-/// zero-padded input times each channel's weight for that tap: one elementwise loop fusion in
-/// XLA. Its CPU backend runs `feature_group_count = C` convolutions group by group: a 7x7
-/// depthwise convolution over 32 channels of 16x16 took milliseconds where eager PyTorch takes
-/// a tenth of one. `x`, `w` in the accumulation dtype; `out_shape` is the result's.
-fn depthwise_taps<'c, 'b>(
-    cx: &NodeCx<'_, 'c, 'b>,
-    x: &T<'c, 'b>,
-    w: &T<'c, 'b>,
-    stride: &[i64],
-    padding: &[i64],
-    dilation: &[i64],
-    out_shape: &[i64],
-) -> R<T<'c, 'b>> {
-    let e = cx.e;
-    let rank = x.rank();
-    let kernel = &w.shape[2..];
-    let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
-    let mut padded_shape = x.shape.clone();
-    for k in 0..kernel.len() {
-        let d = k + 2;
-        let needed = (out_shape[d] - 1) * stride[k] + (kernel[k] - 1) * dilation[k] + 1;
-        lo[d] = padding[k];
-        hi[d] = (needed - x.shape[d] - padding[k]).max(0);
-        padded_shape[d] += lo[d] + hi[d];
-    }
-    let zero = e.splat(Scalar::Float(0.0), &[], x.dtype)?;
-    let xp = e.op(
-        "stablehlo.pad",
-        &[x, &zero],
-        &[
-            ("edge_padding_low", array_i64(&lo)),
-            ("edge_padding_high", array_i64(&hi)),
-            ("interior_padding", array_i64(&vec![0; rank])),
-        ],
-        &padded_shape,
-        x.dtype,
-    )?;
-    let channels = w.shape[0];
-    let mut sum: Option<T<'c, 'b>> = None;
-    let taps: i64 = kernel.iter().product();
-    for tap in 0..taps {
-        // The tap's index per kernel dim, row-major.
-        let mut index = vec![0; kernel.len()];
-        let mut rest = tap;
-        for k in (0..kernel.len()).rev() {
-            index[k] = rest % kernel[k];
-            rest /= kernel[k];
-        }
-        let (mut start, mut limit, mut steps) =
-            (vec![0; rank], padded_shape.clone(), vec![1; rank]);
+/// Most output positions (the product of the output's spatial dims) for which a convolution is
+/// lowered as a sum of one matrix product per kernel tap.
+const TAP_DOTS_MAX_POSITIONS: i64 = 4;
+
+/// A convolution's input, zero-padded so that every tap's window is a strided slice of it, and
+/// the window's geometry. For the lowerings that go tap by tap.
+struct TapWindow<'c, 'b> {
+    padded: T<'c, 'b>,
+    /// The unpadded input's spatial sizes.
+    input: Vec<i64>,
+    kernel: Vec<i64>,
+    stride: Vec<i64>,
+    padding: Vec<i64>,
+    dilation: Vec<i64>,
+    out_shape: Vec<i64>,
+}
+
+impl<'c, 'b> TapWindow<'c, 'b> {
+    fn new(
+        cx: &NodeCx<'_, 'c, 'b>,
+        x: &T<'c, 'b>,
+        kernel: &[i64],
+        stride: &[i64],
+        padding: &[i64],
+        dilation: &[i64],
+        out_shape: &[i64],
+    ) -> R<TapWindow<'c, 'b>> {
+        let e = cx.e;
+        let rank = x.rank();
+        let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
+        let mut padded_shape = x.shape.clone();
         for k in 0..kernel.len() {
             let d = k + 2;
-            start[d] = index[k] * dilation[k];
-            limit[d] = start[d] + (out_shape[d] - 1) * stride[k] + 1;
-            steps[d] = stride[k];
+            let needed = (out_shape[d] - 1) * stride[k] + (kernel[k] - 1) * dilation[k] + 1;
+            lo[d] = padding[k];
+            hi[d] = (needed - x.shape[d] - padding[k]).max(0);
+            padded_shape[d] += lo[d] + hi[d];
         }
-        limit[0] = x.shape[0];
-        limit[1] = channels;
-        let window = e.slice(&xp, &start, &limit, &steps)?;
-        let mut w_start = vec![0; rank];
-        w_start[2..].copy_from_slice(&index);
-        let mut w_limit: Vec<i64> = w_start.iter().map(|s| s + 1).collect();
-        w_limit[0] = channels;
-        let w_tap = e.reshape(
-            &e.slice(w, &w_start, &w_limit, &vec![1; rank])?,
-            &[channels],
+        let zero = e.splat(Scalar::Float(0.0), &[], x.dtype)?;
+        let padded = e.op(
+            "stablehlo.pad",
+            &[x, &zero],
+            &[
+                ("edge_padding_low", array_i64(&lo)),
+                ("edge_padding_high", array_i64(&hi)),
+                ("interior_padding", array_i64(&vec![0; rank])),
+            ],
+            &padded_shape,
+            x.dtype,
         )?;
-        let term = e.mul(&window, &e.broadcast_in_dim(&w_tap, out_shape, &[1])?)?;
+        Ok(TapWindow {
+            padded,
+            input: x.shape[2..].to_vec(),
+            kernel: kernel.to_vec(),
+            stride: stride.to_vec(),
+            padding: padding.to_vec(),
+            dilation: dilation.to_vec(),
+            out_shape: out_shape.to_vec(),
+        })
+    }
+
+    /// Every tap's index per kernel dim, row-major (the order PyTorch's kernels scan).
+    fn taps(&self) -> Vec<Vec<i64>> {
+        let mut taps: Vec<Vec<i64>> = vec![vec![]];
+        for &k in &self.kernel {
+            taps = taps
+                .into_iter()
+                .flat_map(|t| {
+                    (0..k).map(move |i| {
+                        let mut t = t.clone();
+                        t.push(i);
+                        t
+                    })
+                })
+                .collect();
+        }
+        taps
+    }
+
+    /// Whether some output position reads real input (not padding) through `tap`.
+    fn reads_input(&self, tap: &[i64]) -> bool {
+        tap.iter().enumerate().all(|(k, &t)| {
+            (0..self.out_shape[k + 2]).any(|o| {
+                let i = o * self.stride[k] + t * self.dilation[k] - self.padding[k];
+                (0..self.input[k]).contains(&i)
+            })
+        })
+    }
+
+    /// The input under `tap` at every output position: `[batch, channels, out spatial...]`.
+    fn slice(&self, cx: &NodeCx<'_, 'c, 'b>, tap: &[i64]) -> R<T<'c, 'b>> {
+        let rank = self.padded.rank();
+        let (mut start, mut limit, mut steps) =
+            (vec![0; rank], self.padded.shape.clone(), vec![1; rank]);
+        for (k, &t) in tap.iter().enumerate() {
+            let d = k + 2;
+            start[d] = t * self.dilation[k];
+            limit[d] = start[d] + (self.out_shape[d] - 1) * self.stride[k] + 1;
+            steps[d] = self.stride[k];
+        }
+        cx.e.slice(&self.padded, &start, &limit, &steps)
+    }
+}
+
+/// The weights `w[:, :, tap]`: `[out channels, in channels per group]`.
+fn tap_weights<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, w: &T<'c, 'b>, tap: &[i64]) -> R<T<'c, 'b>> {
+    let rank = w.rank();
+    let mut start = vec![0; rank];
+    start[2..].copy_from_slice(tap);
+    let mut limit: Vec<i64> = start.iter().map(|s| s + 1).collect();
+    limit[0] = w.shape[0];
+    limit[1] = w.shape[1];
+    let e = cx.e;
+    e.reshape(
+        &e.slice(w, &start, &limit, &vec![1; rank])?,
+        &[w.shape[0], w.shape[1]],
+    )
+}
+
+/// A depthwise convolution as the sum over the kernel's taps of the window slice times each
+/// channel's weight for that tap: one elementwise loop fusion in XLA. Its CPU backend runs
+/// `feature_group_count = C` convolutions group by group: a 7x7 depthwise convolution over 32
+/// channels of 16x16 took milliseconds where eager PyTorch takes a tenth of one. `w` in the
+/// window's dtype.
+fn depthwise_taps<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    window: &TapWindow<'c, 'b>,
+    w: &T<'c, 'b>,
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let mut sum: Option<T<'c, 'b>> = None;
+    for tap in window.taps() {
+        let w_tap = e.reshape(&tap_weights(cx, w, &tap)?, &[w.shape[0]])?;
+        let term = e.mul(
+            &window.slice(cx, &tap)?,
+            &e.broadcast_in_dim(&w_tap, &window.out_shape, &[1])?,
+        )?;
         sum = Some(match sum {
             Some(s) => e.add(&s, &term)?,
             None => term,
         });
     }
     sum.ok_or_else(|| cx.err("depthwise convolution with an empty kernel"))
+}
+
+/// A convolution with few output positions (ResNet's last stages on small images) as the sum
+/// over the kernel's taps of one matrix product each (window slice x the tap's weights,
+/// contracting the input channels); taps that read only padding are skipped. XLA's CPU backend
+/// swaps the operands of such convolutions and runs them through its naive loop emitter, after
+/// copying the whole kernel each call: 4.5 ms for a 3x3, 512-channel convolution of a 1x1 map,
+/// where this is one 512x512 product. `w` in the window's dtype.
+fn tap_dots<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    window: &TapWindow<'c, 'b>,
+    w: &T<'c, 'b>,
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let out = &window.out_shape;
+    let nsp = out.len() - 2;
+    // [batch, out spatial..., out channels], transposed to the result's layout at the end.
+    let mut product_shape = vec![out[0]];
+    product_shape.extend_from_slice(&out[2..]);
+    product_shape.push(out[1]);
+    let taps = window.taps();
+    let live: Vec<&Vec<i64>> = taps.iter().filter(|t| window.reads_input(t)).collect();
+    if live.len() == taps.len() && taps.len() > 1 {
+        // Every tap reads input: one product over (channel, tap), the weights' own row-major
+        // order, so they are read as they are (a reshape, no per-tap slices).
+        let (b, c, t) = (out[0], w.shape[1], taps.len() as i64);
+        let slices: Vec<T<'c, 'b>> = taps
+            .iter()
+            .map(|tap| {
+                let s = window.slice(cx, tap)?;
+                let mut one = vec![b, c, 1];
+                one.extend_from_slice(&out[2..]);
+                e.reshape(&s, &one)
+            })
+            .collect::<R<_>>()?;
+        let mut stacked_shape = vec![b, c, t];
+        stacked_shape.extend_from_slice(&out[2..]);
+        let refs: Vec<&T<'c, 'b>> = slices.iter().collect();
+        let stacked = e.op(
+            "stablehlo.concatenate",
+            &refs,
+            &[("dimension", "2 : i64".to_string())],
+            &stacked_shape,
+            w.dtype,
+        )?;
+        let mut cols_shape = vec![b, c * t];
+        cols_shape.extend_from_slice(&out[2..]);
+        let cols = e.reshape(&stacked, &cols_shape)?;
+        let flat_w = e.reshape(w, &[w.shape[0], c * t])?;
+        let product = e.dot_general(
+            &cols,
+            &flat_w,
+            (&[], &[]),
+            (&[1], &[1]),
+            &product_shape,
+            w.dtype,
+        )?;
+        let mut perm = vec![0, nsp as i64 + 1];
+        perm.extend(1..=nsp as i64);
+        return e.transpose(&product, &perm);
+    }
+    let mut sum: Option<T<'c, 'b>> = None;
+    for tap in live {
+        let term = e.dot_general(
+            &window.slice(cx, tap)?,
+            &tap_weights(cx, w, tap)?,
+            (&[], &[]),
+            (&[1], &[1]),
+            &product_shape,
+            w.dtype,
+        )?;
+        sum = Some(match sum {
+            Some(s) => e.add(&s, &term)?,
+            None => term,
+        });
+    }
+    let sum = match sum {
+        Some(s) => s,
+        None => e.splat(Scalar::Float(0.0), &product_shape, w.dtype)?,
+    };
+    let mut perm = vec![0, nsp as i64 + 1];
+    perm.extend(1..=nsp as i64);
+    e.transpose(&sum, &perm)
 }
 
 /// The window arguments shared by `convolution` and `convolution_backward`: `stride, padding,
