@@ -273,3 +273,14 @@ def test_decoder_training_dynamic_sequence_is_bucketed_and_matches_eager_gradien
             for name, g in grads.items():
                 torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
     assert tpuc.stats()["xla_compiles"] == 4  # forward and backward, buckets 4 and 8
+
+
+def test_sizes_pinned_by_the_trace_are_not_declared_maxima():
+    # Linear.forward compiled for three input widths: Dynamo's automatic dynamic makes the width
+    # symbolic on the second trace, where the matmul pins it to one value ([128, 128]); that is
+    # no maximum, and the third width (256) must compile, not raise.
+    with torch.no_grad():
+        for i, o in ((32, 128), (128, 32), (256, 8)):
+            m = torch.nn.Linear(i, o)
+            x = torch.randn(2, 16, i)
+            torch.testing.assert_close(torch.compile(m, backend="tpu")(x), m(x))

@@ -37,7 +37,9 @@ def declared_maxima(example_inputs) -> dict[str, tuple[int, str]]:
             upper = int(rng.upper)
         except Exception:  # int_oo: no declared maximum
             continue
-        if upper >= _LARGE:
+        if upper >= _LARGE or int(rng.lower) >= upper:
+            # A range of one value is the trace pinning the size (a Linear's input features
+            # equal to its weight's), not a declared maximum.
             continue
         sources = env.var_to_sources.get(sym) or []
         out[str(sym)] = (upper, sources[0].name if sources else str(sym))
