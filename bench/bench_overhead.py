@@ -103,8 +103,8 @@ def overhead(calls: int, rounds: int) -> dict:
         "tpuc (torch.compile)": lambda: tpuc_fn(x),
         "ready-output backend (torch.compile: Dynamo + AOTAutograd only)": lambda: ready_fn(x),
         "inductor compiled graph (CompiledFxGraph call)": lambda: inductor_graph([x]),
-        "tpuc compiled graph (CompiledGraph call)": lambda: graph([x]),
-        "tpuc call plan (the Rust hot path)": lambda: plan([x]),
+        "tpuc compiled graph (CompiledGraph call: Python, then the plan)": lambda: graph([x]),
+        "tpuc call plan (the Rust hot path; what AOTAutograd calls)": lambda: plan([x]),
         "tpuc runtime (Executable.run, host tuples)": lambda: exe.run([host(x)], [host(out)]),
     }
     results: dict[str, list[float]] = {k: [] for k in variants}

@@ -256,28 +256,17 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         dilation: &[i64],
         out_shape: &[i64],
     ) -> R<TapWindow<'c, 'b>> {
-        let e = cx.e;
-        let rank = x.rank();
-        let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
-        let mut padded_shape = x.shape.clone();
-        for k in 0..kernel.len() {
-            let d = k + 2;
-            let needed = (out_shape[d] - 1) * stride[k] + (kernel[k] - 1) * dilation[k] + 1;
-            lo[d] = padding[k];
-            hi[d] = (needed - x.shape[d] - padding[k]).max(0);
-            padded_shape[d] += lo[d] + hi[d];
-        }
-        let zero = e.splat(Scalar::Float(0.0), &[], x.dtype)?;
-        let padded = e.op(
-            "stablehlo.pad",
-            &[x, &zero],
-            &[
-                ("edge_padding_low", array_i64(&lo)),
-                ("edge_padding_high", array_i64(&hi)),
-                ("interior_padding", array_i64(&vec![0; rank])),
-            ],
-            &padded_shape,
-            x.dtype,
+        let padded = pad_for_windows(
+            cx.e,
+            x,
+            &Window1 {
+                kernel,
+                stride,
+                padding,
+                dilation,
+            },
+            out_shape,
+            Scalar::Float(0.0),
         )?;
         Ok(TapWindow {
             padded,
@@ -290,22 +279,8 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         })
     }
 
-    /// Every tap's index per kernel dim, row-major (the order PyTorch's kernels scan).
     fn taps(&self) -> Vec<Vec<i64>> {
-        let mut taps: Vec<Vec<i64>> = vec![vec![]];
-        for &k in &self.kernel {
-            taps = taps
-                .into_iter()
-                .flat_map(|t| {
-                    (0..k).map(move |i| {
-                        let mut t = t.clone();
-                        t.push(i);
-                        t
-                    })
-                })
-                .collect();
-        }
-        taps
+        window_taps(&self.kernel)
     }
 
     /// Whether some output position reads real input (not padding) through `tap`.
@@ -331,6 +306,81 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         }
         cx.e.slice(&self.padded, &start, &limit, &steps)
     }
+}
+
+/// A sliding window's geometry over the trailing spatial dims of a tensor: one entry per
+/// spatial dim.
+pub(super) struct Window1<'a> {
+    pub kernel: &'a [i64],
+    pub stride: &'a [i64],
+    pub padding: &'a [i64],
+    pub dilation: &'a [i64],
+}
+
+/// `x` padded with `value` on its trailing spatial dims (the window's `padding` before, and
+/// after as far as the last window reaches), so that the window of every tap over every output
+/// position of `out_shape` is a strided slice of it.
+pub(super) fn pad_for_windows<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    x: &T<'c, 'b>,
+    w: &Window1<'_>,
+    out_shape: &[i64],
+    value: Scalar,
+) -> R<T<'c, 'b>> {
+    let rank = x.rank();
+    let first = rank - w.kernel.len();
+    let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
+    let mut padded_shape = x.shape.clone();
+    for k in 0..w.kernel.len() {
+        let d = first + k;
+        let needed = (out_shape[d] - 1) * w.stride[k] + (w.kernel[k] - 1) * w.dilation[k] + 1;
+        lo[d] = w.padding[k];
+        hi[d] = (needed - x.shape[d] - w.padding[k]).max(0);
+        padded_shape[d] += lo[d] + hi[d];
+    }
+    let fill = e.splat(value, &[], x.dtype)?;
+    e.op(
+        "stablehlo.pad",
+        &[x, &fill],
+        &[
+            ("edge_padding_low", array_i64(&lo)),
+            ("edge_padding_high", array_i64(&hi)),
+            ("interior_padding", array_i64(&vec![0; rank])),
+        ],
+        &padded_shape,
+        x.dtype,
+    )
+}
+
+/// Every tap of a window of `kernel`, as its index per kernel dim, row-major (the order
+/// PyTorch's kernels scan).
+pub(super) fn window_taps(kernel: &[i64]) -> Vec<Vec<i64>> {
+    let mut taps: Vec<Vec<i64>> = vec![vec![]];
+    for &k in kernel {
+        taps = taps
+            .into_iter()
+            .flat_map(|t| {
+                (0..k).map(move |i| {
+                    let mut t = t.clone();
+                    t.push(i);
+                    t
+                })
+            })
+            .collect();
+    }
+    taps
+}
+
+/// `sum + term`, or `term` for the first term.
+fn accumulate<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    sum: Option<T<'c, 'b>>,
+    term: T<'c, 'b>,
+) -> R<Option<T<'c, 'b>>> {
+    Ok(Some(match sum {
+        Some(s) => e.add(&s, &term)?,
+        None => term,
+    }))
 }
 
 /// The weights `w[:, :, tap]`: `[out channels, in channels per group]`.
@@ -366,10 +416,7 @@ fn depthwise_taps<'c, 'b>(
             &window.slice(cx, &tap)?,
             &e.broadcast_in_dim(&w_tap, &window.out_shape, &[1])?,
         )?;
-        sum = Some(match sum {
-            Some(s) => e.add(&s, &term)?,
-            None => term,
-        });
+        sum = accumulate(e, sum, term)?;
     }
     sum.ok_or_else(|| cx.err("depthwise convolution with an empty kernel"))
 }
@@ -443,10 +490,7 @@ fn tap_dots<'c, 'b>(
             &product_shape,
             w.dtype,
         )?;
-        sum = Some(match sum {
-            Some(s) => e.add(&s, &term)?,
-            None => term,
-        });
+        sum = accumulate(e, sum, term)?;
     }
     let sum = match sum {
         Some(s) => s,

@@ -1,6 +1,7 @@
 //! Neural-network ops that core ATen keeps whole: normalizations and pooling.
 
 use crate::lower::emit::{array_i64, Emitter};
+use crate::lower::ops::linalg::{pad_for_windows, window_taps, Window1};
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::ops::shape::{along_dim_coords, take_along};
 use crate::lower::registry::Rule;
@@ -557,46 +558,20 @@ fn max_pool_with_indices<'c, 'b>(
     let nsp = w.kernel.len();
     let sp: Vec<usize> = (r - nsp..r).collect();
     // Pad with -inf so every window slice stays inside the padded tensor.
-    let mut lo = vec![0; r];
-    let mut hi = vec![0; r];
-    let mut padded_shape = x.shape.clone();
-    for (k, &d) in sp.iter().enumerate() {
-        lo[d] = w.padding[k];
-        let needed = (out_shape[d] - 1) * w.stride[k] + (w.kernel[k] - 1) * w.dilation[k] + 1;
-        hi[d] = (needed - x.shape[d] - w.padding[k]).max(0);
-        padded_shape[d] += lo[d] + hi[d];
-    }
-    let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &[], x.dtype)?;
-    let xp = e.op(
-        "stablehlo.pad",
-        &[x, &ninf],
-        &[
-            ("edge_padding_low", array_i64(&lo)),
-            ("edge_padding_high", array_i64(&hi)),
-            ("interior_padding", array_i64(&vec![0; r])),
-        ],
-        &padded_shape,
-        x.dtype,
-    )?;
+    let geometry = Window1 {
+        kernel: &w.kernel,
+        stride: &w.stride,
+        padding: &w.padding,
+        dilation: &w.dilation,
+    };
+    let xp = pad_for_windows(e, x, &geometry, out_shape, Scalar::Float(f64::NEG_INFINITY))?;
+    let padded_shape = xp.shape.clone();
     let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
     let outs: Vec<T> = sp
         .iter()
         .map(|&d| e.iota(out_shape, d as i64, DType::Int64))
         .collect::<R<_>>()?;
-    // Every tap of the window, in row-major order (the order PyTorch's kernel scans).
-    let mut taps: Vec<Vec<i64>> = vec![vec![]];
-    for &k in &w.kernel {
-        taps = taps
-            .into_iter()
-            .flat_map(|t| {
-                (0..k).map(move |i| {
-                    let mut t = t.clone();
-                    t.push(i);
-                    t
-                })
-            })
-            .collect();
-    }
+    let taps = window_taps(&w.kernel);
     let mut best: Option<(T, T)> = None;
     for (n_tap, tap) in taps.iter().enumerate() {
         let mut start = vec![0; r];
