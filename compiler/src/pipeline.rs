@@ -155,7 +155,7 @@ pub struct RunTimings {
 const HOST_VIEW_ALIGN: usize = 64;
 
 /// Bytes of a dense array of `shape` and `dtype` (shapes of lowered signatures are valid).
-fn dense_bytes(shape: &[i64], dtype: DType) -> usize {
+pub fn dense_bytes(shape: &[i64], dtype: DType) -> usize {
     shape
         .iter()
         .map(|&d| usize::try_from(d).unwrap_or(0))
@@ -490,7 +490,7 @@ impl Engine {
         }
         for (buf, out) in results.iter().zip(outputs) {
             // SAFETY: forwarded from the caller.
-            unsafe { self.fetch(buf, out)? };
+            unsafe { self.fetch(buf, out.ptr, out.nbytes)? };
         }
         Ok(())
     }
@@ -500,7 +500,7 @@ impl Engine {
     /// signature's shapes and dtypes; nothing per call but the PJRT work. Returns the output
     /// buffers, ready to read: a caller that can use device memory in place (see
     /// [`Engine::host_view`]) takes them as they are, others copy them out with
-    /// [`Engine::fetch_into`].
+    /// [`Engine::fetch`].
     ///
     /// # Safety
     /// Every host address must be valid for the dense size of its signature type for the whole
@@ -560,26 +560,6 @@ impl Engine {
             return Ok(None);
         }
         buf.device_pointer().map(Some)
-    }
-
-    /// Copies a ready output buffer into `nbytes` of host memory at `ptr`.
-    ///
-    /// # Safety
-    /// `ptr` must be writable for `nbytes` and not alias the buffer.
-    pub unsafe fn fetch_into(
-        &self,
-        buf: &Buffer,
-        ptr: usize,
-        nbytes: usize,
-    ) -> Result<(), PjrtError> {
-        let out = HostArray {
-            ptr,
-            nbytes,
-            dtype: DType::Uint8, // not read by `fetch`
-            shape: Vec::new(),   // not read by `fetch`
-        };
-        // SAFETY: forwarded from the caller.
-        unsafe { self.fetch(buf, &out) }
     }
 
     /// A buffer over host memory for one execution: on the CPU plugin a view of the memory
@@ -663,26 +643,25 @@ impl Engine {
         Ok(staged)
     }
 
-    /// Copies a finished output buffer into host memory.
+    /// Copies a finished output buffer into `nbytes` of host memory at `ptr`.
     ///
     /// # Safety
-    /// `out` must be writable for `out.nbytes` bytes and not alias the buffer.
-    unsafe fn fetch(&self, buf: &Buffer, out: &HostArray) -> Result<(), PjrtError> {
-        if out.nbytes == 0 {
+    /// `ptr` must be writable for `nbytes` bytes and not alias the buffer.
+    pub unsafe fn fetch(&self, buf: &Buffer, ptr: usize, nbytes: usize) -> Result<(), PjrtError> {
+        if nbytes == 0 {
             return Ok(()); // an empty tensor's data pointer may be null
         }
-        if self.host_zero_copy && buf.on_device_size()? == out.nbytes {
-            // CPU plugin: device memory is host memory in the dense row-major layout, and
-            // execute has finished, so a plain copy avoids ToHostBuffer's async round trip
-            // (about half of the per-call cost of a small graph).
-            let src = buf.device_pointer()? as *const u8;
-            // SAFETY: `src` is valid for `nbytes` while `buf` lives; `out` is the caller's
+        match self.host_view(buf, nbytes)? {
+            // CPU plugin: execute has finished, so a plain copy avoids ToHostBuffer's async
+            // round trip (about half of the per-call cost of a small graph).
+            // SAFETY: `src` is valid for `nbytes` while `buf` lives; `ptr` is the caller's
             // writable, non-aliasing host memory of that length.
-            unsafe { std::ptr::copy_nonoverlapping(src, out.ptr as *mut u8, out.nbytes) };
-            Ok(())
-        } else {
+            Some(src) => unsafe {
+                std::ptr::copy_nonoverlapping(src as *const u8, ptr as *mut u8, nbytes);
+                Ok(())
+            },
             // SAFETY: forwarded from the caller.
-            unsafe { buf.to_host(out.ptr as *mut u8, out.nbytes) }
+            None => unsafe { buf.to_host(ptr as *mut u8, nbytes) },
         }
     }
 
@@ -755,7 +734,7 @@ impl Engine {
             for (buf, out) in bufs.iter().zip(outs) {
                 if let Some(out) = out {
                     // SAFETY: forwarded from the caller.
-                    unsafe { self.fetch(buf, out)? };
+                    unsafe { self.fetch(buf, out.ptr, out.nbytes)? };
                 }
             }
         }

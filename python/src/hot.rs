@@ -6,8 +6,8 @@
 //!
 //! Everything that does not change between calls is computed once, in `CallPlan::new`, from
 //! what Python's `backend._call_plan` passes. A call that does not fit the plan (a tensor of
-//! another shape, dtype or device, non-contiguous, lazily negated) returns None and Python takes
-//! its general path.
+//! another shape, dtype or device, non-contiguous, lazily negated) goes to the graph's general
+//! path (`try_call` returns None instead).
 
 use crate::{compile_err, pjrt_err, DeviceBuffer, Executable};
 use pyo3::exceptions::PyValueError;
@@ -20,7 +20,7 @@ use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tpuc_compiler::pipeline::{Compiled, Engine, PtrArg, RunTimings};
+use tpuc_compiler::pipeline::{dense_bytes, Compiled, Engine, PtrArg, RunTimings};
 use tpuc_compiler::pjrt::Buffer;
 use tpuc_frontend_fx::DType;
 
@@ -261,11 +261,7 @@ impl CallPlan {
             .zip(&sig.outputs)
             .map(|(alloc_args, (shape, dtype))| PlanOutput {
                 shape: shape.clone(),
-                nbytes: shape
-                    .iter()
-                    .map(|&d| usize::try_from(d).unwrap_or(0))
-                    .product::<usize>()
-                    * dtype.byte_size(),
+                nbytes: dense_bytes(shape, *dtype),
                 dl: dl_dtype(*dtype),
                 alloc_args,
             })
@@ -388,7 +384,7 @@ struct PlanTimings {
     outputs: f64,
 }
 
-/// An input as `run_ptrs` takes it: a resident buffer or a host tensor's data pointer.
+/// An input as `execute_ptrs` takes it: a resident buffer or a host tensor's data pointer.
 enum Arg<'py> {
     Device(Bound<'py, DeviceBuffer>),
     Host(usize),
@@ -516,24 +512,23 @@ impl CallPlan {
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let mut outs = Vec::with_capacity(buffers.len());
         for (buffer, out) in buffers.into_iter().zip(&self.outputs) {
-            let view = match out.dl {
-                Some(_) => self
+            if let Some(dl) = out.dl {
+                if let Some(data) = self
                     .engine
                     .host_view(&buffer, out.nbytes)
-                    .map_err(pjrt_err)?,
-                None => None,
-            };
-            if let (Some(data), Some(dl)) = (view, out.dl) {
-                let capsule = lend(py, buffer, data, &out.shape, dl)?;
-                outs.push(self.from_dlpack.bind(py).call1((capsule,))?);
-                continue;
+                    .map_err(pjrt_err)?
+                {
+                    let capsule = lend(py, buffer, data, &out.shape, dl)?;
+                    outs.push(self.from_dlpack.bind(py).call1((capsule,))?);
+                    continue;
+                }
             }
             let tensor = self.alloc.bind(py).call1(out.alloc_args.bind(py))?;
             if out.nbytes > 0 {
                 let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
                 let engine = &self.engine;
                 // SAFETY: a fresh contiguous tensor of the output's type, held across the copy.
-                py.detach(|| unsafe { engine.fetch_into(&buffer, ptr, out.nbytes) })
+                py.detach(|| unsafe { engine.fetch(&buffer, ptr, out.nbytes) })
                     .map_err(pjrt_err)?;
             }
             outs.push(tensor);

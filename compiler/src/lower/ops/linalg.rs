@@ -3,6 +3,7 @@
 
 use crate::lower::emit::{array_i64, int_list, Emitter};
 use crate::lower::ops::reduce::acc_dtype;
+use crate::lower::ops::window::Window;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -179,14 +180,22 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             &shape,
             acc,
         )?
-    } else if is_depthwise(&x.shape, &w.shape, groups) {
+    } else if is_depthwise(&x.shape, &w.shape, groups)
+        || (groups == 1 && shape[2..].iter().product::<i64>() <= TAP_DOTS_MAX_POSITIONS)
+    {
+        let geometry = Window {
+            kernel: w.shape[2..].to_vec(),
+            stride,
+            padding,
+            dilation,
+        };
         let (xa, wa) = (cx.e.convert(&xc, acc)?, cx.e.convert(&wc, acc)?);
-        let window = TapWindow::new(cx, &xa, &w.shape[2..], &stride, &padding, &dilation, &shape)?;
-        depthwise_taps(cx, &window, &wa)?
-    } else if groups == 1 && shape[2..].iter().product::<i64>() <= TAP_DOTS_MAX_POSITIONS {
-        let (xa, wa) = (cx.e.convert(&xc, acc)?, cx.e.convert(&wc, acc)?);
-        let window = TapWindow::new(cx, &xa, &w.shape[2..], &stride, &padding, &dilation, &shape)?;
-        tap_dots(cx, &window, &wa)?
+        let window = TapWindow::new(cx, &xa, geometry, &shape)?;
+        if groups > 1 {
+            depthwise_taps(cx, &window, &wa)?
+        } else {
+            tap_dots(cx, &window, &wa)?
+        }
     } else {
         let pads: Vec<(i64, i64)> = padding.iter().map(|&p| (p, p)).collect();
         conv_general(
@@ -239,10 +248,7 @@ struct TapWindow<'c, 'b> {
     padded: T<'c, 'b>,
     /// The unpadded input's spatial sizes.
     input: Vec<i64>,
-    kernel: Vec<i64>,
-    stride: Vec<i64>,
-    padding: Vec<i64>,
-    dilation: Vec<i64>,
+    geometry: Window,
     out_shape: Vec<i64>,
 }
 
@@ -250,44 +256,23 @@ impl<'c, 'b> TapWindow<'c, 'b> {
     fn new(
         cx: &NodeCx<'_, 'c, 'b>,
         x: &T<'c, 'b>,
-        kernel: &[i64],
-        stride: &[i64],
-        padding: &[i64],
-        dilation: &[i64],
+        geometry: Window,
         out_shape: &[i64],
     ) -> R<TapWindow<'c, 'b>> {
-        let padded = pad_for_windows(
-            cx.e,
-            x,
-            &Window1 {
-                kernel,
-                stride,
-                padding,
-                dilation,
-            },
-            out_shape,
-            Scalar::Float(0.0),
-        )?;
         Ok(TapWindow {
-            padded,
+            padded: geometry.pad(cx.e, x, out_shape, Scalar::Float(0.0))?,
             input: x.shape[2..].to_vec(),
-            kernel: kernel.to_vec(),
-            stride: stride.to_vec(),
-            padding: padding.to_vec(),
-            dilation: dilation.to_vec(),
+            geometry,
             out_shape: out_shape.to_vec(),
         })
     }
 
-    fn taps(&self) -> Vec<Vec<i64>> {
-        window_taps(&self.kernel)
-    }
-
     /// Whether some output position reads real input (not padding) through `tap`.
     fn reads_input(&self, tap: &[i64]) -> bool {
+        let g = &self.geometry;
         tap.iter().enumerate().all(|(k, &t)| {
             (0..self.out_shape[k + 2]).any(|o| {
-                let i = o * self.stride[k] + t * self.dilation[k] - self.padding[k];
+                let i = o * g.stride[k] + t * g.dilation[k] - g.padding[k];
                 (0..self.input[k]).contains(&i)
             })
         })
@@ -295,80 +280,18 @@ impl<'c, 'b> TapWindow<'c, 'b> {
 
     /// The input under `tap` at every output position: `[batch, channels, out spatial...]`.
     fn slice(&self, cx: &NodeCx<'_, 'c, 'b>, tap: &[i64]) -> R<T<'c, 'b>> {
+        let g = &self.geometry;
         let rank = self.padded.rank();
         let (mut start, mut limit, mut steps) =
             (vec![0; rank], self.padded.shape.clone(), vec![1; rank]);
         for (k, &t) in tap.iter().enumerate() {
             let d = k + 2;
-            start[d] = t * self.dilation[k];
-            limit[d] = start[d] + (self.out_shape[d] - 1) * self.stride[k] + 1;
-            steps[d] = self.stride[k];
+            start[d] = t * g.dilation[k];
+            limit[d] = start[d] + (self.out_shape[d] - 1) * g.stride[k] + 1;
+            steps[d] = g.stride[k];
         }
         cx.e.slice(&self.padded, &start, &limit, &steps)
     }
-}
-
-/// A sliding window's geometry over the trailing spatial dims of a tensor: one entry per
-/// spatial dim.
-pub(super) struct Window1<'a> {
-    pub kernel: &'a [i64],
-    pub stride: &'a [i64],
-    pub padding: &'a [i64],
-    pub dilation: &'a [i64],
-}
-
-/// `x` padded with `value` on its trailing spatial dims (the window's `padding` before, and
-/// after as far as the last window reaches), so that the window of every tap over every output
-/// position of `out_shape` is a strided slice of it.
-pub(super) fn pad_for_windows<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    x: &T<'c, 'b>,
-    w: &Window1<'_>,
-    out_shape: &[i64],
-    value: Scalar,
-) -> R<T<'c, 'b>> {
-    let rank = x.rank();
-    let first = rank - w.kernel.len();
-    let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
-    let mut padded_shape = x.shape.clone();
-    for k in 0..w.kernel.len() {
-        let d = first + k;
-        let needed = (out_shape[d] - 1) * w.stride[k] + (w.kernel[k] - 1) * w.dilation[k] + 1;
-        lo[d] = w.padding[k];
-        hi[d] = (needed - x.shape[d] - w.padding[k]).max(0);
-        padded_shape[d] += lo[d] + hi[d];
-    }
-    let fill = e.splat(value, &[], x.dtype)?;
-    e.op(
-        "stablehlo.pad",
-        &[x, &fill],
-        &[
-            ("edge_padding_low", array_i64(&lo)),
-            ("edge_padding_high", array_i64(&hi)),
-            ("interior_padding", array_i64(&vec![0; rank])),
-        ],
-        &padded_shape,
-        x.dtype,
-    )
-}
-
-/// Every tap of a window of `kernel`, as its index per kernel dim, row-major (the order
-/// PyTorch's kernels scan).
-pub(super) fn window_taps(kernel: &[i64]) -> Vec<Vec<i64>> {
-    let mut taps: Vec<Vec<i64>> = vec![vec![]];
-    for &k in kernel {
-        taps = taps
-            .into_iter()
-            .flat_map(|t| {
-                (0..k).map(move |i| {
-                    let mut t = t.clone();
-                    t.push(i);
-                    t
-                })
-            })
-            .collect();
-    }
-    taps
 }
 
 /// `sum + term`, or `term` for the first term.
@@ -410,7 +333,7 @@ fn depthwise_taps<'c, 'b>(
 ) -> R<T<'c, 'b>> {
     let e = cx.e;
     let mut sum: Option<T<'c, 'b>> = None;
-    for tap in window.taps() {
+    for tap in window.geometry.taps() {
         let w_tap = e.reshape(&tap_weights(cx, w, &tap)?, &[w.shape[0]])?;
         let term = e.mul(
             &window.slice(cx, &tap)?,
@@ -439,9 +362,9 @@ fn tap_dots<'c, 'b>(
     let mut product_shape = vec![out[0]];
     product_shape.extend_from_slice(&out[2..]);
     product_shape.push(out[1]);
-    let taps = window.taps();
+    let taps = window.geometry.taps();
     let live: Vec<&Vec<i64>> = taps.iter().filter(|t| window.reads_input(t)).collect();
-    if live.len() == taps.len() && taps.len() > 1 {
+    let product = if live.len() == taps.len() && taps.len() > 1 {
         // Every tap reads input: one product over (channel, tap), the weights' own row-major
         // order, so they are read as they are (a reshape, no per-tap slices).
         let (b, c, t) = (out[0], w.shape[1], taps.len() as i64);
@@ -468,37 +391,35 @@ fn tap_dots<'c, 'b>(
         cols_shape.extend_from_slice(&out[2..]);
         let cols = e.reshape(&stacked, &cols_shape)?;
         let flat_w = e.reshape(w, &[w.shape[0], c * t])?;
-        let product = e.dot_general(
+        e.dot_general(
             &cols,
             &flat_w,
             (&[], &[]),
             (&[1], &[1]),
             &product_shape,
             w.dtype,
-        )?;
-        let mut perm = vec![0, nsp as i64 + 1];
-        perm.extend(1..=nsp as i64);
-        return e.transpose(&product, &perm);
-    }
-    let mut sum: Option<T<'c, 'b>> = None;
-    for tap in live {
-        let term = e.dot_general(
-            &window.slice(cx, tap)?,
-            &tap_weights(cx, w, tap)?,
-            (&[], &[]),
-            (&[1], &[1]),
-            &product_shape,
-            w.dtype,
-        )?;
-        sum = accumulate(e, sum, term)?;
-    }
-    let sum = match sum {
-        Some(s) => s,
-        None => e.splat(Scalar::Float(0.0), &product_shape, w.dtype)?,
+        )?
+    } else {
+        let mut sum: Option<T<'c, 'b>> = None;
+        for tap in live {
+            let term = e.dot_general(
+                &window.slice(cx, tap)?,
+                &tap_weights(cx, w, tap)?,
+                (&[], &[]),
+                (&[1], &[1]),
+                &product_shape,
+                w.dtype,
+            )?;
+            sum = accumulate(e, sum, term)?;
+        }
+        match sum {
+            Some(s) => s,
+            None => e.splat(Scalar::Float(0.0), &product_shape, w.dtype)?,
+        }
     };
     let mut perm = vec![0, nsp as i64 + 1];
     perm.extend(1..=nsp as i64);
-    e.transpose(&sum, &perm)
+    e.transpose(&product, &perm)
 }
 
 /// The window arguments shared by `convolution` and `convolution_backward`: `stride, padding,

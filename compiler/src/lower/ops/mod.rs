@@ -18,3 +18,4 @@ pub mod reduce;
 pub mod sample;
 pub mod shape;
 pub mod special;
+mod window;

@@ -1,9 +1,9 @@
 //! Neural-network ops that core ATen keeps whole: normalizations and pooling.
 
 use crate::lower::emit::{array_i64, Emitter};
-use crate::lower::ops::linalg::{pad_for_windows, window_taps, Window1};
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::ops::shape::{along_dim_coords, take_along};
+use crate::lower::ops::window::Window;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
@@ -228,14 +228,6 @@ fn native_group_norm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         e.convert(&e.reshape(&mean, &[n, groups])?, cx.out(1)?.1)?,
         e.convert(&e.reshape(&rstd, &[n, groups])?, cx.out(2)?.1)?,
     ])
-}
-
-/// Kernel, stride, padding and dilation of a pooling op, each per spatial dim.
-struct Window {
-    kernel: Vec<i64>,
-    stride: Vec<i64>,
-    padding: Vec<i64>,
-    dilation: Vec<i64>,
 }
 
 /// The window of a pooling op over `nsp` spatial dims (a single value applies to all).
@@ -558,20 +550,14 @@ fn max_pool_with_indices<'c, 'b>(
     let nsp = w.kernel.len();
     let sp: Vec<usize> = (r - nsp..r).collect();
     // Pad with -inf so every window slice stays inside the padded tensor.
-    let geometry = Window1 {
-        kernel: &w.kernel,
-        stride: &w.stride,
-        padding: &w.padding,
-        dilation: &w.dilation,
-    };
-    let xp = pad_for_windows(e, x, &geometry, out_shape, Scalar::Float(f64::NEG_INFINITY))?;
+    let xp = w.pad(e, x, out_shape, Scalar::Float(f64::NEG_INFINITY))?;
     let padded_shape = xp.shape.clone();
     let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
     let outs: Vec<T> = sp
         .iter()
         .map(|&d| e.iota(out_shape, d as i64, DType::Int64))
         .collect::<R<_>>()?;
-    let taps = window_taps(&w.kernel);
+    let taps = w.taps();
     let mut best: Option<(T, T)> = None;
     for (n_tap, tap) in taps.iter().enumerate() {
         let mut start = vec![0; r];

@@ -1,0 +1,70 @@
+//! Sliding-window geometry shared by pooling and the convolutions lowered tap by tap.
+
+use crate::lower::emit::{array_i64, Emitter};
+use crate::lower::{Scalar, R, T};
+
+/// Kernel, stride, padding and dilation of a sliding window, each per spatial dim (the
+/// trailing dims of the tensor it slides over).
+pub struct Window {
+    pub kernel: Vec<i64>,
+    pub stride: Vec<i64>,
+    pub padding: Vec<i64>,
+    pub dilation: Vec<i64>,
+}
+
+impl Window {
+    /// Every tap of the window, as its index per kernel dim, row-major (the order PyTorch's
+    /// kernels scan).
+    pub fn taps(&self) -> Vec<Vec<i64>> {
+        let mut taps: Vec<Vec<i64>> = vec![vec![]];
+        for &k in &self.kernel {
+            taps = taps
+                .into_iter()
+                .flat_map(|t| {
+                    (0..k).map(move |i| {
+                        let mut t = t.clone();
+                        t.push(i);
+                        t
+                    })
+                })
+                .collect();
+        }
+        taps
+    }
+
+    /// `x` padded with `value` on its trailing spatial dims (the window's padding before, and
+    /// after as far as the last window reaches), so that the window of every tap over every
+    /// output position of `out_shape` is a strided slice of it.
+    pub fn pad<'c, 'b>(
+        &self,
+        e: &Emitter<'c, 'b>,
+        x: &T<'c, 'b>,
+        out_shape: &[i64],
+        value: Scalar,
+    ) -> R<T<'c, 'b>> {
+        let rank = x.rank();
+        let first = rank - self.kernel.len();
+        let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
+        let mut padded_shape = x.shape.clone();
+        for k in 0..self.kernel.len() {
+            let d = first + k;
+            let needed =
+                (out_shape[d] - 1) * self.stride[k] + (self.kernel[k] - 1) * self.dilation[k] + 1;
+            lo[d] = self.padding[k];
+            hi[d] = (needed - x.shape[d] - self.padding[k]).max(0);
+            padded_shape[d] += lo[d] + hi[d];
+        }
+        let fill = e.splat(value, &[], x.dtype)?;
+        e.op(
+            "stablehlo.pad",
+            &[x, &fill],
+            &[
+                ("edge_padding_low", array_i64(&lo)),
+                ("edge_padding_high", array_i64(&hi)),
+                ("interior_padding", array_i64(&vec![0; rank])),
+            ],
+            &padded_shape,
+            x.dtype,
+        )
+    }
+}
