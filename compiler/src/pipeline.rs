@@ -266,7 +266,7 @@ impl Engine {
         )?;
         let lower_seconds = t0.elapsed().as_secs_f64();
         let key = KeyBuilder::new()
-            .part("module", lowered.mlir.as_bytes())
+            .part("module", &lowered.bytecode)
             .part("compile_options", &options.encode())
             .part("plugin", &self.client.plugin().identity())
             .part("cpu", self.cpu.as_bytes())
@@ -276,11 +276,11 @@ impl Engine {
             Some(exe) => (exe, CacheOutcome::Memory),
             None => {
                 let disk = self.disk_cache(disk)?;
-                let module_hash = *blake3::hash(lowered.mlir.as_bytes()).as_bytes();
+                let module_hash = *blake3::hash(&lowered.bytecode).as_bytes();
                 match disk.as_ref().and_then(|d| self.load(d, &key, &module_hash)) {
                     Some(exe) => (self.cache.insert(key, exe), CacheOutcome::Disk),
                     None => {
-                        let exe = self.client.compile(&lowered.mlir, &options)?;
+                        let exe = self.client.compile_bytes(&lowered.bytecode, &options)?;
                         if let Some(d) = &disk {
                             self.store(d, &key, &exe, &lowered);
                         }
@@ -409,7 +409,7 @@ impl Engine {
     fn store(&self, disk: &DiskCache, key: &CacheKey, exe: &LoadedExecutable, lowered: &Lowered) {
         let meta = EntryMeta {
             plugin_identity: self.client.plugin().identity(),
-            module_hash: *blake3::hash(lowered.mlir.as_bytes()).as_bytes(),
+            module_hash: *blake3::hash(&lowered.bytecode).as_bytes(),
             platform: self.platform.clone(),
             tpuc_version: env!("CARGO_PKG_VERSION").to_string(),
             inputs: lowered.inputs.clone(),

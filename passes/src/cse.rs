@@ -5,8 +5,10 @@
 //! (two outputs stay two tensors).
 
 use crate::rewrite::{output_nodes, prune, replace_uses};
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use tpuc_frontend_fx::{Graph, Node, NodeId, ValueRef};
+use std::hash::{BuildHasher, Hash, Hasher};
+use tpuc_frontend_fx::{Arg, Graph, Node, NodeId, ValueRef};
 
 /// Substrings of op names that mark an op as random, side-effecting or stateful.
 const NEVER: &[&str] = &[
@@ -51,24 +53,91 @@ fn mergeable(n: &Node) -> bool {
     !NEVER.iter().any(|w| n.op.contains(w))
 }
 
-/// The identity of a node for merging (its name left out). Literals print with `{:?}`, which
-/// tells `0.0` from `-0.0`.
-fn key(n: &Node) -> String {
-    format!("{}|{:?}|{:?}|{:?}", n.op, n.args, n.kwargs, n.results)
+/// A node's identity for merging (its name left out), hashed and compared without building
+/// text. Floats compare by their bits, which tells `0.0` from `-0.0` and a NaN from itself.
+struct Key<'g>(&'g Node);
+
+fn hash_arg<H: Hasher>(a: &Arg, h: &mut H) {
+    std::mem::discriminant(a).hash(h);
+    match a {
+        Arg::Value(v) => v.hash(h),
+        Arg::Int(i) => i.hash(h),
+        Arg::Float(f) => f.to_bits().hash(h),
+        Arg::Bool(b) => b.hash(h),
+        Arg::None => {}
+        Arg::Str(s) | Arg::Device(s) => s.hash(h),
+        Arg::DType(d) => d.hash(h),
+        Arg::Sym(e) => e.hash(h),
+        Arg::List(items) => {
+            items.len().hash(h);
+            items.iter().for_each(|x| hash_arg(x, h));
+        }
+    }
+}
+
+fn same_arg(a: &Arg, b: &Arg) -> bool {
+    match (a, b) {
+        (Arg::Float(x), Arg::Float(y)) => x.to_bits() == y.to_bits(),
+        (Arg::List(x), Arg::List(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_arg(p, q))
+        }
+        _ => a == b,
+    }
+}
+
+impl Hash for Key<'_> {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        let n = self.0;
+        n.op.hash(h);
+        n.args.len().hash(h);
+        n.args.iter().for_each(|a| hash_arg(a, h));
+        for (k, v) in &n.kwargs {
+            k.hash(h);
+            hash_arg(v, h);
+        }
+        n.results.hash(h);
+    }
+}
+
+impl PartialEq for Key<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        let (a, b) = (self.0, other.0);
+        a.op == b.op
+            && a.results == b.results
+            && a.args.len() == b.args.len()
+            && a.args.iter().zip(&b.args).all(|(x, y)| same_arg(x, y))
+            && a.kwargs.len() == b.kwargs.len()
+            && a.kwargs
+                .iter()
+                .zip(&b.kwargs)
+                .all(|((k, x), (l, y))| k == l && same_arg(x, y))
+    }
+}
+
+fn hash_of(n: &Node, state: &RandomState) -> u64 {
+    state.hash_one(Key(n))
 }
 
 /// Merges equal nodes; returns how many it removed.
 pub fn common_subexpression_elimination(g: &mut Graph) -> usize {
     let outputs = output_nodes(g);
-    let mut seen: HashMap<String, NodeId> = HashMap::new();
+    // Hash -> earlier nodes with that hash. A kept node's operands come before it, so later
+    // merges never change its identity.
+    let state = RandomState::new();
+    let mut seen: HashMap<u64, Vec<NodeId>> = HashMap::new();
     let mut removed = 0;
     for id in g.topo_order() {
         if !g.dag.contains_node(id) || !mergeable(g.node(id)) {
             continue;
         }
-        let k = key(g.node(id));
-        match seen.get(&k) {
-            Some(&first) if !outputs.contains(&id) => {
+        let h = hash_of(g.node(id), &state);
+        let earlier = seen.get(&h).and_then(|ids| {
+            ids.iter()
+                .copied()
+                .find(|&e| Key(g.node(e)) == Key(g.node(id)))
+        });
+        match earlier {
+            Some(first) if !outputs.contains(&id) => {
                 for r in 0..g.node(id).results.len() {
                     replace_uses(
                         g,
@@ -86,9 +155,7 @@ pub fn common_subexpression_elimination(g: &mut Graph) -> usize {
                 removed += 1;
             }
             Some(_) => {}
-            None => {
-                seen.insert(k, id);
-            }
+            None => seen.entry(h).or_default().push(id),
         }
     }
     tracing::debug!(removed, "cse");

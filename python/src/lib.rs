@@ -756,9 +756,10 @@ impl Executable {
             .collect()
     }
 
+    /// The StableHLO module as text (printed from the bytecode that was compiled).
     #[getter]
-    fn mlir(&self) -> String {
-        self.compiled.lowered.mlir.clone()
+    fn mlir(&self) -> PyResult<String> {
+        self.compiled.lowered.text().map_err(lower_err)
     }
 
     #[getter]

@@ -10,6 +10,7 @@ use melior::ir::operation::OperationBuilder;
 use melior::ir::r#type::{IntegerType, RankedTensorType};
 use melior::ir::{Block, Identifier, Location, Region, RegionLike, Type, Value};
 use melior::Context;
+use std::collections::HashMap;
 use tpuc_frontend_fx::DType;
 
 /// A tensor value being built, with its static type.
@@ -91,7 +92,12 @@ pub struct Emitter<'c, 'b> {
     pub precision: Precision,
     /// MLIR's diagnostics (captured instead of printed), reported with the error they explain.
     diagnostics: Diagnostics,
+    /// Attributes parsed so far, by their text: a module repeats the same few (dimension
+    /// lists, comparison directions), and parsing is most of what building an op costs.
+    parsed: AttrCache<'c>,
 }
+
+type AttrCache<'c> = std::rc::Rc<std::cell::RefCell<HashMap<String, Attribute<'c>>>>;
 
 /// Messages MLIR emitted through the context's diagnostic handler.
 pub type Diagnostics = std::rc::Rc<std::cell::RefCell<Vec<String>>>;
@@ -306,11 +312,29 @@ impl<'c, 'b> Emitter<'c, 'b> {
             loc,
             precision,
             diagnostics,
+            parsed: AttrCache::default(),
+        }
+    }
+
+    /// An emitter appending to another block (a region's body), sharing this one's caches.
+    fn for_block<'r>(&self, block: &'r Block<'c>) -> Emitter<'c, 'r> {
+        Emitter {
+            ctx: self.ctx,
+            block,
+            loc: self.loc,
+            precision: self.precision,
+            diagnostics: self.diagnostics.clone(),
+            parsed: self.parsed.clone(),
         }
     }
 
     pub fn attr(&self, text: &str) -> R<Attribute<'c>> {
-        parse_attr(self.ctx, &self.diagnostics, text)
+        if let Some(a) = self.parsed.borrow().get(text) {
+            return Ok(*a);
+        }
+        let a = parse_attr(self.ctx, &self.diagnostics, text)?;
+        self.parsed.borrow_mut().insert(text.to_string(), a);
+        Ok(a)
     }
 
     /// Appends one op with the given operands, attributes (name, MLIR text) and result types.
@@ -690,13 +714,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             .collect();
         let block = Block::new(&types);
         {
-            let inner = Emitter::new(
-                self.ctx,
-                &block,
-                self.loc,
-                self.precision,
-                self.diagnostics.clone(),
-            );
+            let inner = self.for_block(&block);
             let params = args
                 .iter()
                 .enumerate()

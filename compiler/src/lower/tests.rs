@@ -135,7 +135,8 @@ fn op(inputs: &[In], target: &str, args: Value, kwargs: Value, val: Value) -> Gr
 fn mlir(g: &Graph) -> String {
     lower(g, &LowerOptions::default())
         .unwrap_or_else(|e| panic!("lowering failed: {e}"))
-        .mlir
+        .text()
+        .unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -825,7 +826,7 @@ fn precision_option_reaches_dot_and_conv() {
         ..LowerOptions::default()
     };
     for g in [addmm_graph(), conv_graph()] {
-        let text = lower(&g, &opts).unwrap().mlir;
+        let text = lower(&g, &opts).unwrap().text().unwrap();
         assert!(
             text.contains(
                 "precision_config = [#stablehlo<precision DEFAULT>, #stablehlo<precision DEFAULT>]"
@@ -4057,7 +4058,7 @@ fn sharding_plan_becomes_mhlo_annotations() {
         ..LowerOptions::default()
     };
     let lowered = lower(&g, &opts).unwrap();
-    let text = &lowered.mlir;
+    let text = &lowered.text().unwrap();
     assert!(text.contains("mhlo.num_partitions = 4 : i32"), "{text}");
     assert!(
         text.contains(r#"{mhlo.sharding = "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"}"#),
