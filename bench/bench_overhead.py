@@ -123,7 +123,7 @@ def lowering(models: list[str], repeats: int) -> list[dict]:
     """Per model, from one captured `gm`: the first run of each side, then `repeats` more,
     tpuc and torch-mlir alternating (so load on the machine hits both alike); medians of those.
 
-    tpuc, each run: `fx_export.export` + `FxGraph.from_json` + `cleanup` (wall clock), plus
+    tpuc, each run: `fx_export.export` (the FX walk and import) + `cleanup` (wall clock), plus
     `exe.lower_seconds` (specialize + StableHLO emission + printing the module, timed in Rust).
     Only the first run compiles with XLA; later runs hit the in-memory executable cache *after*
     lowering (the cache key is the printed module), so every run redoes all of the lowering.
@@ -133,7 +133,7 @@ def lowering(models: list[str], repeats: int) -> list[dict]:
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch_mlir import fx as mlir_fx
 
-    from tpuc import _native, backend, fx_export, runtime
+    from tpuc import backend, fx_export, runtime
 
     rt = runtime.get_runtime(None)
     rows = []
@@ -158,8 +158,7 @@ def lowering(models: list[str], repeats: int) -> list[dict]:
 
         def tpuc_once(gm=gm):
             t0 = time.perf_counter()
-            wire, _ = fx_export.export(gm)
-            graph = _native.FxGraph.from_json(wire)
+            graph = fx_export.export(gm)[0]
             _, graph = graph.cleanup(None)
             front = time.perf_counter() - t0
             exe = rt.compile(graph, {}, "highest", None, None)

@@ -3,6 +3,7 @@
 //! Python exception carrying the core's message.
 
 mod bucket;
+mod fx_walk;
 mod hot;
 
 use pyo3::create_exception;
@@ -129,7 +130,24 @@ fn dim_to_py(py: Python<'_>, d: &Dim) -> PyResult<Py<PyAny>> {
 
 #[pymethods]
 impl FxGraph {
-    /// Imports the JSON that `tpuc.fx_export` writes.
+    /// Imports an AOTAutograd FX graph module, read straight from its nodes. `symfloats` are
+    /// its size-derived float nodes (they become inputs). Returns the graph, the targets of its
+    /// `get_attr` nodes (inputs after the placeholders, in order) and whether it takes the
+    /// random seed input (last).
+    #[staticmethod]
+    fn from_fx(
+        py: Python<'_>,
+        gm: &Bound<'_, PyAny>,
+        symfloats: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<(FxGraph, Vec<String>, bool)> {
+        let walked = fx_walk::walk(gm, &symfloats)?;
+        let graph = py
+            .detach(|| tpuc_frontend_fx::import(&walked.graph))
+            .map_err(|e| GraphImportError::new_err(e.to_string()))?;
+        Ok((FxGraph { graph }, walked.attr_targets, walked.uses_rng))
+    }
+
+    /// Imports the wire format as JSON (`tpuc_frontend_fx::wire`).
     #[staticmethod]
     fn from_json(py: Python<'_>, json: &str) -> PyResult<FxGraph> {
         let graph = py

@@ -197,13 +197,12 @@ class CompiledGraph:
         # The texts only dumps read: printing the FX graph alone costs more than lowering it.
         dumping = opts.dump_dir is not None
         self.fx_text = gm.print_readable(print_output=False) if dumping else None
-        wire, attr_targets = fx_export.export(gm)
-        self.attr_tensors = [getattr(gm, t) for t in attr_targets]
         # Size-derived floats, inputs after the attributes, computed per shape from the sizes.
-        self.symfloat_exprs = [n.meta["val"].node.expr for n in fx_export.symfloat_nodes(gm)]
+        symfloats = fx_export.symfloat_nodes(gm)
+        self.symfloat_exprs = [n.meta["val"].node.expr for n in symfloats]
         # Random ops take a fresh seed per call, drawn from torch's generator (the last input).
-        self.rng = fx_export.uses_rng(gm)
-        imported = _native.FxGraph.from_json(wire)
+        imported, attr_targets, self.rng = fx_export.export(gm, symfloats)
+        self.attr_tensors = [getattr(gm, t) for t in attr_targets]
         self.pass_report, self.graph = imported.cleanup(opts.enabled_passes(), texts=dumping)
         counters.record_passes(self.pass_report)
         self.imported_text = str(imported) if dumping else None

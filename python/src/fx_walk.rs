@@ -1,0 +1,464 @@
+//! AOTAutograd's FX graph -> the frontend's wire structs (`tpuc_frontend_fx::wire`), read
+//! straight from the Python objects: no JSON in between, and no Python per node.
+//!
+//! The only place that knows both torch.fx and the wire format. `get_attr` nodes (lifted
+//! constants) become inputs after the placeholders, then the size-derived floats, then the
+//! random seed when a random op draws from it.
+
+use crate::GraphImportError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{LazyLock, Mutex};
+use tpuc_frontend_fx::wire::{FxArg, FxGraph, FxMeta, FxNode};
+use tpuc_frontend_fx::{DType, Dim, SymExpr};
+
+/// Ops drawing random numbers: each gets the graph's seed input and its own stream index.
+const RANDOM_OPS: &[&str] = &["aten.native_dropout.default"];
+/// The seed input's name (a 2-element int64 tensor, the last input).
+pub const SEED_INPUT: &str = "tpuc_rng_seed";
+
+/// `str()` of each op target seen so far, by the target object (kept alive here, so its
+/// address stays its own): formatting an `OpOverload` anew costs microseconds per node.
+static TARGET_NAMES: LazyLock<Mutex<HashMap<usize, (Py<PyAny>, String)>>> =
+    LazyLock::new(Mutex::default);
+
+/// What the walk produced: the graph, the `get_attr` targets in input order, and whether a
+/// random op takes the seed input.
+pub struct Walked {
+    pub graph: FxGraph,
+    pub attr_targets: Vec<String>,
+    pub uses_rng: bool,
+}
+
+/// The torch classes a walk tells values apart by, looked up once per walk.
+struct Torch<'py> {
+    node: Bound<'py, PyAny>,
+    tensor: Bound<'py, PyAny>,
+    symint: Bound<'py, PyAny>,
+    symfloat: Bound<'py, PyAny>,
+    dtype: Bound<'py, PyAny>,
+    device: Bound<'py, PyAny>,
+    layout: Bound<'py, PyAny>,
+    memory_format: Bound<'py, PyAny>,
+    getitem: Bound<'py, PyAny>,
+}
+
+struct Walker<'py> {
+    py: Python<'py>,
+    torch: Torch<'py>,
+    /// dtype object address -> wire dtype (dtypes are interned torch objects).
+    dtypes: HashMap<usize, DType>,
+    /// Size-derived float nodes (by address): skipped as ops, passed as inputs.
+    symfloats: HashSet<usize>,
+}
+
+fn import_err(msg: String) -> PyErr {
+    GraphImportError::new_err(msg)
+}
+
+pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<Walked> {
+    let py = gm.py();
+    let torch_mod = py.import("torch")?;
+    let fx = py.import("torch.fx")?;
+    let torch = Torch {
+        node: fx.getattr("Node")?,
+        tensor: torch_mod.getattr("Tensor")?,
+        symint: torch_mod.getattr("SymInt")?,
+        symfloat: torch_mod.getattr("SymFloat")?,
+        dtype: torch_mod.getattr("dtype")?,
+        device: torch_mod.getattr("device")?,
+        layout: torch_mod.getattr("layout")?,
+        memory_format: torch_mod.getattr("memory_format")?,
+        getitem: py.import("operator")?.getattr("getitem")?,
+    };
+    let mut w = Walker {
+        py,
+        torch,
+        dtypes: HashMap::new(),
+        symfloats: symfloats.iter().map(|n| n.as_ptr() as usize).collect(),
+    };
+    let (mut inputs, mut attrs, mut ops) = (Vec::new(), Vec::new(), Vec::new());
+    let mut attr_targets = Vec::new();
+    let mut streams = 0i64;
+    let graph = gm.getattr(intern!(py, "graph"))?;
+    for n in graph.getattr(intern!(py, "nodes"))?.try_iter()? {
+        let n = n?;
+        if w.symfloats.contains(&(n.as_ptr() as usize)) {
+            continue;
+        }
+        let name: String = n.getattr(intern!(py, "name"))?.extract()?;
+        let op_obj = n.getattr(intern!(py, "op"))?;
+        let op = op_obj.cast::<PyString>()?.to_str()?;
+        match op {
+            "placeholder" => {
+                let val = w.meta_val(&n)?;
+                inputs.push(FxNode {
+                    target: name.clone(),
+                    name,
+                    op: "placeholder".into(),
+                    args: Vec::new(),
+                    kwargs: BTreeMap::new(),
+                    val: val.map(|v| w.meta(&v, &n)).transpose()?.flatten(),
+                });
+            }
+            "get_attr" => {
+                let target: String = n.getattr(intern!(py, "target"))?.extract()?;
+                let val = gm.getattr(target.as_str())?;
+                if !val.is_instance(&w.torch.tensor)? {
+                    return Err(import_err(format!(
+                        "node `{name}`: get_attr of a {}",
+                        val.get_type().name()?
+                    )));
+                }
+                let meta = w.meta(&val, &n)?;
+                attrs.push(FxNode {
+                    name,
+                    op: "placeholder".into(),
+                    target: target.clone(),
+                    args: Vec::new(),
+                    kwargs: BTreeMap::new(),
+                    val: meta,
+                });
+                attr_targets.push(target);
+            }
+            "call_function" | "output" => {
+                // `_args`/`_kwargs` are what the `args`/`kwargs` properties return, without a
+                // Python call each.
+                let node_args = attr_or(&n, intern!(py, "_args"), intern!(py, "args"))?;
+                let node_args = node_args.cast::<PyTuple>()?;
+                let mut args = node_args
+                    .iter()
+                    .map(|a| w.arg(&a, &n))
+                    .collect::<PyResult<Vec<_>>>()?;
+                let kwargs_obj = attr_or(&n, intern!(py, "_kwargs"), intern!(py, "kwargs"))?;
+                let kwargs_dict = kwargs_obj.cast::<PyDict>()?;
+                let mut kwargs = BTreeMap::new();
+                for (k, v) in kwargs_dict.iter() {
+                    kwargs.insert(k.extract::<String>()?, w.arg(&v, &n)?);
+                }
+                let target = w.target(&n, node_args)?;
+                if op == "call_function" && RANDOM_OPS.contains(&target.as_str()) {
+                    // Positional args padded to the schema's length, then the seed and the stream.
+                    let schema = n
+                        .getattr(intern!(py, "target"))?
+                        .getattr(intern!(py, "_schema"))?
+                        .getattr(intern!(py, "arguments"))?;
+                    let schema = schema.cast::<PyList>()?;
+                    for a in schema.iter().skip(args.len()) {
+                        let arg_name = a.getattr(intern!(py, "name"))?;
+                        args.push(match kwargs_dict.get_item(&arg_name)? {
+                            Some(v) => w.arg(&v, &n)?,
+                            None => FxArg::Null,
+                        });
+                    }
+                    args.truncate(schema.len());
+                    args.push(FxArg::Node {
+                        node: SEED_INPUT.into(),
+                    });
+                    args.push(FxArg::Int(streams));
+                    streams += 1;
+                }
+                let val = w.meta_val(&n)?;
+                ops.push(FxNode {
+                    name,
+                    op: op.to_string(),
+                    target,
+                    args,
+                    kwargs,
+                    val: val.map(|v| w.meta(&v, &n)).transpose()?.flatten(),
+                });
+            }
+            other => {
+                let target = n.getattr(intern!(py, "target"))?.str()?;
+                return Err(import_err(format!(
+                    "node `{name}`: {other} `{target}` (tpuc imports functional ATen graphs \
+                     from AOTAutograd)"
+                )));
+            }
+        }
+    }
+    // Size-derived floats are computed by the runtime from the real sizes, then the seed.
+    let mut extra = Vec::new();
+    for n in symfloats {
+        extra.push(scalar_input(
+            n.getattr(intern!(py, "name"))?.extract()?,
+            &[],
+            DType::Float64,
+        ));
+    }
+    if streams > 0 {
+        extra.push(scalar_input(SEED_INPUT.into(), &[2], DType::Int64));
+    }
+    let nodes = inputs
+        .into_iter()
+        .chain(attrs)
+        .chain(extra)
+        .chain(ops)
+        .collect();
+    Ok(Walked {
+        graph: FxGraph { nodes },
+        attr_targets,
+        uses_rng: streams > 0,
+    })
+}
+
+fn scalar_input(name: String, shape: &[i64], dtype: DType) -> FxNode {
+    FxNode {
+        target: name.clone(),
+        name,
+        op: "placeholder".into(),
+        args: Vec::new(),
+        kwargs: BTreeMap::new(),
+        val: Some(FxMeta::Tensor {
+            shape: shape.iter().map(|&d| Dim::Static(d)).collect(),
+            dtype,
+        }),
+    }
+}
+
+/// A size as the wire format wants it: an int, or the ShapeEnv expression.
+enum Size {
+    Int(i64),
+    Expr(String),
+}
+
+impl<'py> Walker<'py> {
+    fn meta_val(&self, n: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let meta = n.getattr(intern!(self.py, "meta"))?;
+        meta.cast::<PyDict>()?.get_item(intern!(self.py, "val"))
+    }
+
+    fn sym(&self, value: &Bound<'py, PyAny>) -> PyResult<Size> {
+        if value.is_exact_instance_of::<PyInt>() {
+            return Ok(Size::Int(value.extract()?));
+        }
+        let expr = value
+            .getattr(intern!(self.py, "node"))?
+            .getattr(intern!(self.py, "expr"))?;
+        let is_number = match expr.getattr(intern!(self.py, "is_number")) {
+            Ok(b) => b.is_truthy()?,
+            Err(_) => false,
+        };
+        Ok(if is_number {
+            Size::Int(expr.call_method0(intern!(self.py, "__int__"))?.extract()?)
+        } else {
+            Size::Expr(expr.str()?.to_string())
+        })
+    }
+
+    fn sym_expr(&self, text: &str, n: &Bound<'py, PyAny>) -> PyResult<SymExpr> {
+        SymExpr::parse(text).map_err(|e| import_err(format!("node `{}`: {e}", node_name(n))))
+    }
+
+    fn dtype(&mut self, dtype: &Bound<'py, PyAny>, n: &Bound<'py, PyAny>) -> PyResult<DType> {
+        let key = dtype.as_ptr() as usize;
+        if let Some(d) = self.dtypes.get(&key) {
+            return Ok(*d);
+        }
+        let text = dtype.str()?;
+        let text = text.to_str()?;
+        let name = text.strip_prefix("torch.").unwrap_or(text);
+        let d = DType::from_name(name).ok_or_else(|| {
+            import_err(format!(
+                "node `{}`: dtype {name} has no tpuc equivalent",
+                node_name(n)
+            ))
+        })?;
+        self.dtypes.insert(key, d);
+        Ok(d)
+    }
+
+    /// The wire form of a node's `meta["val"]` (or a lifted constant): `None` for values the
+    /// frontend has no use for.
+    fn meta(&mut self, val: &Bound<'py, PyAny>, n: &Bound<'py, PyAny>) -> PyResult<Option<FxMeta>> {
+        let py = self.py;
+        if val.is_none() {
+            return Ok(None);
+        }
+        if val.is_instance(&self.torch.tensor)? {
+            let shape = val.getattr(intern!(py, "shape"))?;
+            let shape = shape.cast::<PyTuple>()?;
+            let mut dims = Vec::with_capacity(shape.len());
+            for d in shape.iter() {
+                dims.push(match self.sym(&d)? {
+                    Size::Int(i) => Dim::Static(i),
+                    Size::Expr(e) => Dim::Sym(self.sym_expr(&e, n)?),
+                });
+            }
+            let dtype = self.dtype(&val.getattr(intern!(py, "dtype"))?, n)?;
+            return Ok(Some(FxMeta::Tensor { shape: dims, dtype }));
+        }
+        if val.is_instance(&self.torch.symint)? {
+            return Ok(Some(match self.sym(val)? {
+                Size::Int(i) => FxMeta::Int(i),
+                Size::Expr(e) => FxMeta::Symint(self.sym_expr(&e, n)?),
+            }));
+        }
+        if val.is_instance_of::<PyBool>() {
+            return Ok(Some(FxMeta::Bool(val.extract()?)));
+        }
+        if val.is_instance_of::<PyInt>() {
+            return Ok(Some(FxMeta::Int(val.extract()?)));
+        }
+        if val.is_instance_of::<PyFloat>() {
+            return Ok(Some(FxMeta::Float(val.extract()?)));
+        }
+        if val.is_instance(&self.torch.symfloat)? {
+            let expr = val
+                .getattr(intern!(py, "node"))?
+                .getattr(intern!(py, "expr"))?;
+            let number = expr
+                .getattr(intern!(py, "is_number"))
+                .map(|b| b.is_truthy())
+                .unwrap_or(Ok(false))?;
+            return Ok(if number {
+                Some(FxMeta::Float(
+                    expr.call_method0(intern!(py, "__float__"))?.extract()?,
+                ))
+            } else {
+                None
+            });
+        }
+        if val.is_instance_of::<PyList>() || val.is_instance_of::<PyTuple>() {
+            let items = val
+                .try_iter()?
+                .map(|v| self.meta(&v?, n))
+                .collect::<PyResult<Vec<_>>>()?;
+            return Ok(Some(FxMeta::Tuple(items)));
+        }
+        Ok(None)
+    }
+
+    fn arg(&mut self, a: &Bound<'py, PyAny>, n: &Bound<'py, PyAny>) -> PyResult<FxArg> {
+        let py = self.py;
+        // The common literals first, by exact type (subclasses take the checks below).
+        if a.is_none() {
+            return Ok(FxArg::Null);
+        }
+        if a.is_exact_instance_of::<PyInt>() {
+            return Ok(match a.extract::<i64>() {
+                Ok(i) => FxArg::Int(i),
+                Err(_) => FxArg::Float(a.extract::<f64>()?),
+            });
+        }
+        if a.is_instance(&self.torch.node)? {
+            return Ok(FxArg::Node {
+                node: a.getattr(intern!(py, "name"))?.extract()?,
+            });
+        }
+        if a.is_instance_of::<PyBool>() {
+            return Ok(FxArg::Bool(a.extract()?));
+        }
+        if let Ok(s) = a.cast::<PyString>() {
+            return Ok(FxArg::Str(s.to_str()?.to_string()));
+        }
+        if a.is_instance_of::<PyInt>() {
+            return Ok(FxArg::Int(a.extract()?));
+        }
+        if a.is_instance_of::<PyFloat>() {
+            let f: f64 = a.extract()?;
+            return Ok(if f.is_finite() {
+                FxArg::Float(f)
+            } else {
+                FxArg::SpecialFloat {
+                    float: if f.is_nan() {
+                        "nan"
+                    } else if f > 0.0 {
+                        "inf"
+                    } else {
+                        "-inf"
+                    }
+                    .into(),
+                }
+            });
+        }
+        if a.is_instance_of::<PyList>() || a.is_instance_of::<PyTuple>() {
+            return a
+                .try_iter()?
+                .map(|x| self.arg(&x?, n))
+                .collect::<PyResult<Vec<_>>>()
+                .map(FxArg::List);
+        }
+        if a.is_instance(&self.torch.dtype)? {
+            return Ok(FxArg::DType {
+                dtype: self.dtype(a, n)?,
+            });
+        }
+        if a.is_instance(&self.torch.device)? {
+            return Ok(FxArg::Device {
+                device: a.str()?.to_string(),
+            });
+        }
+        if a.is_instance(&self.torch.layout)? || a.is_instance(&self.torch.memory_format)? {
+            return Ok(FxArg::Other {
+                other: a.str()?.to_string(),
+            });
+        }
+        if a.is_instance(&self.torch.symint)? {
+            if let Size::Int(i) = self.sym(a)? {
+                return Ok(FxArg::Int(i));
+            }
+        }
+        let op = n.getattr(intern!(py, "target"))?.str()?;
+        Err(import_err(format!(
+            "node `{}` (op `{op}`): argument {} of type {} cannot be passed to tpuc",
+            node_name(n),
+            a.repr()?,
+            a.get_type().name()?
+        )))
+    }
+
+    /// The op's name. A `Scalar` overload fed a size-derived float (which becomes a 0-d tensor
+    /// input) is swapped for the op's `Tensor` overload.
+    fn target(&self, n: &Bound<'py, PyAny>, args: &Bound<'py, PyTuple>) -> PyResult<String> {
+        let py = self.py;
+        let mut target = n.getattr(intern!(py, "target"))?;
+        if !self.symfloats.is_empty()
+            && args
+                .iter()
+                .any(|a| self.symfloats.contains(&(a.as_ptr() as usize)))
+            && target
+                .getattr(intern!(py, "_overloadname"))
+                .is_ok_and(|o| o.eq("Scalar").unwrap_or(false))
+        {
+            let packet = target.getattr(intern!(py, "overloadpacket"))?;
+            if let Ok(tensor) = packet.getattr(intern!(py, "Tensor")) {
+                target = tensor;
+            }
+        }
+        self.target_name(&target)
+    }
+
+    fn target_name(&self, target: &Bound<'py, PyAny>) -> PyResult<String> {
+        let key = target.as_ptr() as usize;
+        let names = || TARGET_NAMES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, name)) = names().get(&key) {
+            return Ok(name.clone());
+        }
+        // Formatted with the lock released: `str()` runs Python, which may switch threads.
+        let name = if target.is(&self.torch.getitem) {
+            "<built-in function getitem>".to_string()
+        } else {
+            target.str()?.to_string()
+        };
+        names().insert(key, (target.clone().unbind(), name.clone()));
+        Ok(name)
+    }
+}
+
+/// `obj.fast`, or `obj.slow` where this torch has no `fast`.
+fn attr_or<'py>(
+    obj: &Bound<'py, PyAny>,
+    fast: &Bound<'py, PyString>,
+    slow: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyAny>> {
+    obj.getattr(fast).or_else(|_| obj.getattr(slow))
+}
+
+fn node_name(n: &Bound<'_, PyAny>) -> String {
+    n.getattr("name")
+        .and_then(|s| s.extract::<String>())
+        .unwrap_or_else(|_| "?".into())
+}
