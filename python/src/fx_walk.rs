@@ -21,8 +21,10 @@ pub const SEED_INPUT: &str = "tpuc_rng_seed";
 
 /// `str()` of each op target seen so far, by the target object (kept alive here, so its
 /// address stays its own): formatting an `OpOverload` anew costs microseconds per node.
-static TARGET_NAMES: LazyLock<Mutex<HashMap<usize, (Py<PyAny>, String)>>> =
-    LazyLock::new(Mutex::default);
+static TARGET_NAMES: LazyLock<Mutex<TargetNames>> = LazyLock::new(Mutex::default);
+
+/// Target address -> (the target, its name).
+type TargetNames = HashMap<usize, (Py<PyAny>, String)>;
 
 /// What the walk produced: the graph, the `get_attr` targets in input order, and whether a
 /// random op takes the seed input.
