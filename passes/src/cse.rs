@@ -40,17 +40,18 @@ const NEVER: &[&str] = &[
     "wait_tensor",
 ];
 
-/// Whether merging two equal calls of `n` is safe: a pure, deterministic ATen op.
-fn mergeable(n: &Node) -> bool {
-    if n.is_input() || !n.op.starts_with("aten.") {
+/// Whether merging two equal calls of `op` is safe: a pure, deterministic ATen op (calls
+/// with an `out=` kwarg aside).
+fn mergeable_op(op: &str) -> bool {
+    if op == Node::INPUT || !op.starts_with("aten.") {
         return false;
     }
-    let base = n.op.split('.').nth(1).unwrap_or("");
+    let base = op.split('.').nth(1).unwrap_or("");
     // In-place ops (`add_`) and `out=` variants mutate.
-    if base.ends_with('_') || n.op.ends_with(".out") || n.kwargs.contains_key("out") {
+    if base.ends_with('_') || op.ends_with(".out") {
         return false;
     }
-    !NEVER.iter().any(|w| n.op.contains(w))
+    !NEVER.iter().any(|w| op.contains(w))
 }
 
 /// A node's identity for merging (its name left out), hashed and compared without building
@@ -126,8 +127,18 @@ pub fn common_subexpression_elimination(g: &mut Graph) -> usize {
     let state = RandomState::new();
     let mut seen: HashMap<u64, Vec<NodeId>> = HashMap::new();
     let mut removed = 0;
+    // Whether an op is mergeable, by name: the scan of NEVER is most of this pass otherwise.
+    let mut pure: HashMap<String, bool> = HashMap::new();
     for id in g.topo_order() {
-        if !g.dag.contains_node(id) || !mergeable(g.node(id)) {
+        if !g.dag.contains_node(id) {
+            continue;
+        }
+        let n = g.node(id);
+        let ok = match pure.get(&n.op) {
+            Some(&ok) => ok,
+            None => *pure.entry(n.op.clone()).or_insert(mergeable_op(&n.op)),
+        };
+        if !ok || n.kwargs.contains_key("out") {
             continue;
         }
         let h = hash_of(g.node(id), &state);

@@ -71,23 +71,24 @@ pub fn bindings_from_inputs(
     Ok(b)
 }
 
-fn ty(t: &TensorType, b: &HashMap<String, i64>) -> Result<TensorType, SymbolError> {
-    Ok(TensorType {
-        shape: t
-            .shape
-            .iter()
-            .map(|d| d.eval(b).map(Dim::Static))
-            .collect::<Result<_, _>>()?,
-        dtype: t.dtype,
-    })
+/// Replaces `t`'s symbolic dims by their values, in place (static dims stay as they are).
+fn ty(t: &mut TensorType, b: &HashMap<String, i64>) -> Result<(), SymbolError> {
+    for d in t.shape.iter_mut() {
+        if let Dim::Sym(e) = d {
+            *d = Dim::Static(e.eval(b)?);
+        }
+    }
+    Ok(())
 }
 
-fn arg(a: &Arg, b: &HashMap<String, i64>) -> Result<Arg, SymbolError> {
-    Ok(match a {
-        Arg::Sym(e) => Arg::Int(e.eval(b)?),
-        Arg::List(items) => Arg::List(items.iter().map(|i| arg(i, b)).collect::<Result<_, _>>()?),
-        other => other.clone(),
-    })
+/// Replaces the symbolic sizes in `a` by their values, in place.
+fn arg(a: &mut Arg, b: &HashMap<String, i64>) -> Result<(), SymbolError> {
+    match a {
+        Arg::Sym(e) => *a = Arg::Int(e.eval(b)?),
+        Arg::List(items) => items.iter_mut().try_for_each(|i| arg(i, b))?,
+        _ => {}
+    }
+    Ok(())
 }
 
 /// A copy of `g` with every symbolic dim and size argument replaced by its value.
@@ -95,18 +96,15 @@ pub fn specialize(g: &Graph, b: &HashMap<String, i64>) -> Result<Graph, Speciali
     let mut out = g.clone();
     for n in out.dag.node_weights_mut() {
         for r in n.results.iter_mut().flatten() {
-            *r = ty(r, b)?;
+            ty(r, b)?;
         }
-        for a in n.args.iter_mut() {
-            *a = arg(a, b)?;
-        }
-        for a in n.kwargs.values_mut() {
-            *a = arg(a, b)?;
+        for a in n.args.iter_mut().chain(n.kwargs.values_mut()) {
+            arg(a, b)?;
         }
     }
     for inp in out.inputs.iter_mut() {
         if let InputKind::Tensor(t) = &mut inp.kind {
-            *t = ty(t, b)?;
+            ty(t, b)?;
         }
     }
     for o in out.outputs.iter_mut() {

@@ -99,6 +99,8 @@ impl Lowered {
 /// generically (unregistered), which keeps context creation cheap.
 fn module_context() -> Context {
     let ctx = Context::new();
+    // One module per context, built on one thread: no locks in MLIR's uniquers, no thread pool.
+    ctx.enable_multi_threading(false);
     ctx.set_allow_unregistered_dialects(true);
     let registry = melior::dialect::DialectRegistry::new();
     melior::dialect::DialectHandle::func().insert_dialect(&registry);
@@ -754,43 +756,56 @@ impl Fused {
         arg_types: &[(Vec<i64>, DType)],
         used: &HashMap<NodeId, Vec<bool>>,
     ) -> String {
-        fn arg(a: &Arg, local: &dyn Fn(&ValueRef) -> String) -> String {
+        use std::fmt::Write;
+        // Written into one string as it goes: this runs for every composite of every module.
+        fn arg(sig: &mut String, a: &Arg, local: &dyn Fn(&mut String, &ValueRef)) {
             match a {
-                Arg::Value(v) => local(v),
+                Arg::Value(v) => local(sig, v),
                 Arg::List(items) => {
-                    let parts: Vec<String> = items.iter().map(|i| arg(i, local)).collect();
-                    format!("[{}]", parts.join(","))
+                    sig.push('[');
+                    for i in items {
+                        arg(sig, i, local);
+                        sig.push(',');
+                    }
+                    sig.push(']');
                 }
-                other => format!("{other:?}"),
+                other => {
+                    let _ = write!(sig, "{other:?}");
+                }
             }
         }
-        let local = |v: &ValueRef| match members.get(&v.node) {
-            Some(i) => format!("m{i}#{}", v.result),
-            None => {
-                let v = self.folds.get(v).map_or(*v, |(src, _)| *src);
-                let k = inputs.iter().position(|x| *x == v).unwrap_or(usize::MAX);
-                format!("in{k}")
-            }
+        let local = |sig: &mut String, v: &ValueRef| {
+            let _ = match members.get(&v.node) {
+                Some(i) => write!(sig, "m{i}#{}", v.result),
+                None => {
+                    let v = self.folds.get(v).map_or(*v, |(src, _)| *src);
+                    let k = inputs.iter().position(|x| *x == v).unwrap_or(usize::MAX);
+                    write!(sig, "in{k}")
+                }
+            };
         };
-        let mut sig = format!("{} {arg_types:?}\n", group.name);
+        let mut sig = String::with_capacity(64 * (group.nodes.len() + 1));
+        let _ = writeln!(sig, "{} {arg_types:?}", group.name);
         for &m in &group.nodes {
             let n = graph.node(m);
-            let args: Vec<String> = n.args.iter().map(|a| arg(a, &local)).collect();
-            let kwargs: Vec<String> = n
-                .kwargs
-                .iter()
-                .map(|(k, a)| format!("{k}={}", arg(a, &local)))
-                .collect();
+            sig.push_str(&n.op);
+            sig.push_str(" (");
+            for a in &n.args {
+                arg(&mut sig, a, &local);
+                sig.push(',');
+            }
+            sig.push_str(") {");
+            for (k, a) in &n.kwargs {
+                sig.push_str(k);
+                sig.push('=');
+                arg(&mut sig, a, &local);
+                sig.push(',');
+            }
             let fold = self
                 .folds
                 .get(&ValueRef { node: m, result: 0 })
                 .map(|(_, p)| p);
-            sig.push_str(&format!(
-                "{} {args:?} {kwargs:?} {:?} {:?} {fold:?}\n",
-                n.op,
-                n.results,
-                used.get(&m)
-            ));
+            let _ = writeln!(sig, "}} {:?} {:?} {fold:?}", n.results, used.get(&m));
         }
         sig
     }
