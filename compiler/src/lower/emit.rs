@@ -4,7 +4,7 @@
 //! types: StableHLO is not registered in our MLIR context, so nothing would infer them.
 
 use super::LowerError;
-use melior::ir::attribute::Attribute;
+use melior::ir::attribute::{Attribute, DenseI64ArrayAttribute};
 use melior::ir::block::BlockLike;
 use melior::ir::operation::OperationBuilder;
 use melior::ir::r#type::{IntegerType, RankedTensorType};
@@ -287,6 +287,16 @@ pub fn broadcast_shapes(a: &[i64], b: &[i64]) -> Option<Vec<i64>> {
     Some(out)
 }
 
+/// The values of an [`array_i64`] text, read without MLIR's parser (dimension lists, slice
+/// bounds and permutations are most of a module's attributes). `None` for any other text.
+fn i64_array(text: &str) -> Option<Vec<i64>> {
+    if text == "array<i64>" {
+        return Some(Vec::new());
+    }
+    let body = text.strip_prefix("array<i64: ")?.strip_suffix('>')?;
+    body.split(", ").map(|v| v.parse().ok()).collect()
+}
+
 /// Parses MLIR attribute text; an error carries MLIR's diagnostics.
 pub fn parse_attr<'c>(ctx: &'c Context, diagnostics: &Diagnostics, text: &str) -> R<Attribute<'c>> {
     Attribute::parse(ctx, text).ok_or_else(|| {
@@ -332,7 +342,10 @@ impl<'c, 'b> Emitter<'c, 'b> {
         if let Some(a) = self.parsed.borrow().get(text) {
             return Ok(*a);
         }
-        let a = parse_attr(self.ctx, &self.diagnostics, text)?;
+        let a = match i64_array(text) {
+            Some(values) => DenseI64ArrayAttribute::new(self.ctx, &values).into(),
+            None => parse_attr(self.ctx, &self.diagnostics, text)?,
+        };
         self.parsed.borrow_mut().insert(text.to_string(), a);
         Ok(a)
     }
@@ -1001,5 +1014,25 @@ impl<'c, 'b> Emitter<'c, 'b> {
             &shape,
             t.dtype,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn i64_arrays_are_read_back_without_the_parser() {
+        for v in [vec![], vec![0], vec![-3, 7, i64::MAX, i64::MIN]] {
+            assert_eq!(i64_array(&array_i64(&v)), Some(v));
+        }
+        for other in [
+            "array<i32: 1>",
+            "dense<1> : tensor<i64>",
+            "array<i64: 1,2>",
+            "#x",
+        ] {
+            assert_eq!(i64_array(other), None, "{other}");
+        }
     }
 }
