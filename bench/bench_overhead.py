@@ -124,9 +124,10 @@ def lowering(models: list[str], repeats: int) -> list[dict]:
     tpuc and torch-mlir alternating (so load on the machine hits both alike); medians of those.
 
     tpuc, each run: `fx_export.export` (the FX walk and import) + `cleanup` (wall clock), plus
-    `exe.lower_seconds` (specialize + StableHLO emission + printing the module, timed in Rust).
+    `exe.lower_seconds` (specialize + StableHLO emission + writing the module as MLIR bytecode,
+    timed in Rust).
     Only the first run compiles with XLA; later runs hit the in-memory executable cache *after*
-    lowering (the cache key is the printed module), so every run redoes all of the lowering.
+    lowering (the cache key hashes the module's bytecode), so every run redoes all of the lowering.
     torch-mlir, each run: `stateless_fx_import(gm)` (import to its torch dialect, a fresh MLIR
     context each call). Its StableHLO path is timed once (first run)."""
     import zoo
@@ -252,7 +253,7 @@ def main() -> None:
     lines += [
         "",
         "Lowering the same AOTAutograd forward graph, one `gm` per model. tpuc: FX export + import + "
-        "cleanup passes + specialize + StableHLO emission and printing (no XLA compile); torch-mlir: "
+        "cleanup passes + specialize + StableHLO emission and bytecode (no XLA compile); torch-mlir: "
         "`stateless_fx_import(gm)`, import to its torch dialect only. Median of "
         f"{args.repeats} runs after the first, the two alternating; first runs alongside:",
         "",

@@ -45,6 +45,8 @@ struct Torch<'py> {
     layout: Bound<'py, PyAny>,
     memory_format: Bound<'py, PyAny>,
     getitem: Bound<'py, PyAny>,
+    /// `meta["tensor_meta"]`'s class, where this torch has it.
+    tensor_metadata: Option<Bound<'py, PyAny>>,
 }
 
 struct Walker<'py> {
@@ -74,6 +76,10 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
         layout: torch_mod.getattr("layout")?,
         memory_format: torch_mod.getattr("memory_format")?,
         getitem: py.import("operator")?.getattr("getitem")?,
+        tensor_metadata: py
+            .import("torch.fx.passes.shape_prop")
+            .and_then(|m| m.getattr("TensorMetadata"))
+            .ok(),
     };
     let mut w = Walker {
         py,
@@ -96,13 +102,17 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
         match op {
             "placeholder" => {
                 let val = w.meta_val(&n)?;
+                let recorded = w.recorded(&n)?;
                 inputs.push(FxNode {
                     target: name.clone(),
                     name,
                     op: "placeholder".into(),
                     args: Vec::new(),
                     kwargs: BTreeMap::new(),
-                    val: val.map(|v| w.meta(&v, &n)).transpose()?.flatten(),
+                    val: val
+                        .map(|v| w.meta(&v, recorded.as_ref(), &n))
+                        .transpose()?
+                        .flatten(),
                 });
             }
             "get_attr" => {
@@ -114,7 +124,7 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
                         val.get_type().name()?
                     )));
                 }
-                let meta = w.meta(&val, &n)?;
+                let meta = w.meta(&val, None, &n)?;
                 attrs.push(FxNode {
                     name,
                     op: "placeholder".into(),
@@ -163,13 +173,17 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
                     streams += 1;
                 }
                 let val = w.meta_val(&n)?;
+                let recorded = w.recorded(&n)?;
                 ops.push(FxNode {
                     name,
                     op: op.to_string(),
                     target,
                     args,
                     kwargs,
-                    val: val.map(|v| w.meta(&v, &n)).transpose()?.flatten(),
+                    val: val
+                        .map(|v| w.meta(&v, recorded.as_ref(), &n))
+                        .transpose()?
+                        .flatten(),
                 });
             }
             other => {
@@ -232,6 +246,19 @@ impl<'py> Walker<'py> {
         meta.cast::<PyDict>()?.get_item(intern!(self.py, "val"))
     }
 
+    /// The node's `meta["tensor_meta"]` (shape and dtype as traced, recorded next to `val`):
+    /// reading them there skips a FakeTensor's dispatch and a new `torch.Size` per node.
+    fn recorded(&self, n: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(class) = &self.torch.tensor_metadata else {
+            return Ok(None);
+        };
+        let meta = n.getattr(intern!(self.py, "meta"))?;
+        Ok(meta
+            .cast::<PyDict>()?
+            .get_item(intern!(self.py, "tensor_meta"))?
+            .filter(|t| t.get_type().is(class)))
+    }
+
     fn sym(&self, value: &Bound<'py, PyAny>) -> PyResult<Size> {
         if value.is_exact_instance_of::<PyInt>() {
             return Ok(Size::Int(value.extract()?));
@@ -274,12 +301,18 @@ impl<'py> Walker<'py> {
 
     /// The wire form of a node's `meta["val"]` (or a lifted constant): `None` for values the
     /// frontend has no use for.
-    fn meta(&mut self, val: &Bound<'py, PyAny>, n: &Bound<'py, PyAny>) -> PyResult<Option<FxMeta>> {
+    fn meta(
+        &mut self,
+        val: &Bound<'py, PyAny>,
+        recorded: Option<&Bound<'py, PyAny>>,
+        n: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<FxMeta>> {
         let py = self.py;
         if val.is_none() {
             return Ok(None);
         }
         if val.is_instance(&self.torch.tensor)? {
+            let val = recorded.unwrap_or(val);
             let shape = val.getattr(intern!(py, "shape"))?;
             let shape = shape.cast::<PyTuple>()?;
             let mut dims = Vec::with_capacity(shape.len());
@@ -326,7 +359,7 @@ impl<'py> Walker<'py> {
         if val.is_instance_of::<PyList>() || val.is_instance_of::<PyTuple>() {
             let items = val
                 .try_iter()?
-                .map(|v| self.meta(&v?, n))
+                .map(|v| self.meta(&v?, None, n))
                 .collect::<PyResult<Vec<_>>>()?;
             return Ok(Some(FxMeta::Tuple(items)));
         }
