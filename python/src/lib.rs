@@ -6,6 +6,11 @@ mod bucket;
 mod fx_walk;
 mod hot;
 
+/// The Rust side's allocator: lowering makes many small, short-lived allocations (IR nodes,
+/// attribute texts, shape vectors), which mimalloc serves faster than the system's malloc.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
