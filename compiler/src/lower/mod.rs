@@ -350,14 +350,60 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
             });
         }
     }
-    let ctx = module_context();
-    let loc = Location::unknown(&ctx);
-    let diagnostics = emit::Diagnostics::default();
-    let sink = diagnostics.clone();
-    ctx.attach_diagnostic_handler(move |d| {
-        sink.borrow_mut().push(d.to_string());
-        true
-    });
+    with_context(|ctx, diagnostics| lower_in(ctx, diagnostics, graph, options))
+}
+
+/// Modules lowered in one context before it is replaced: a context keeps every attribute and
+/// type it ever uniqued.
+const MODULES_PER_CONTEXT: usize = 64;
+
+/// A thread's MLIR context, reused across lowerings (creating one costs about 5% of lowering a
+/// small model), with the diagnostics its handler collects.
+struct Reused {
+    ctx: Context,
+    diagnostics: emit::Diagnostics,
+    modules: usize,
+}
+
+thread_local! {
+    static REUSED: std::cell::RefCell<Option<Reused>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's context: taken out while in use (a nested call gets a fresh one),
+/// put back after, replaced after [`MODULES_PER_CONTEXT`] modules. A panic drops it.
+fn with_context<X>(f: impl FnOnce(&Context, &emit::Diagnostics) -> X) -> X {
+    let mut reused = match REUSED.with(|r| r.borrow_mut().take()) {
+        Some(r) if r.modules < MODULES_PER_CONTEXT => r,
+        _ => {
+            let ctx = module_context();
+            let diagnostics = emit::Diagnostics::default();
+            let sink = diagnostics.clone();
+            ctx.attach_diagnostic_handler(move |d| {
+                sink.borrow_mut().push(d.to_string());
+                true
+            });
+            Reused {
+                ctx,
+                diagnostics,
+                modules: 0,
+            }
+        }
+    };
+    reused.diagnostics.borrow_mut().clear();
+    reused.modules += 1;
+    let out = f(&reused.ctx, &reused.diagnostics);
+    REUSED.with(|r| *r.borrow_mut() = Some(reused));
+    out
+}
+
+fn lower_in(
+    ctx: &Context,
+    diagnostics: &emit::Diagnostics,
+    graph: &Graph,
+    options: &LowerOptions,
+) -> R<Lowered> {
+    let diagnostics = diagnostics.clone();
+    let loc = Location::unknown(ctx);
 
     let static_type = |name: &str, t: &tpuc_frontend_fx::TensorType| -> R<(Vec<i64>, DType)> {
         let s = t.static_shape().ok_or_else(|| {
@@ -387,7 +433,7 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
 
     let arg_types: Vec<_> = inputs
         .iter()
-        .map(|(s, d)| (emit::tensor_type(&ctx, s, *d), loc))
+        .map(|(s, d)| (emit::tensor_type(ctx, s, *d), loc))
         .collect();
     let block = Block::new(&arg_types);
     let used = used_results(graph);
@@ -405,7 +451,7 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
         })
         .unwrap_or_default();
     {
-        let e = Emitter::new(&ctx, &block, loc, options.precision, diagnostics.clone());
+        let e = Emitter::new(ctx, &block, loc, options.precision, diagnostics.clone());
         let mut values: HashMap<ValueRef, T> = HashMap::new();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block
@@ -475,9 +521,9 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
     let in_types: Vec<_> = arg_types.iter().map(|(t, _)| *t).collect();
     let out_types: Vec<_> = outputs
         .iter()
-        .map(|(s, d)| emit::tensor_type(&ctx, s, *d))
+        .map(|(s, d)| emit::tensor_type(ctx, s, *d))
         .collect();
-    let fn_type = FunctionType::new(&ctx, &in_types, &out_types);
+    let fn_type = FunctionType::new(ctx, &in_types, &out_types);
     let mut func_attrs = Vec::new();
     let mut module_attrs = Vec::new();
     if let Some(p) = plan {
@@ -497,13 +543,10 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
                 .collect();
             format!("[{}]", items.join(", "))
         };
-        let parse = |text: &str| emit::parse_attr(&ctx, &diagnostics, text);
+        let parse = |text: &str| emit::parse_attr(ctx, &diagnostics, text);
+        func_attrs.push((Identifier::new(ctx, "arg_attrs"), parse(&dicts(&p.inputs))?));
         func_attrs.push((
-            Identifier::new(&ctx, "arg_attrs"),
-            parse(&dicts(&p.inputs))?,
-        ));
-        func_attrs.push((
-            Identifier::new(&ctx, "res_attrs"),
+            Identifier::new(ctx, "res_attrs"),
             parse(&dicts(&p.outputs))?,
         ));
         let partitions = format!("{} : i32", p.mesh.size());
@@ -511,8 +554,8 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
         module_attrs.push(("mhlo.num_replicas", parse("1 : i32")?));
     }
     let func = melior::dialect::func::func(
-        &ctx,
-        StringAttribute::new(&ctx, "main"),
+        ctx,
+        StringAttribute::new(ctx, "main"),
         TypeAttribute::new(fn_type.into()),
         region,
         &func_attrs,
