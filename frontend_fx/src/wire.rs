@@ -31,8 +31,8 @@ pub struct FxNode {
 
 /// An argument of an FX node. Untagged: JSON numbers, bools, strings, arrays and null map to
 /// themselves; objects carry a one-key tag. Read by a hand-written visitor (see the
-/// `Deserialize` impl below), not serde's untagged derive, which buffers every value and builds
-/// an error for each variant it tries before the one that fits (most of the import time).
+/// `Deserialize` impl below) rather than serde's untagged derive, which buffers every value and
+/// tries each variant in turn.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum FxArg {

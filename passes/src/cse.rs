@@ -141,7 +141,7 @@ pub fn common_subexpression_elimination(g: &mut Graph) -> usize {
         if !ok || n.kwargs.contains_key("out") {
             continue;
         }
-        let h = hash_of(g.node(id), &state);
+        let h = hash_of(n, &state);
         let earlier = seen.get(&h).and_then(|ids| {
             ids.iter()
                 .copied()

@@ -101,19 +101,8 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
         let op = op_obj.cast::<PyString>()?.to_str()?;
         match op {
             "placeholder" => {
-                let val = w.meta_val(&n)?;
-                let recorded = w.recorded(&n)?;
-                inputs.push(FxNode {
-                    target: name.clone(),
-                    name,
-                    op: "placeholder".into(),
-                    args: Vec::new(),
-                    kwargs: BTreeMap::new(),
-                    val: val
-                        .map(|v| w.meta(&v, recorded.as_ref(), &n))
-                        .transpose()?
-                        .flatten(),
-                });
+                let val = w.node_val(&n)?;
+                inputs.push(placeholder(name.clone(), name, val));
             }
             "get_attr" => {
                 let target: String = n.getattr(intern!(py, "target"))?.extract()?;
@@ -125,14 +114,7 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
                     )));
                 }
                 let meta = w.meta(&val, None, &n)?;
-                attrs.push(FxNode {
-                    name,
-                    op: "placeholder".into(),
-                    target: target.clone(),
-                    args: Vec::new(),
-                    kwargs: BTreeMap::new(),
-                    val: meta,
-                });
+                attrs.push(placeholder(name, target.clone(), meta));
                 attr_targets.push(target);
             }
             "call_function" | "output" => {
@@ -172,18 +154,14 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
                     args.push(FxArg::Int(streams));
                     streams += 1;
                 }
-                let val = w.meta_val(&n)?;
-                let recorded = w.recorded(&n)?;
+                let val = w.node_val(&n)?;
                 ops.push(FxNode {
                     name,
                     op: op.to_string(),
                     target,
                     args,
                     kwargs,
-                    val: val
-                        .map(|v| w.meta(&v, recorded.as_ref(), &n))
-                        .transpose()?
-                        .flatten(),
+                    val,
                 });
             }
             other => {
@@ -220,18 +198,25 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
     })
 }
 
-fn scalar_input(name: String, shape: &[i64], dtype: DType) -> FxNode {
+/// An input node of the wire graph.
+fn placeholder(name: String, target: String, val: Option<FxMeta>) -> FxNode {
     FxNode {
-        target: name.clone(),
         name,
         op: "placeholder".into(),
+        target,
         args: Vec::new(),
         kwargs: BTreeMap::new(),
-        val: Some(FxMeta::Tensor {
-            shape: shape.iter().map(|&d| Dim::Static(d)).collect(),
-            dtype,
-        }),
+        val,
     }
+}
+
+/// An input the runtime computes (a size-derived float, the seed), named after itself.
+fn scalar_input(name: String, shape: &[i64], dtype: DType) -> FxNode {
+    let val = FxMeta::Tensor {
+        shape: shape.iter().map(|&d| Dim::Static(d)).collect(),
+        dtype,
+    };
+    placeholder(name.clone(), name, Some(val))
 }
 
 /// A size as the wire format wants it: an int, or the ShapeEnv expression.
@@ -241,22 +226,22 @@ enum Size {
 }
 
 impl<'py> Walker<'py> {
-    fn meta_val(&self, n: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    /// The wire form of the node's `meta["val"]`. A tensor's shape and dtype are read from
+    /// `meta["tensor_meta"]` where recorded next to it (as traced): that skips a FakeTensor's
+    /// dispatch and a new `torch.Size` per node.
+    fn node_val(&mut self, n: &Bound<'py, PyAny>) -> PyResult<Option<FxMeta>> {
         let meta = n.getattr(intern!(self.py, "meta"))?;
-        meta.cast::<PyDict>()?.get_item(intern!(self.py, "val"))
-    }
-
-    /// The node's `meta["tensor_meta"]` (shape and dtype as traced, recorded next to `val`):
-    /// reading them there skips a FakeTensor's dispatch and a new `torch.Size` per node.
-    fn recorded(&self, n: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(class) = &self.torch.tensor_metadata else {
+        let meta = meta.cast::<PyDict>()?;
+        let Some(val) = meta.get_item(intern!(self.py, "val"))? else {
             return Ok(None);
         };
-        let meta = n.getattr(intern!(self.py, "meta"))?;
-        Ok(meta
-            .cast::<PyDict>()?
-            .get_item(intern!(self.py, "tensor_meta"))?
-            .filter(|t| t.get_type().is(class)))
+        let recorded = match &self.torch.tensor_metadata {
+            Some(class) => meta
+                .get_item(intern!(self.py, "tensor_meta"))?
+                .filter(|t| t.get_type().is(class)),
+            None => None,
+        };
+        self.meta(&val, recorded.as_ref(), n)
     }
 
     fn sym(&self, value: &Bound<'py, PyAny>) -> PyResult<Size> {

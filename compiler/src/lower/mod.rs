@@ -99,7 +99,7 @@ impl Lowered {
 /// generically (unregistered), which keeps context creation cheap.
 fn module_context() -> Context {
     let ctx = Context::new();
-    // One module per context, built on one thread: no locks in MLIR's uniquers, no thread pool.
+    // Used by one thread at a time: no locks in MLIR's uniquers, no thread pool.
     ctx.enable_multi_threading(false);
     ctx.set_allow_unregistered_dialects(true);
     let registry = melior::dialect::DialectRegistry::new();
@@ -371,7 +371,7 @@ thread_local! {
 
 /// Runs `f` with this thread's context: taken out while in use (a nested call gets a fresh one),
 /// put back after, replaced after [`MODULES_PER_CONTEXT`] modules. A panic drops it.
-fn with_context<X>(f: impl FnOnce(&Context, &emit::Diagnostics) -> X) -> X {
+fn with_context<X>(f: impl FnOnce(&Context, emit::Diagnostics) -> X) -> X {
     let mut reused = match REUSED.with(|r| r.borrow_mut().take()) {
         Some(r) if r.modules < MODULES_PER_CONTEXT => r,
         _ => {
@@ -391,18 +391,17 @@ fn with_context<X>(f: impl FnOnce(&Context, &emit::Diagnostics) -> X) -> X {
     };
     reused.diagnostics.borrow_mut().clear();
     reused.modules += 1;
-    let out = f(&reused.ctx, &reused.diagnostics);
+    let out = f(&reused.ctx, reused.diagnostics.clone());
     REUSED.with(|r| *r.borrow_mut() = Some(reused));
     out
 }
 
 fn lower_in(
     ctx: &Context,
-    diagnostics: &emit::Diagnostics,
+    diagnostics: emit::Diagnostics,
     graph: &Graph,
     options: &LowerOptions,
 ) -> R<Lowered> {
-    let diagnostics = diagnostics.clone();
     let loc = Location::unknown(ctx);
 
     let static_type = |name: &str, t: &tpuc_frontend_fx::TensorType| -> R<(Vec<i64>, DType)> {

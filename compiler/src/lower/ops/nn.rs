@@ -3,7 +3,7 @@
 use crate::lower::emit::{array_i64, Emitter};
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::ops::shape::{along_dim_coords, take_along};
-use crate::lower::ops::window::Window;
+use crate::lower::ops::window::{taps as window_taps, Window};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
@@ -472,19 +472,7 @@ fn adaptive_max_pool<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         .iter()
         .map(|w| w.iter().map(|(a, b)| b - a).max().unwrap_or(1))
         .collect();
-    let mut taps: Vec<Vec<i64>> = vec![vec![]];
-    for &km in &kmax {
-        taps = taps
-            .into_iter()
-            .flat_map(|t| {
-                (0..km).map(move |k| {
-                    let mut t = t.clone();
-                    t.push(k);
-                    t
-                })
-            })
-            .collect();
-    }
+    let taps = window_taps(&kmax);
     let mut best: Option<(T, T)> = None;
     for tap in &taps {
         let mut v = x.clone();

@@ -12,24 +12,29 @@ pub struct Window {
     pub dilation: Vec<i64>,
 }
 
+/// Every index into a window of `extent` per dim, row-major (the order PyTorch's kernels scan).
+pub fn taps(extent: &[i64]) -> Vec<Vec<i64>> {
+    let mut taps: Vec<Vec<i64>> = vec![vec![]];
+    for &k in extent {
+        taps = taps
+            .into_iter()
+            .flat_map(|t| {
+                (0..k).map(move |i| {
+                    let mut t = t.clone();
+                    t.push(i);
+                    t
+                })
+            })
+            .collect();
+    }
+    taps
+}
+
 impl Window {
     /// Every tap of the window, as its index per kernel dim, row-major (the order PyTorch's
     /// kernels scan).
     pub fn taps(&self) -> Vec<Vec<i64>> {
-        let mut taps: Vec<Vec<i64>> = vec![vec![]];
-        for &k in &self.kernel {
-            taps = taps
-                .into_iter()
-                .flat_map(|t| {
-                    (0..k).map(move |i| {
-                        let mut t = t.clone();
-                        t.push(i);
-                        t
-                    })
-                })
-                .collect();
-        }
-        taps
+        taps(&self.kernel)
     }
 
     /// `x` padded with `value` on its trailing spatial dims (the window's padding before, and
