@@ -8,7 +8,7 @@
 use crate::GraphImportError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{LazyLock, Mutex};
 use tpuc_frontend_fx::wire::{FxArg, FxGraph, FxMeta, FxNode};
@@ -36,10 +36,10 @@ pub struct Walked {
 
 /// The torch classes a walk tells values apart by, looked up once per walk.
 struct Torch<'py> {
-    node: Bound<'py, PyAny>,
-    tensor: Bound<'py, PyAny>,
-    symint: Bound<'py, PyAny>,
-    symfloat: Bound<'py, PyAny>,
+    node: Bound<'py, PyType>,
+    tensor: Bound<'py, PyType>,
+    symint: Bound<'py, PyType>,
+    symfloat: Bound<'py, PyType>,
     dtype: Bound<'py, PyAny>,
     device: Bound<'py, PyAny>,
     layout: Bound<'py, PyAny>,
@@ -67,10 +67,10 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
     let torch_mod = py.import("torch")?;
     let fx = py.import("torch.fx")?;
     let torch = Torch {
-        node: fx.getattr("Node")?,
-        tensor: torch_mod.getattr("Tensor")?,
-        symint: torch_mod.getattr("SymInt")?,
-        symfloat: torch_mod.getattr("SymFloat")?,
+        node: fx.getattr("Node")?.cast_into()?,
+        tensor: torch_mod.getattr("Tensor")?.cast_into()?,
+        symint: torch_mod.getattr("SymInt")?.cast_into()?,
+        symfloat: torch_mod.getattr("SymFloat")?.cast_into()?,
         dtype: torch_mod.getattr("dtype")?,
         device: torch_mod.getattr("device")?,
         layout: torch_mod.getattr("layout")?,
@@ -107,13 +107,13 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
             "get_attr" => {
                 let target: String = n.getattr(intern!(py, "target"))?.extract()?;
                 let val = gm.getattr(target.as_str())?;
-                if !val.is_instance(&w.torch.tensor)? {
+                if !is_a(&val, &w.torch.tensor) {
                     return Err(import_err(format!(
                         "node `{name}`: get_attr of a {}",
                         val.get_type().name()?
                     )));
                 }
-                let meta = w.meta(&val, None, &n)?;
+                let meta = w.meta(&val, &n)?;
                 attrs.push(placeholder(name, target.clone(), meta));
                 attr_targets.push(target);
             }
@@ -232,16 +232,33 @@ impl<'py> Walker<'py> {
     fn node_val(&mut self, n: &Bound<'py, PyAny>) -> PyResult<Option<FxMeta>> {
         let meta = n.getattr(intern!(self.py, "meta"))?;
         let meta = meta.cast::<PyDict>()?;
-        let Some(val) = meta.get_item(intern!(self.py, "val"))? else {
-            return Ok(None);
-        };
-        let recorded = match &self.torch.tensor_metadata {
-            Some(class) => meta
-                .get_item(intern!(self.py, "tensor_meta"))?
-                .filter(|t| t.get_type().is(class)),
-            None => None,
-        };
-        self.meta(&val, recorded.as_ref(), n)
+        if let Some(class) = &self.torch.tensor_metadata {
+            if let Some(recorded) = meta.get_item(intern!(self.py, "tensor_meta"))? {
+                if recorded.get_type().is(class) {
+                    return self.tensor_meta(&recorded, n).map(Some);
+                }
+            }
+        }
+        match meta.get_item(intern!(self.py, "val"))? {
+            Some(val) => self.meta(&val, n),
+            None => Ok(None),
+        }
+    }
+
+    /// Shape and dtype of a tensor, or of its recorded `TensorMetadata`.
+    fn tensor_meta(&mut self, t: &Bound<'py, PyAny>, n: &Bound<'py, PyAny>) -> PyResult<FxMeta> {
+        let py = self.py;
+        let shape = t.getattr(intern!(py, "shape"))?;
+        let shape = shape.cast::<PyTuple>()?;
+        let mut dims = Vec::with_capacity(shape.len());
+        for d in shape.iter() {
+            dims.push(match self.sym(&d)? {
+                Size::Int(i) => Dim::Static(i),
+                Size::Expr(e) => Dim::Sym(self.sym_expr(&e, n)?),
+            });
+        }
+        let dtype = self.dtype(&t.getattr(intern!(py, "dtype"))?, n)?;
+        Ok(FxMeta::Tensor { shape: dims, dtype })
     }
 
     fn sym(&self, value: &Bound<'py, PyAny>) -> PyResult<Size> {
@@ -286,31 +303,15 @@ impl<'py> Walker<'py> {
 
     /// The wire form of a node's `meta["val"]` (or a lifted constant): `None` for values the
     /// frontend has no use for.
-    fn meta(
-        &mut self,
-        val: &Bound<'py, PyAny>,
-        recorded: Option<&Bound<'py, PyAny>>,
-        n: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<FxMeta>> {
+    fn meta(&mut self, val: &Bound<'py, PyAny>, n: &Bound<'py, PyAny>) -> PyResult<Option<FxMeta>> {
         let py = self.py;
         if val.is_none() {
             return Ok(None);
         }
-        if val.is_instance(&self.torch.tensor)? {
-            let val = recorded.unwrap_or(val);
-            let shape = val.getattr(intern!(py, "shape"))?;
-            let shape = shape.cast::<PyTuple>()?;
-            let mut dims = Vec::with_capacity(shape.len());
-            for d in shape.iter() {
-                dims.push(match self.sym(&d)? {
-                    Size::Int(i) => Dim::Static(i),
-                    Size::Expr(e) => Dim::Sym(self.sym_expr(&e, n)?),
-                });
-            }
-            let dtype = self.dtype(&val.getattr(intern!(py, "dtype"))?, n)?;
-            return Ok(Some(FxMeta::Tensor { shape: dims, dtype }));
+        if is_a(val, &self.torch.tensor) {
+            return self.tensor_meta(val, n).map(Some);
         }
-        if val.is_instance(&self.torch.symint)? {
+        if is_a(val, &self.torch.symint) {
             return Ok(Some(match self.sym(val)? {
                 Size::Int(i) => FxMeta::Int(i),
                 Size::Expr(e) => FxMeta::Symint(self.sym_expr(&e, n)?),
@@ -325,7 +326,7 @@ impl<'py> Walker<'py> {
         if val.is_instance_of::<PyFloat>() {
             return Ok(Some(FxMeta::Float(val.extract()?)));
         }
-        if val.is_instance(&self.torch.symfloat)? {
+        if is_a(val, &self.torch.symfloat) {
             let expr = val
                 .getattr(intern!(py, "node"))?
                 .getattr(intern!(py, "expr"))?;
@@ -344,7 +345,7 @@ impl<'py> Walker<'py> {
         if val.is_instance_of::<PyList>() || val.is_instance_of::<PyTuple>() {
             let items = val
                 .try_iter()?
-                .map(|v| self.meta(&v?, None, n))
+                .map(|v| self.meta(&v?, n))
                 .collect::<PyResult<Vec<_>>>()?;
             return Ok(Some(FxMeta::Tuple(items)));
         }
@@ -363,7 +364,7 @@ impl<'py> Walker<'py> {
                 Err(_) => FxArg::Float(a.extract::<f64>()?),
             });
         }
-        if a.is_instance(&self.torch.node)? {
+        if is_a(a, &self.torch.node) {
             return Ok(FxArg::Node {
                 node: a.getattr(intern!(py, "name"))?.extract()?,
             });
@@ -416,7 +417,7 @@ impl<'py> Walker<'py> {
                 other: a.str()?.to_string(),
             });
         }
-        if a.is_instance(&self.torch.symint)? {
+        if is_a(a, &self.torch.symint) {
             if let Size::Int(i) = self.sym(a)? {
                 return Ok(FxArg::Int(i));
             }
@@ -475,6 +476,13 @@ fn attr_or<'py>(
     slow: &Bound<'py, PyString>,
 ) -> PyResult<Bound<'py, PyAny>> {
     obj.getattr(fast).or_else(|_| obj.getattr(slow))
+}
+
+/// `isinstance(v, class)` for a class without a custom `__instancecheck__` (torch's tensor,
+/// FX's node, the symbolic scalars): a walk up `v`'s type's MRO, no attribute lookups.
+fn is_a(v: &Bound<'_, PyAny>, class: &Bound<'_, PyType>) -> bool {
+    // SAFETY: both are live type objects.
+    unsafe { pyo3::ffi::PyType_IsSubtype(v.get_type().as_type_ptr(), class.as_type_ptr()) != 0 }
 }
 
 fn node_name(n: &Bound<'_, PyAny>) -> String {

@@ -4,7 +4,7 @@
 //! types: StableHLO is not registered in our MLIR context, so nothing would infer them.
 
 use super::LowerError;
-use melior::ir::attribute::{Attribute, DenseI64ArrayAttribute};
+use melior::ir::attribute::{Attribute, AttributeLike, DenseI64ArrayAttribute};
 use melior::ir::block::BlockLike;
 use melior::ir::operation::OperationBuilder;
 use melior::ir::r#type::{IntegerType, RankedTensorType};
@@ -92,12 +92,17 @@ pub struct Emitter<'c, 'b> {
     pub precision: Precision,
     /// MLIR's diagnostics (captured instead of printed), reported with the error they explain.
     diagnostics: Diagnostics,
-    /// Attributes parsed so far, by their text: a module repeats the same few (dimension
-    /// lists, comparison directions), and parsing is most of what building an op costs.
-    parsed: AttrCache<'c>,
+    /// Attributes built so far in this context, by their text (see [`AttrCache`]).
+    parsed: AttrCache,
+    /// Splat constants already in this block, by their value text: one op per distinct value
+    /// (zeros for ReLU, empty statistics), each defined before every later op of the block.
+    splats: std::cell::RefCell<HashMap<String, T<'c, 'b>>>,
 }
 
-type AttrCache<'c> = std::rc::Rc<std::cell::RefCell<HashMap<String, Attribute<'c>>>>;
+/// Attributes built in one MLIR context, by their text: modules repeat the same few (dimension
+/// lists, comparison directions, constants), and parsing is most of what building an op costs.
+/// Raw handles: they live as long as the context (uniqued there), which owns the cache.
+pub type AttrCache = std::rc::Rc<std::cell::RefCell<HashMap<String, mlir_sys::MlirAttribute>>>;
 
 /// Messages MLIR emitted through the context's diagnostic handler.
 pub type Diagnostics = std::rc::Rc<std::cell::RefCell<Vec<String>>>;
@@ -315,6 +320,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
         loc: Location<'c>,
         precision: Precision,
         diagnostics: Diagnostics,
+        parsed: AttrCache,
     ) -> Self {
         Emitter {
             ctx,
@@ -322,7 +328,8 @@ impl<'c, 'b> Emitter<'c, 'b> {
             loc,
             precision,
             diagnostics,
-            parsed: AttrCache::default(),
+            parsed,
+            splats: Default::default(),
         }
     }
 
@@ -335,18 +342,23 @@ impl<'c, 'b> Emitter<'c, 'b> {
             precision: self.precision,
             diagnostics: self.diagnostics.clone(),
             parsed: self.parsed.clone(),
+            splats: Default::default(),
         }
     }
 
     pub fn attr(&self, text: &str) -> R<Attribute<'c>> {
-        if let Some(a) = self.parsed.borrow().get(text) {
-            return Ok(*a);
+        if let Some(raw) = self.parsed.borrow().get(text) {
+            // SAFETY: built in `self.ctx` (the cache belongs to it) and uniqued there for the
+            // context's lifetime.
+            return Ok(unsafe { Attribute::from_raw(*raw) });
         }
-        let a = match i64_array(text) {
+        let a: Attribute<'c> = match i64_array(text) {
             Some(values) => DenseI64ArrayAttribute::new(self.ctx, &values).into(),
             None => parse_attr(self.ctx, &self.diagnostics, text)?,
         };
-        self.parsed.borrow_mut().insert(text.to_string(), a);
+        self.parsed
+            .borrow_mut()
+            .insert(text.to_string(), a.to_raw());
         Ok(a)
     }
 
@@ -412,13 +424,18 @@ impl<'c, 'b> Emitter<'c, 'b> {
             literal(value, dtype),
             tensor_type_text(shape, dtype)
         );
-        self.op(
+        if let Some(t) = self.splats.borrow().get(&value_attr) {
+            return Ok(t.clone());
+        }
+        let t = self.op(
             "stablehlo.constant",
             &[],
-            &[("value", value_attr)],
+            &[("value", value_attr.clone())],
             shape,
             dtype,
-        )
+        )?;
+        self.splats.borrow_mut().insert(value_attr, t.clone());
+        Ok(t)
     }
 
     /// A constant from explicit values (row-major).
@@ -429,13 +446,18 @@ impl<'c, 'b> Emitter<'c, 'b> {
             v.join(", "),
             tensor_type_text(shape, dtype)
         );
-        self.op(
+        if let Some(t) = self.splats.borrow().get(&value_attr) {
+            return Ok(t.clone());
+        }
+        let t = self.op(
             "stablehlo.constant",
             &[],
-            &[("value", value_attr)],
+            &[("value", value_attr.clone())],
             shape,
             dtype,
-        )
+        )?;
+        self.splats.borrow_mut().insert(value_attr, t.clone());
+        Ok(t)
     }
 
     pub fn convert(&self, t: &T<'c, 'b>, dtype: DType) -> R<T<'c, 'b>> {

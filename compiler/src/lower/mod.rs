@@ -350,7 +350,7 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
             });
         }
     }
-    with_context(|ctx, diagnostics| lower_in(ctx, diagnostics, graph, options))
+    with_context(|ctx, diagnostics, attrs| lower_in(ctx, diagnostics, attrs, graph, options))
 }
 
 /// Modules lowered in one context before it is replaced: a context keeps every attribute and
@@ -362,6 +362,8 @@ const MODULES_PER_CONTEXT: usize = 64;
 struct Reused {
     ctx: Context,
     diagnostics: emit::Diagnostics,
+    /// Attributes built in `ctx`, by text: handles valid as long as it (renewed with it).
+    attrs: emit::AttrCache,
     modules: usize,
 }
 
@@ -371,7 +373,7 @@ thread_local! {
 
 /// Runs `f` with this thread's context: taken out while in use (a nested call gets a fresh one),
 /// put back after, replaced after [`MODULES_PER_CONTEXT`] modules. A panic drops it.
-fn with_context<X>(f: impl FnOnce(&Context, emit::Diagnostics) -> X) -> X {
+fn with_context<X>(f: impl FnOnce(&Context, emit::Diagnostics, emit::AttrCache) -> X) -> X {
     let mut reused = match REUSED.with(|r| r.borrow_mut().take()) {
         Some(r) if r.modules < MODULES_PER_CONTEXT => r,
         _ => {
@@ -385,13 +387,18 @@ fn with_context<X>(f: impl FnOnce(&Context, emit::Diagnostics) -> X) -> X {
             Reused {
                 ctx,
                 diagnostics,
+                attrs: emit::AttrCache::default(),
                 modules: 0,
             }
         }
     };
     reused.diagnostics.borrow_mut().clear();
     reused.modules += 1;
-    let out = f(&reused.ctx, reused.diagnostics.clone());
+    let out = f(
+        &reused.ctx,
+        reused.diagnostics.clone(),
+        reused.attrs.clone(),
+    );
     REUSED.with(|r| *r.borrow_mut() = Some(reused));
     out
 }
@@ -399,6 +406,7 @@ fn with_context<X>(f: impl FnOnce(&Context, emit::Diagnostics) -> X) -> X {
 fn lower_in(
     ctx: &Context,
     diagnostics: emit::Diagnostics,
+    attrs: emit::AttrCache,
     graph: &Graph,
     options: &LowerOptions,
 ) -> R<Lowered> {
@@ -450,7 +458,14 @@ fn lower_in(
         })
         .unwrap_or_default();
     {
-        let e = Emitter::new(ctx, &block, loc, options.precision, diagnostics.clone());
+        let e = Emitter::new(
+            ctx,
+            &block,
+            loc,
+            options.precision,
+            diagnostics.clone(),
+            attrs,
+        );
         let mut values: HashMap<ValueRef, T> = HashMap::new();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block

@@ -3,7 +3,7 @@
 
 use crate::lower::emit::{array_i64, int_list, Emitter};
 use crate::lower::ops::reduce::acc_dtype;
-use crate::lower::ops::window::Window;
+use crate::lower::ops::window::{taps as window_taps, Window};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -292,6 +292,21 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         }
         cx.e.slice(&self.padded, &start, &limit, &steps)
     }
+
+    /// The window read at output `position` (its spatial index): `[batch, channels, kernel...]`.
+    fn position_slice(&self, cx: &NodeCx<'_, 'c, 'b>, position: &[i64]) -> R<T<'c, 'b>> {
+        let g = &self.geometry;
+        let rank = self.padded.rank();
+        let (mut start, mut limit, mut steps) =
+            (vec![0; rank], self.padded.shape.clone(), vec![1; rank]);
+        for (k, &o) in position.iter().enumerate() {
+            let d = k + 2;
+            start[d] = o * g.stride[k];
+            limit[d] = start[d] + (g.kernel[k] - 1) * g.dilation[k] + 1;
+            steps[d] = g.dilation[k];
+        }
+        cx.e.slice(&self.padded, &start, &limit, &steps)
+    }
 }
 
 /// `sum + term`, or `term` for the first term.
@@ -364,41 +379,73 @@ fn tap_dots<'c, 'b>(
     product_shape.push(out[1]);
     let taps = window.geometry.taps();
     let live: Vec<&Vec<i64>> = taps.iter().filter(|t| window.reads_input(t)).collect();
+    // Output positions, row-major.
+    let positions = window_taps(&out[2..]);
     let product = if live.len() == taps.len() && taps.len() > 1 {
         // Every tap reads input: one product over (channel, tap), the weights' own row-major
         // order, so they are read as they are (a reshape, no per-tap slices).
         let (b, c, t) = (out[0], w.shape[1], taps.len() as i64);
-        let slices: Vec<T<'c, 'b>> = taps
-            .iter()
-            .map(|tap| {
-                let s = window.slice(cx, tap)?;
-                let mut one = vec![b, c, 1];
-                one.extend_from_slice(&out[2..]);
-                e.reshape(&s, &one)
-            })
-            .collect::<R<_>>()?;
-        let mut stacked_shape = vec![b, c, t];
-        stacked_shape.extend_from_slice(&out[2..]);
-        let refs: Vec<&T<'c, 'b>> = slices.iter().collect();
-        let stacked = e.op(
-            "stablehlo.concatenate",
-            &refs,
-            &[("dimension", "2 : i64".to_string())],
-            &stacked_shape,
-            w.dtype,
-        )?;
-        let mut cols_shape = vec![b, c * t];
-        cols_shape.extend_from_slice(&out[2..]);
-        let cols = e.reshape(&stacked, &cols_shape)?;
         let flat_w = e.reshape(w, &[w.shape[0], c * t])?;
-        e.dot_general(
-            &cols,
-            &flat_w,
-            (&[], &[]),
-            (&[1], &[1]),
-            &product_shape,
-            w.dtype,
-        )?
+        if positions.len() < taps.len() {
+            // Fewer output positions than taps: one slice per position (its whole window,
+            // channels then taps row-major), `[batch, position, channel x tap]`.
+            let rows: Vec<T<'c, 'b>> = positions
+                .iter()
+                .map(|p| e.reshape(&window.position_slice(cx, p)?, &[b, 1, c * t]))
+                .collect::<R<_>>()?;
+            let refs: Vec<&T<'c, 'b>> = rows.iter().collect();
+            let n = positions.len() as i64;
+            let stacked = match refs.as_slice() {
+                [one] => (*one).clone(),
+                _ => e.op(
+                    "stablehlo.concatenate",
+                    &refs,
+                    &[("dimension", "1 : i64".to_string())],
+                    &[b, n, c * t],
+                    w.dtype,
+                )?,
+            };
+            let product = e.dot_general(
+                &stacked,
+                &flat_w,
+                (&[], &[]),
+                (&[2], &[1]),
+                &[b, n, w.shape[0]],
+                w.dtype,
+            )?;
+            e.reshape(&product, &product_shape)?
+        } else {
+            let slices: Vec<T<'c, 'b>> = taps
+                .iter()
+                .map(|tap| {
+                    let s = window.slice(cx, tap)?;
+                    let mut one = vec![b, c, 1];
+                    one.extend_from_slice(&out[2..]);
+                    e.reshape(&s, &one)
+                })
+                .collect::<R<_>>()?;
+            let mut stacked_shape = vec![b, c, t];
+            stacked_shape.extend_from_slice(&out[2..]);
+            let refs: Vec<&T<'c, 'b>> = slices.iter().collect();
+            let stacked = e.op(
+                "stablehlo.concatenate",
+                &refs,
+                &[("dimension", "2 : i64".to_string())],
+                &stacked_shape,
+                w.dtype,
+            )?;
+            let mut cols_shape = vec![b, c * t];
+            cols_shape.extend_from_slice(&out[2..]);
+            let cols = e.reshape(&stacked, &cols_shape)?;
+            e.dot_general(
+                &cols,
+                &flat_w,
+                (&[], &[]),
+                (&[1], &[1]),
+                &product_shape,
+                w.dtype,
+            )?
+        }
     } else {
         let mut sum: Option<T<'c, 'b>> = None;
         for tap in live {
