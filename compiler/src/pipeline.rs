@@ -8,6 +8,7 @@ use crate::pjrt::{
 };
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -116,7 +117,8 @@ pub struct Compiled {
     pub outcome: CacheOutcome,
     pub lower_seconds: f64,
     pub compile_seconds: f64,
-    pub specialized: Graph,
+    /// The graph as lowered: the caller's own where it was static already.
+    pub specialized: Arc<Graph>,
 }
 
 /// A host array handed to [`Engine::run`]: pointer, byte length, type and shape.
@@ -214,7 +216,7 @@ impl Engine {
     /// executable in memory or in the disk cache.
     pub fn compile(
         &self,
-        graph: &Graph,
+        graph: &Arc<Graph>,
         bindings: &HashMap<String, i64>,
         precision: Precision,
         disk: &DiskCacheOptions,
@@ -226,14 +228,17 @@ impl Engine {
     /// over the request's mesh and XLA partitions it into one program per device (SPMD).
     pub fn compile_sharded(
         &self,
-        graph: &Graph,
+        graph: &Arc<Graph>,
         bindings: &HashMap<String, i64>,
         precision: Precision,
         disk: &DiskCacheOptions,
         sharding: Option<&ShardingRequest>,
     ) -> Result<Compiled, CompileError> {
         let t0 = Instant::now();
-        let specialized = tpuc_passes::specialize(graph, bindings)?;
+        let specialized = match tpuc_passes::specialize(graph, bindings)? {
+            Cow::Borrowed(_) => graph.clone(),
+            Cow::Owned(g) => Arc::new(g),
+        };
         let plan = match sharding {
             Some(req) => {
                 let devices = self.client.addressable_device_count();
@@ -306,13 +311,13 @@ impl Engine {
     /// optional progress bar on stderr. Results come back in order.
     pub fn compile_many(
         &self,
-        graph: &Graph,
+        graph: &Arc<Graph>,
         all_bindings: &[HashMap<String, i64>],
         precision: Precision,
         disk: &DiskCacheOptions,
         progress: bool,
     ) -> Vec<Result<Compiled, CompileError>> {
-        let jobs: Vec<(&Graph, &HashMap<String, i64>)> =
+        let jobs: Vec<(&Arc<Graph>, &HashMap<String, i64>)> =
             all_bindings.iter().map(|b| (graph, b)).collect();
         self.compile_jobs(&jobs, precision, disk, progress)
     }
@@ -321,7 +326,7 @@ impl Engine {
     /// when `progress`; results in job order.
     pub fn compile_jobs(
         &self,
-        jobs: &[(&Graph, &HashMap<String, i64>)],
+        jobs: &[(&Arc<Graph>, &HashMap<String, i64>)],
         precision: Precision,
         disk: &DiskCacheOptions,
         progress: bool,

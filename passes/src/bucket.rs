@@ -187,11 +187,13 @@ pub fn bucket(g: &Graph, dynamic: &HashSet<String>, sizes: &HashMap<String, i64>
     let mut out = std::mem::take(&mut b.out);
     out.inputs = new_inputs;
     out.outputs = outputs;
-    let out = crate::specialize(&out, sizes).map_err(|e| BucketError {
-        op: "<graph>".into(),
-        node: "<graph>".into(),
-        reason: e.to_string(),
-    })?;
+    let out = crate::specialize(&out, sizes)
+        .map_err(|e| BucketError {
+            op: "<graph>".into(),
+            node: "<graph>".into(),
+            reason: e.to_string(),
+        })?
+        .into_owned();
     Ok(Bucketed {
         graph: out,
         scalars: b.scalars,

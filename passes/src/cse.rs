@@ -5,8 +5,7 @@
 //! (two outputs stay two tensors).
 
 use crate::rewrite::{output_nodes, prune, replace_uses};
-use std::collections::hash_map::RandomState;
-use std::collections::HashMap;
+use rustc_hash::{FxBuildHasher, FxHashMap};
 use std::hash::{BuildHasher, Hash, Hasher};
 use tpuc_frontend_fx::{Arg, Graph, Node, NodeId, ValueRef};
 
@@ -115,8 +114,8 @@ impl PartialEq for Key<'_> {
     }
 }
 
-fn hash_of(n: &Node, state: &RandomState) -> u64 {
-    state.hash_one(Key(n))
+fn hash_of(n: &Node) -> u64 {
+    FxBuildHasher.hash_one(Key(n))
 }
 
 /// Merges equal nodes; returns how many it removed.
@@ -124,11 +123,10 @@ pub fn common_subexpression_elimination(g: &mut Graph) -> usize {
     let outputs = output_nodes(g);
     // Hash -> earlier nodes with that hash. A kept node's operands come before it, so later
     // merges never change its identity.
-    let state = RandomState::new();
-    let mut seen: HashMap<u64, Vec<NodeId>> = HashMap::new();
+    let mut seen: FxHashMap<u64, Vec<NodeId>> = FxHashMap::default();
     let mut removed = 0;
     // Whether an op is mergeable, by name: the scan of NEVER is most of this pass otherwise.
-    let mut pure: HashMap<String, bool> = HashMap::new();
+    let mut pure: FxHashMap<String, bool> = FxHashMap::default();
     for id in g.topo_order() {
         if !g.dag.contains_node(id) {
             continue;
@@ -141,7 +139,7 @@ pub fn common_subexpression_elimination(g: &mut Graph) -> usize {
         if !ok || n.kwargs.contains_key("out") {
             continue;
         }
-        let h = hash_of(n, &state);
+        let h = hash_of(n);
         let earlier = seen.get(&h).and_then(|ids| {
             ids.iter()
                 .copied()

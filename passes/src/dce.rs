@@ -1,10 +1,10 @@
-use std::collections::HashSet;
+use rustc_hash::FxHashSet;
 use tpuc_frontend_fx::{Graph, NodeId};
 
 /// Removes ops whose results nothing reads (graph inputs always stay: they are the signature).
 /// Returns how many ops it removed.
 pub fn dead_code_elimination(g: &mut Graph) -> usize {
-    let mut live: HashSet<NodeId> = HashSet::new();
+    let mut live: FxHashSet<NodeId> = FxHashSet::default();
     let mut stack: Vec<NodeId> = g.output_nodes().collect();
     while let Some(id) = stack.pop() {
         if live.insert(id) {

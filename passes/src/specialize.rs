@@ -2,6 +2,7 @@
 //! static graph that lowering needs. The symbolic graph is kept; each concrete shape gets its own
 //! specialized copy (and executable) without a new trace.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use tpuc_frontend_fx::{Arg, Dim, Graph, InputKind, Output, SymbolError, TensorType};
 
@@ -91,8 +92,15 @@ fn arg(a: &mut Arg, b: &HashMap<String, i64>) -> Result<(), SymbolError> {
     Ok(())
 }
 
-/// A copy of `g` with every symbolic dim and size argument replaced by its value.
-pub fn specialize(g: &Graph, b: &HashMap<String, i64>) -> Result<Graph, SpecializeError> {
+/// `g` with every symbolic dim and size argument replaced by its value: a copy where it has
+/// any, else `g` itself (a static graph, most of them: no copy to make and drop).
+pub fn specialize<'g>(
+    g: &'g Graph,
+    b: &HashMap<String, i64>,
+) -> Result<Cow<'g, Graph>, SpecializeError> {
+    if !is_symbolic(g) {
+        return Ok(Cow::Borrowed(g));
+    }
     let mut out = g.clone();
     for n in out.dag.node_weights_mut() {
         for r in n.results.iter_mut().flatten() {
@@ -112,7 +120,30 @@ pub fn specialize(g: &Graph, b: &HashMap<String, i64>) -> Result<Graph, Speciali
             *o = Output::Int(e.eval(b)?);
         }
     }
-    Ok(out)
+    Ok(Cow::Owned(out))
+}
+
+/// Whether any dim, size argument, tensor input or output of `g` is symbolic (what
+/// [`specialize`] rewrites; SymInt inputs stay).
+fn is_symbolic(g: &Graph) -> bool {
+    fn sym_ty(t: &TensorType) -> bool {
+        t.shape.iter().any(|d| matches!(d, Dim::Sym(_)))
+    }
+    fn sym_arg(a: &Arg) -> bool {
+        match a {
+            Arg::Sym(_) => true,
+            Arg::List(items) => items.iter().any(sym_arg),
+            _ => false,
+        }
+    }
+    g.dag.node_weights().any(|n| {
+        n.results.iter().flatten().any(sym_ty)
+            || n.args.iter().chain(n.kwargs.values()).any(sym_arg)
+    }) || g
+        .inputs
+        .iter()
+        .any(|i| matches!(&i.kind, InputKind::Tensor(t) if sym_ty(t)))
+        || g.outputs.iter().any(|o| matches!(o, Output::Sym(_)))
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 use super::{no_panic, FxGraph, TpucError, UnsupportedOpError};
 use pyo3::prelude::*;
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use tpuc_frontend_fx::SymExpr;
 use tpuc_passes::{Bucketed, Layout};
 
@@ -42,7 +43,7 @@ impl BucketedGraph {
     #[getter]
     fn graph(&self) -> FxGraph {
         FxGraph {
-            graph: self.b.graph.clone(),
+            graph: Arc::new(self.b.graph.clone()),
         }
     }
 

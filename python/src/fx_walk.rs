@@ -45,7 +45,8 @@ struct Torch<'py> {
     layout: Bound<'py, PyAny>,
     memory_format: Bound<'py, PyAny>,
     getitem: Bound<'py, PyAny>,
-    /// `meta["tensor_meta"]`'s class, where this torch has it.
+    /// `meta["tensor_meta"]`'s class, where this torch has it and it is the named tuple whose
+    /// first fields are `shape, dtype` (read by index).
     tensor_metadata: Option<Bound<'py, PyAny>>,
 }
 
@@ -79,7 +80,13 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
         tensor_metadata: py
             .import("torch.fx.passes.shape_prop")
             .and_then(|m| m.getattr("TensorMetadata"))
-            .ok(),
+            .ok()
+            .filter(|class| {
+                class
+                    .getattr("_fields")
+                    .and_then(|f| f.extract::<Vec<String>>())
+                    .is_ok_and(|f| f.len() >= 2 && f[0] == "shape" && f[1] == "dtype")
+            }),
     };
     let mut w = Walker {
         py,
@@ -235,7 +242,9 @@ impl<'py> Walker<'py> {
         if let Some(class) = &self.torch.tensor_metadata {
             if let Some(recorded) = meta.get_item(intern!(self.py, "tensor_meta"))? {
                 if recorded.get_type().is(class) {
-                    return self.tensor_meta(&recorded, n).map(Some);
+                    let fields = recorded.cast::<PyTuple>()?;
+                    let (shape, dtype) = (fields.get_item(0)?, fields.get_item(1)?);
+                    return self.tensor_meta(&shape, &dtype, n).map(Some);
                 }
             }
         }
@@ -245,10 +254,13 @@ impl<'py> Walker<'py> {
         }
     }
 
-    /// Shape and dtype of a tensor, or of its recorded `TensorMetadata`.
-    fn tensor_meta(&mut self, t: &Bound<'py, PyAny>, n: &Bound<'py, PyAny>) -> PyResult<FxMeta> {
-        let py = self.py;
-        let shape = t.getattr(intern!(py, "shape"))?;
+    /// A tensor's wire form from its shape (a tuple of sizes) and dtype.
+    fn tensor_meta(
+        &mut self,
+        shape: &Bound<'py, PyAny>,
+        dtype: &Bound<'py, PyAny>,
+        n: &Bound<'py, PyAny>,
+    ) -> PyResult<FxMeta> {
         let shape = shape.cast::<PyTuple>()?;
         let mut dims = Vec::with_capacity(shape.len());
         for d in shape.iter() {
@@ -257,7 +269,7 @@ impl<'py> Walker<'py> {
                 Size::Expr(e) => Dim::Sym(self.sym_expr(&e, n)?),
             });
         }
-        let dtype = self.dtype(&t.getattr(intern!(py, "dtype"))?, n)?;
+        let dtype = self.dtype(dtype, n)?;
         Ok(FxMeta::Tensor { shape: dims, dtype })
     }
 
@@ -309,7 +321,9 @@ impl<'py> Walker<'py> {
             return Ok(None);
         }
         if is_a(val, &self.torch.tensor) {
-            return self.tensor_meta(val, n).map(Some);
+            let shape = val.getattr(intern!(py, "shape"))?;
+            let dtype = val.getattr(intern!(py, "dtype"))?;
+            return self.tensor_meta(&shape, &dtype, n).map(Some);
         }
         if is_a(val, &self.torch.symint) {
             return Ok(Some(match self.sym(val)? {

@@ -123,7 +123,8 @@ fn dtype(name: &str) -> PyResult<DType> {
 /// An imported FX graph (symbolic shapes kept), after the cleanup passes.
 #[pyclass(module = "tpuc._native", frozen)]
 struct FxGraph {
-    graph: Graph,
+    /// Shared with the executables compiled from it (a static graph is lowered as it is).
+    graph: Arc<Graph>,
 }
 
 fn dim_to_py(py: Python<'_>, d: &Dim) -> PyResult<Py<PyAny>> {
@@ -149,7 +150,13 @@ impl FxGraph {
         let graph = py
             .detach(|| tpuc_frontend_fx::import(&walked.graph))
             .map_err(|e| GraphImportError::new_err(e.to_string()))?;
-        Ok((FxGraph { graph }, walked.attr_targets, walked.uses_rng))
+        Ok((
+            FxGraph {
+                graph: Arc::new(graph),
+            },
+            walked.attr_targets,
+            walked.uses_rng,
+        ))
     }
 
     /// Imports the wire format as JSON (`tpuc_frontend_fx::wire`).
@@ -158,7 +165,9 @@ impl FxGraph {
         let graph = py
             .detach(|| tpuc_frontend_fx::import_json(json))
             .map_err(|e| GraphImportError::new_err(e.to_string()))?;
-        Ok(FxGraph { graph })
+        Ok(FxGraph {
+            graph: Arc::new(graph),
+        })
     }
 
     /// The IR itself (CBOR; exact for every literal, NaN and infinities included), what
@@ -166,7 +175,7 @@ impl FxGraph {
     /// copies it.
     fn to_ir_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let mut bytes = Vec::new();
-        ciborium::into_writer(&self.graph, &mut bytes)
+        ciborium::into_writer(&*self.graph, &mut bytes)
             .map_err(|e| TpucError::new_err(format!("cannot serialize the IR: {e}")))?;
         Ok(PyBytes::new(py, &bytes))
     }
@@ -176,7 +185,9 @@ impl FxGraph {
     fn from_ir_bytes(bytes: &[u8]) -> PyResult<FxGraph> {
         let graph = ciborium::from_reader(bytes)
             .map_err(|e| GraphImportError::new_err(format!("not a tpuc IR graph: {e}")))?;
-        Ok(FxGraph { graph })
+        Ok(FxGraph {
+            graph: Arc::new(graph),
+        })
     }
 
     fn __reduce__<'py>(
@@ -203,7 +214,7 @@ impl FxGraph {
         FxGraph,
     ) {
         py.detach(|| {
-            let mut g = self.graph.clone();
+            let mut g = (*self.graph).clone();
             let mut after = Vec::new();
             let reports = tpuc_passes::run_pipeline(
                 &mut g,
@@ -224,7 +235,7 @@ impl FxGraph {
                     )
                 })
                 .collect();
-            (report, FxGraph { graph: g })
+            (report, FxGraph { graph: Arc::new(g) })
         })
     }
 
@@ -515,11 +526,11 @@ impl Runtime {
             max_bytes: cache_max_bytes,
         };
         let engine = self.engine.clone();
-        let graphs: Vec<Graph> = graphs.iter().map(|g| g.graph.clone()).collect();
+        let graphs: Vec<Arc<Graph>> = graphs.iter().map(|g| g.graph.clone()).collect();
         let none = HashMap::new();
         let results = py.detach(|| {
             no_panic(|| {
-                let jobs: Vec<(&Graph, &HashMap<String, i64>)> =
+                let jobs: Vec<(&Arc<Graph>, &HashMap<String, i64>)> =
                     graphs.iter().map(|g| (g, &none)).collect();
                 engine.compile_jobs(&jobs, precision, &disk, progress)
             })

@@ -8,7 +8,7 @@ use melior::ir::attribute::{Attribute, AttributeLike, DenseI64ArrayAttribute};
 use melior::ir::block::BlockLike;
 use melior::ir::operation::OperationBuilder;
 use melior::ir::r#type::{IntegerType, RankedTensorType};
-use melior::ir::{Block, Identifier, Location, Region, RegionLike, Type, Value};
+use melior::ir::{Block, Identifier, Location, Region, RegionLike, Type, Value, ValueLike};
 use melior::Context;
 use std::collections::HashMap;
 use tpuc_frontend_fx::DType;
@@ -97,6 +97,9 @@ pub struct Emitter<'c, 'b> {
     /// Splat constants already in this block, by their value text: one op per distinct value
     /// (zeros for ReLU, empty statistics), each defined before every later op of the block.
     splats: std::cell::RefCell<HashMap<String, T<'c, 'b>>>,
+    /// Broadcasts already in this block, by (operand, shape, dims): the same constant or
+    /// per-channel vector is broadcast to one activation shape again and again.
+    broadcasts: std::cell::RefCell<HashMap<(usize, Vec<i64>, Vec<i64>), T<'c, 'b>>>,
 }
 
 /// Attributes built in one MLIR context, by their text: modules repeat the same few (dimension
@@ -330,6 +333,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             diagnostics,
             parsed,
             splats: Default::default(),
+            broadcasts: Default::default(),
         }
     }
 
@@ -343,6 +347,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             diagnostics: self.diagnostics.clone(),
             parsed: self.parsed.clone(),
             splats: Default::default(),
+            broadcasts: Default::default(),
         }
     }
 
@@ -518,13 +523,19 @@ impl<'c, 'b> Emitter<'c, 'b> {
         if t.shape == shape && dims.iter().enumerate().all(|(i, &d)| d == i as i64) {
             return Ok(t.clone());
         }
-        self.op(
+        let key = (t.v.to_raw().ptr as usize, shape.to_vec(), dims.to_vec());
+        if let Some(b) = self.broadcasts.borrow().get(&key) {
+            return Ok(b.clone());
+        }
+        let b = self.op(
             "stablehlo.broadcast_in_dim",
             &[t],
             &[("broadcast_dimensions", array_i64(dims))],
             shape,
             t.dtype,
-        )
+        )?;
+        self.broadcasts.borrow_mut().insert(key, b.clone());
+        Ok(b)
     }
 
     /// Numpy-style broadcast (trailing dims aligned) to `shape`.
@@ -1025,6 +1036,9 @@ impl<'c, 'b> Emitter<'c, 'b> {
         let shape: Vec<i64> = (0..t.rank())
             .map(|i| ((limit[i] - start[i]).max(0) + strides[i] - 1) / strides[i])
             .collect();
+        if shape == t.shape && start.iter().all(|&s| s == 0) && strides.iter().all(|&s| s == 1) {
+            return Ok(t.clone()); // the whole tensor
+        }
         self.op(
             "stablehlo.slice",
             &[t],

@@ -253,7 +253,12 @@ fn numel(shape: &[i64]) -> usize {
 fn run(g: &Graph, inputs: &[Buf]) -> Vec<Buf> {
     let e = engine();
     let compiled = e
-        .compile(g, &HashMap::new(), Precision::Highest, &Default::default())
+        .compile(
+            &std::sync::Arc::new(g.clone()),
+            &HashMap::new(),
+            Precision::Highest,
+            &Default::default(),
+        )
         .unwrap_or_else(|err| panic!("compile failed: {err}"));
     let sig = compiled.lowered.clone();
     assert_eq!(inputs.len(), sig.inputs.len(), "number of inputs");
