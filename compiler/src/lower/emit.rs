@@ -99,13 +99,16 @@ pub struct Emitter<'c, 'b> {
     splats: std::cell::RefCell<HashMap<String, T<'c, 'b>>>,
     /// Broadcasts already in this block, by (operand, shape, dims): the same constant or
     /// per-channel vector is broadcast to one activation shape again and again.
-    broadcasts: std::cell::RefCell<HashMap<(usize, Vec<i64>, Vec<i64>), T<'c, 'b>>>,
+    broadcasts: std::cell::RefCell<HashMap<BroadcastKey, T<'c, 'b>>>,
 }
 
 /// Attributes built in one MLIR context, by their text: modules repeat the same few (dimension
 /// lists, comparison directions, constants), and parsing is most of what building an op costs.
 /// Raw handles: they live as long as the context (uniqued there), which owns the cache.
 pub type AttrCache = std::rc::Rc<std::cell::RefCell<HashMap<String, mlir_sys::MlirAttribute>>>;
+
+/// A broadcast's operand (its MLIR value's address), result shape and dims.
+type BroadcastKey = (usize, Vec<i64>, Vec<i64>);
 
 /// Messages MLIR emitted through the context's diagnostic handler.
 pub type Diagnostics = std::rc::Rc<std::cell::RefCell<Vec<String>>>;
