@@ -263,9 +263,9 @@ def test_depthwise_convolutions_as_tap_sums(tmp_path):
 
 
 def test_convolutions_with_few_output_positions_as_tap_products(tmp_path):
-    # At most 4 output positions: a sum of per-tap matrix products (one product when every tap
-    # reads input, over one slice per output position when there are fewer positions than taps;
-    # taps over padding only are skipped), not XLA's convolution.
+    # At most 4 output positions: one matrix product over a slice per output position where
+    # there are fewer positions than live taps (those form a box of the kernel), else over a
+    # slice per tap; taps over padding only are skipped. Never XLA's convolution.
     x1, x2, x4 = torch.randn(2, 8, 1, 1), torch.randn(2, 8, 2, 2), torch.randn(2, 8, 4, 4)
     w3, w1 = torch.randn(5, 8, 3, 3), torch.randn(5, 8, 1, 1)
     xd, wd = torch.randn(2, 3, 4), torch.randn(4, 3, 3)
@@ -275,6 +275,7 @@ def test_convolutions_with_few_output_positions_as_tap_products(tmp_path):
         return (
             F.conv2d(x1, w3, b, padding=1),  # only the centre tap reads input
             F.conv2d(x2, w3, None, padding=1),  # every tap reads input: one product
+            F.conv2d(x2, w3, b, stride=2, padding=1),  # the live taps: a 2x2 box of the kernel
             F.conv2d(x4, w3, b, stride=2, padding=1),
             F.conv2d(x4, w1, None, stride=2),  # ResNet's downsampling shortcut
             F.conv2d(x4, w3, None, padding=2, dilation=3),
