@@ -284,3 +284,25 @@ def test_sizes_pinned_by_the_trace_are_not_declared_maxima():
             m = torch.nn.Linear(i, o)
             x = torch.randn(2, 16, i)
             torch.testing.assert_close(torch.compile(m, backend="tpu")(x), m(x))
+
+
+def test_walk_finds_the_size_derived_floats_itself():
+    """`fx_export.export(gm)` without the list finds the same size-derived float nodes as
+    `symfloat_nodes` (they become 0-d float64 inputs after the placeholders)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tpuc import fx_export
+
+    def f(x):
+        n = x.shape[0]
+        return x * (n / (n - 1)) + 0.5
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(5, 3))
+    found = fx_export.symfloat_nodes(gm)
+    assert found, gm.graph
+    given, _, _ = fx_export.export(gm, found)
+    walked, _, _ = fx_export.export(gm)
+    assert str(walked) == str(given)
+    # An input, and the Scalar overload that took it swapped for the Tensor one.
+    assert f"%{found[0].name}: float64[] = input()" in str(walked), str(walked)
+    assert "aten.mul.Tensor" in str(walked), str(walked)

@@ -63,7 +63,12 @@ fn import_err(msg: String) -> PyErr {
     GraphImportError::new_err(msg)
 }
 
-pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<Walked> {
+/// `symfloats`: the graph's size-derived float nodes, or None to find them here (call_function
+/// nodes whose value is a symbolic `SymFloat`, as `fx_export.symfloat_nodes` picks them).
+pub fn walk<'py>(
+    gm: &Bound<'py, PyAny>,
+    symfloats: Option<Vec<Bound<'py, PyAny>>>,
+) -> PyResult<Walked> {
     let py = gm.py();
     let torch_mod = py.import("torch")?;
     let fx = py.import("torch.fx")?;
@@ -92,8 +97,11 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
         py,
         torch,
         dtypes: HashMap::new(),
-        symfloats: symfloats.iter().map(|n| n.as_ptr() as usize).collect(),
+        symfloats: HashSet::new(),
     };
+    let detect = symfloats.is_none();
+    let mut symfloats = symfloats.unwrap_or_default();
+    w.symfloats = symfloats.iter().map(|n| n.as_ptr() as usize).collect();
     let (mut inputs, mut attrs, mut ops) = (Vec::new(), Vec::new(), Vec::new());
     let mut attr_targets = Vec::new();
     let mut streams = 0i64;
@@ -103,9 +111,14 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
         if w.symfloats.contains(&(n.as_ptr() as usize)) {
             continue;
         }
-        let name: String = n.getattr(intern!(py, "name"))?.extract()?;
         let op_obj = n.getattr(intern!(py, "op"))?;
         let op = op_obj.cast::<PyString>()?.to_str()?;
+        if detect && op == "call_function" && w.is_size_float(&n)? {
+            w.symfloats.insert(n.as_ptr() as usize);
+            symfloats.push(n);
+            continue;
+        }
+        let name: String = n.getattr(intern!(py, "name"))?.extract()?;
         match op {
             "placeholder" => {
                 let val = w.node_val(&n)?;
@@ -182,7 +195,7 @@ pub fn walk(gm: &Bound<'_, PyAny>, symfloats: &[Bound<'_, PyAny>]) -> PyResult<W
     }
     // Size-derived floats are computed by the runtime from the real sizes, then the seed.
     let mut extra = Vec::new();
-    for n in symfloats {
+    for n in &symfloats {
         extra.push(scalar_input(
             n.getattr(intern!(py, "name"))?.extract()?,
             &[],
@@ -271,6 +284,26 @@ impl<'py> Walker<'py> {
         }
         let dtype = self.dtype(dtype, n)?;
         Ok(FxMeta::Tensor { shape: dims, dtype })
+    }
+
+    /// Whether call_function node `n` computes a float from sizes: its value is a `SymFloat`
+    /// that is not a number.
+    fn is_size_float(&self, n: &Bound<'py, PyAny>) -> PyResult<bool> {
+        let meta = n.getattr(intern!(self.py, "meta"))?;
+        let Some(val) = meta.cast::<PyDict>()?.get_item(intern!(self.py, "val"))? else {
+            return Ok(false);
+        };
+        if !is_a(&val, &self.torch.symfloat) {
+            return Ok(false);
+        }
+        let expr = val
+            .getattr(intern!(self.py, "node"))?
+            .getattr(intern!(self.py, "expr"))?;
+        let number = match expr.getattr(intern!(self.py, "is_number")) {
+            Ok(b) => b.is_truthy()?,
+            Err(_) => false,
+        };
+        Ok(!number)
     }
 
     fn sym(&self, value: &Bound<'py, PyAny>) -> PyResult<Size> {

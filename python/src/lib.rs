@@ -137,16 +137,18 @@ fn dim_to_py(py: Python<'_>, d: &Dim) -> PyResult<Py<PyAny>> {
 #[pymethods]
 impl FxGraph {
     /// Imports an AOTAutograd FX graph module, read straight from its nodes. `symfloats` are
-    /// its size-derived float nodes (they become inputs). Returns the graph, the targets of its
-    /// `get_attr` nodes (inputs after the placeholders, in order) and whether it takes the
-    /// random seed input (last).
+    /// its size-derived float nodes (they become inputs; None: found here, the same ones as
+    /// `fx_export.symfloat_nodes`). Returns the graph, the targets of its `get_attr` nodes
+    /// (inputs after the placeholders, in order) and whether it takes the random seed input
+    /// (last).
     #[staticmethod]
+    #[pyo3(signature = (gm, symfloats=None))]
     fn from_fx(
         py: Python<'_>,
         gm: &Bound<'_, PyAny>,
-        symfloats: Vec<Bound<'_, PyAny>>,
+        symfloats: Option<Vec<Bound<'_, PyAny>>>,
     ) -> PyResult<(FxGraph, Vec<String>, bool)> {
-        let walked = fx_walk::walk(gm, &symfloats)?;
+        let walked = fx_walk::walk(gm, symfloats)?;
         let graph = py
             .detach(|| tpuc_frontend_fx::import(&walked.graph))
             .map_err(|e| GraphImportError::new_err(e.to_string()))?;

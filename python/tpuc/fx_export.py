@@ -27,7 +27,6 @@ def symfloat_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def export(gm: torch.fx.GraphModule, symfloats: list[torch.fx.Node] | None = None):
     """Returns (imported `_native.FxGraph`, targets of get_attr nodes in input order, whether the
-    graph takes a random seed input: last, after the size-derived floats)."""
-    if symfloats is None:
-        symfloats = symfloat_nodes(gm)
+    graph takes a random seed input: last, after the size-derived floats). `symfloats`: what
+    `symfloat_nodes(gm)` returns, when the caller has it (None: the walk finds them)."""
     return _native.FxGraph.from_fx(gm, symfloats)

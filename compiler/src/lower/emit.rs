@@ -10,7 +10,7 @@ use melior::ir::operation::OperationBuilder;
 use melior::ir::r#type::{IntegerType, RankedTensorType};
 use melior::ir::{Block, Identifier, Location, Region, RegionLike, Type, Value, ValueLike};
 use melior::Context;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use tpuc_frontend_fx::DType;
 
 /// A tensor value being built, with its static type.

@@ -16,7 +16,8 @@ use melior::ir::operation::{OperationLike, OperationMutLike};
 use melior::ir::r#type::FunctionType;
 use melior::ir::{Block, Identifier, Location, Module, Region, RegionLike, Value};
 use melior::Context;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
+use std::collections::BTreeMap;
 use tpuc_frontend_fx::{Arg, DType, Graph, InputKind, Node, NodeId, Output, ValueRef};
 use tpuc_passes::sharding::ShardingPlan;
 use tpuc_passes::FusionGroup;
@@ -466,7 +467,7 @@ fn lower_in(
             diagnostics.clone(),
             attrs,
         );
-        let mut values: HashMap<ValueRef, T> = HashMap::new();
+        let mut values: HashMap<ValueRef, T> = HashMap::default();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block
                 .argument(i)
@@ -637,7 +638,7 @@ struct Fused {
 impl Fused {
     fn new(graph: &Graph, allowed: bool) -> Fused {
         let on = |pass: &str| allowed && graph.lowering.contains(pass);
-        let mut folds = Folds::new();
+        let mut folds = Folds::default();
         if on(tpuc_passes::fusion::FOLD_TRANSPOSES) {
             for (id, p) in tpuc_passes::transpose_folds(graph) {
                 if let Some(Arg::Value(src)) = graph.node(id).args.first() {
@@ -651,8 +652,8 @@ impl Fused {
                 }
             }
         }
-        let mut inner = HashSet::new();
-        let mut roots = HashMap::new();
+        let mut inner = HashSet::default();
+        let mut roots = HashMap::default();
         if on(tpuc_passes::fusion::COMPOSITES) {
             for group in tpuc_passes::fusion_groups(graph) {
                 let root = *group.nodes.last().expect("groups are not empty");
@@ -870,7 +871,7 @@ impl Fused {
 
 /// For every node, which of its results something reads.
 fn used_results(graph: &Graph) -> HashMap<NodeId, Vec<bool>> {
-    let mut used: HashMap<NodeId, Vec<bool>> = HashMap::new();
+    let mut used: HashMap<NodeId, Vec<bool>> = HashMap::default();
     let mut mark = |v: ValueRef| {
         let n = graph.node(v.node).results.len();
         let e = used.entry(v.node).or_insert_with(|| vec![false; n]);

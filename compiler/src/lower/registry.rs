@@ -6,7 +6,7 @@ use super::ops::{
     nn, random, reduce, sample, shape, special,
 };
 use super::{NodeCx, R, T};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::OnceLock;
 
 pub type Rule = for<'x, 'c, 'b> fn(&NodeCx<'x, 'c, 'b>) -> R<Vec<T<'c, 'b>>>;
@@ -14,7 +14,7 @@ pub type Rule = for<'x, 'c, 'b> fn(&NodeCx<'x, 'c, 'b>) -> R<Vec<T<'c, 'b>>>;
 fn table() -> &'static HashMap<&'static str, Rule> {
     static TABLE: OnceLock<HashMap<&'static str, Rule>> = OnceLock::new();
     TABLE.get_or_init(|| {
-        let mut m: HashMap<&'static str, Rule> = HashMap::new();
+        let mut m: HashMap<&'static str, Rule> = HashMap::default();
         for (name, rule) in elementwise::RULES
             .iter()
             .chain(shape::RULES)
