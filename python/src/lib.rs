@@ -134,6 +134,34 @@ fn dim_to_py(py: Python<'_>, d: &Dim) -> PyResult<Py<PyAny>> {
     })
 }
 
+/// Per pass: `(pass, ops_before, ops_after, graph_text_after, seconds, changes)`.
+type PassReport = Vec<(String, usize, usize, Option<String>, f64, usize)>;
+
+/// Runs the cleanup pipeline's passes named in `enabled` (all when None) on `g`.
+fn clean(mut g: Graph, enabled: Option<&[String]>, texts: bool) -> (PassReport, FxGraph) {
+    let mut after = Vec::new();
+    let reports = tpuc_passes::run_pipeline(
+        &mut g,
+        |name| enabled.is_none_or(|e| e.iter().any(|n| n == name)),
+        |_, g| after.push(texts.then(|| g.to_string())),
+    );
+    let report = reports
+        .into_iter()
+        .zip(after)
+        .map(|(r, text)| {
+            (
+                r.name.to_string(),
+                r.ops_before,
+                r.ops_after,
+                text,
+                r.seconds,
+                r.changes,
+            )
+        })
+        .collect();
+    (report, FxGraph { graph: Arc::new(g) })
+}
+
 #[pymethods]
 impl FxGraph {
     /// Imports an AOTAutograd FX graph module, read straight from its nodes. `symfloats` are
@@ -205,40 +233,44 @@ impl FxGraph {
     /// `graph_text_after` is None unless `texts` (printing the graph after every pass costs
     /// more than the passes; only dumps read it).
     #[pyo3(signature = (enabled=None, texts=false))]
-    #[allow(clippy::type_complexity)]
     fn cleanup(
         &self,
         py: Python<'_>,
         enabled: Option<Vec<String>>,
         texts: bool,
-    ) -> (
-        Vec<(String, usize, usize, Option<String>, f64, usize)>,
-        FxGraph,
-    ) {
-        py.detach(|| {
-            let mut g = (*self.graph).clone();
-            let mut after = Vec::new();
-            let reports = tpuc_passes::run_pipeline(
-                &mut g,
-                |name| enabled.as_ref().is_none_or(|e| e.iter().any(|n| n == name)),
-                |_, g| after.push(texts.then(|| g.to_string())),
-            );
-            let report = reports
-                .into_iter()
-                .zip(after)
-                .map(|(r, text)| {
-                    (
-                        r.name.to_string(),
-                        r.ops_before,
-                        r.ops_after,
-                        text,
-                        r.seconds,
-                        r.changes,
-                    )
-                })
-                .collect();
-            (report, FxGraph { graph: Arc::new(g) })
-        })
+    ) -> (PassReport, FxGraph) {
+        py.detach(|| clean((*self.graph).clone(), enabled.as_deref(), texts))
+    }
+
+    /// `from_fx`, then `cleanup` on the imported graph itself (no copy of it is kept): returns
+    /// the imported graph's text (None unless `texts`), the pass report, the graph after the
+    /// passes, the `get_attr` targets and whether it takes the random seed input.
+    #[staticmethod]
+    #[pyo3(signature = (gm, symfloats=None, enabled=None, texts=false))]
+    #[allow(clippy::type_complexity)]
+    fn from_fx_cleaned(
+        py: Python<'_>,
+        gm: &Bound<'_, PyAny>,
+        symfloats: Option<Vec<Bound<'_, PyAny>>>,
+        enabled: Option<Vec<String>>,
+        texts: bool,
+    ) -> PyResult<(Option<String>, PassReport, FxGraph, Vec<String>, bool)> {
+        let walked = fx_walk::walk(gm, symfloats)?;
+        let (imported_text, report, graph) = py
+            .detach(|| {
+                let g = tpuc_frontend_fx::import(&walked.graph)?;
+                let text = texts.then(|| g.to_string());
+                let (report, graph) = clean(g, enabled.as_deref(), texts);
+                Ok::<_, tpuc_frontend_fx::ImportError>((text, report, graph))
+            })
+            .map_err(|e| GraphImportError::new_err(e.to_string()))?;
+        Ok((
+            imported_text,
+            report,
+            graph,
+            walked.attr_targets,
+            walked.uses_rng,
+        ))
     }
 
     /// The passes of the pipeline in the order they run: `[(name, group, description)]`.

@@ -201,11 +201,11 @@ class CompiledGraph:
         symfloats = fx_export.symfloat_nodes(gm)
         self.symfloat_exprs = [n.meta["val"].node.expr for n in symfloats]
         # Random ops take a fresh seed per call, drawn from torch's generator (the last input).
-        imported, attr_targets, self.rng = fx_export.export(gm, symfloats)
+        self.imported_text, self.pass_report, self.graph, attr_targets, self.rng = fx_export.export_cleaned(
+            gm, symfloats, opts.enabled_passes(), texts=dumping
+        )
         self.attr_tensors = [getattr(gm, t) for t in attr_targets]
-        self.pass_report, self.graph = imported.cleanup(opts.enabled_passes(), texts=dumping)
         counters.record_passes(self.pass_report)
-        self.imported_text = str(imported) if dumping else None
         self.inputs = self.graph.inputs()
         self.tensor_slots = [i for i, k in enumerate(self.inputs) if k[0] == "tensor"]
         self.symbolic = any(k[0] == "symint" or any(isinstance(d, str) for d in k[1]) for k in self.inputs)

@@ -30,3 +30,16 @@ def export(gm: torch.fx.GraphModule, symfloats: list[torch.fx.Node] | None = Non
     graph takes a random seed input: last, after the size-derived floats). `symfloats`: what
     `symfloat_nodes(gm)` returns, when the caller has it (None: the walk finds them)."""
     return _native.FxGraph.from_fx(gm, symfloats)
+
+
+def export_cleaned(
+    gm: torch.fx.GraphModule,
+    symfloats: list[torch.fx.Node] | None = None,
+    enabled: list[str] | None = None,
+    texts: bool = False,
+):
+    """`export`, then the cleanup passes named in `enabled` (all when None) on the imported
+    graph itself. Returns (the imported graph's text when `texts` else None, the pass report as
+    `FxGraph.cleanup` gives it, the cleaned `_native.FxGraph`, get_attr targets, whether the
+    graph takes a random seed input)."""
+    return _native.FxGraph.from_fx_cleaned(gm, symfloats, enabled, texts)
