@@ -296,27 +296,27 @@ impl<'py> Walker<'py> {
         if !is_a(&val, &self.torch.symfloat) {
             return Ok(false);
         }
-        let expr = val
+        Ok(!self.sym_node_expr(&val)?.1)
+    }
+
+    /// A `SymInt`/`SymFloat`'s ShapeEnv expression and whether it is a number (a size the
+    /// trace fixed).
+    fn sym_node_expr(&self, value: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, bool)> {
+        let expr = value
             .getattr(intern!(self.py, "node"))?
             .getattr(intern!(self.py, "expr"))?;
         let number = match expr.getattr(intern!(self.py, "is_number")) {
             Ok(b) => b.is_truthy()?,
             Err(_) => false,
         };
-        Ok(!number)
+        Ok((expr, number))
     }
 
     fn sym(&self, value: &Bound<'py, PyAny>) -> PyResult<Size> {
         if value.is_exact_instance_of::<PyInt>() {
             return Ok(Size::Int(value.extract()?));
         }
-        let expr = value
-            .getattr(intern!(self.py, "node"))?
-            .getattr(intern!(self.py, "expr"))?;
-        let is_number = match expr.getattr(intern!(self.py, "is_number")) {
-            Ok(b) => b.is_truthy()?,
-            Err(_) => false,
-        };
+        let (expr, is_number) = self.sym_node_expr(value)?;
         Ok(if is_number {
             Size::Int(expr.call_method0(intern!(self.py, "__int__"))?.extract()?)
         } else {
@@ -374,13 +374,7 @@ impl<'py> Walker<'py> {
             return Ok(Some(FxMeta::Float(val.extract()?)));
         }
         if is_a(val, &self.torch.symfloat) {
-            let expr = val
-                .getattr(intern!(py, "node"))?
-                .getattr(intern!(py, "expr"))?;
-            let number = expr
-                .getattr(intern!(py, "is_number"))
-                .map(|b| b.is_truthy())
-                .unwrap_or(Ok(false))?;
+            let (expr, number) = self.sym_node_expr(val)?;
             return Ok(if number {
                 Some(FxMeta::Float(
                     expr.call_method0(intern!(py, "__float__"))?.extract()?,
