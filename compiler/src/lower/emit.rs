@@ -6,11 +6,12 @@
 use super::LowerError;
 use melior::ir::attribute::{Attribute, AttributeLike, DenseI64ArrayAttribute};
 use melior::ir::block::BlockLike;
-use melior::ir::operation::OperationBuilder;
+use melior::ir::operation::{OperationBuilder, OperationRef};
 use melior::ir::r#type::{IntegerType, RankedTensorType};
 use melior::ir::{Block, Identifier, Location, Region, RegionLike, Type, Value, ValueLike};
 use melior::Context;
 use rustc_hash::FxHashMap as HashMap;
+use smallvec::SmallVec;
 use tpuc_frontend_fx::DType;
 
 /// A tensor value being built, with its static type.
@@ -135,7 +136,7 @@ pub fn elem_type<'c>(ctx: &'c Context, dtype: DType) -> Type<'c> {
 }
 
 pub fn tensor_type<'c>(ctx: &'c Context, shape: &[i64], dtype: DType) -> Type<'c> {
-    let dims: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    let dims: SmallVec<[u64; 6]> = shape.iter().map(|&d| d as u64).collect();
     RankedTensorType::new(&dims, elem_type(ctx, dtype), None).into()
 }
 
@@ -308,6 +309,13 @@ fn i64_array(text: &str) -> Option<Vec<i64>> {
     body.split(", ").map(|v| v.parse().ok()).collect()
 }
 
+/// Result `i` of `op` (named `name`, for the error).
+fn result<'c, 'b>(op: OperationRef<'c, 'b>, name: &str, i: usize) -> R<Value<'c, 'b>> {
+    op.result(i)
+        .map(Into::into)
+        .map_err(|e| LowerError::internal(format!("{name} result {i}: {e}")))
+}
+
 /// Parses MLIR attribute text; an error carries MLIR's diagnostics.
 pub fn parse_attr<'c>(ctx: &'c Context, diagnostics: &Diagnostics, text: &str) -> R<Attribute<'c>> {
     Attribute::parse(ctx, text).ok_or_else(|| {
@@ -379,12 +387,55 @@ impl<'c, 'b> Emitter<'c, 'b> {
         results: &[(Vec<i64>, DType)],
         regions: Vec<Region<'c>>,
     ) -> R<Vec<T<'c, 'b>>> {
+        let types: SmallVec<[(&[i64], DType); 2]> =
+            results.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
+        let op = self.append(name, operands, attrs, &types, regions)?;
+        results
+            .iter()
+            .enumerate()
+            .map(|(i, (shape, dtype))| {
+                Ok(T {
+                    v: result(op, name, i)?,
+                    shape: shape.clone(),
+                    dtype: *dtype,
+                })
+            })
+            .collect()
+    }
+
+    /// [`Emitter::op_n`] for an op with one result and no regions.
+    pub fn op(
+        &self,
+        name: &str,
+        operands: &[&T<'c, 'b>],
+        attrs: &[(&str, String)],
+        shape: &[i64],
+        dtype: DType,
+    ) -> R<T<'c, 'b>> {
+        let op = self.append(name, operands, attrs, &[(shape, dtype)], Vec::new())?;
+        Ok(T {
+            v: result(op, name, 0)?,
+            shape: shape.to_vec(),
+            dtype,
+        })
+    }
+
+    fn append(
+        &self,
+        name: &str,
+        operands: &[&T<'c, 'b>],
+        attrs: &[(&str, String)],
+        results: &[(&[i64], DType)],
+        regions: Vec<Region<'c>>,
+    ) -> R<OperationRef<'c, 'b>> {
+        // On the stack: an op has a few of each, and a heap allocation per list per op shows in
+        // lowering time when the caches are cold.
         let attrs = attrs
             .iter()
             .map(|(k, v)| Ok((Identifier::new(self.ctx, k), self.attr(v)?)))
-            .collect::<R<Vec<_>>>()?;
-        let vals: Vec<Value<'c, 'b>> = operands.iter().map(|t| t.v).collect();
-        let types: Vec<Type<'c>> = results
+            .collect::<R<SmallVec<[_; 8]>>>()?;
+        let vals: SmallVec<[Value<'c, 'b>; 4]> = operands.iter().map(|t| t.v).collect();
+        let types: SmallVec<[Type<'c>; 2]> = results
             .iter()
             .map(|(s, d)| tensor_type(self.ctx, s, *d))
             .collect();
@@ -395,34 +446,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             .add_regions_vec(regions)
             .build()
             .map_err(|e| LowerError::internal(format!("building {name}: {e}")))?;
-        let op = self.block.append_operation(op);
-        results
-            .iter()
-            .enumerate()
-            .map(|(i, (shape, dtype))| {
-                let r = op
-                    .result(i)
-                    .map_err(|e| LowerError::internal(format!("{name} result {i}: {e}")))?;
-                Ok(T {
-                    v: r.into(),
-                    shape: shape.clone(),
-                    dtype: *dtype,
-                })
-            })
-            .collect()
-    }
-
-    pub fn op(
-        &self,
-        name: &str,
-        operands: &[&T<'c, 'b>],
-        attrs: &[(&str, String)],
-        shape: &[i64],
-        dtype: DType,
-    ) -> R<T<'c, 'b>> {
-        Ok(self
-            .op_n(name, operands, attrs, &[(shape.to_vec(), dtype)], vec![])?
-            .remove(0))
+        Ok(self.block.append_operation(op))
     }
 
     /// A tensor filled with one value.
