@@ -429,25 +429,29 @@ fn tap_dots<'c, 'b>(
             e.slice(w, &start, &limit, &vec![1; w.rank()])?
         };
         let flat_w = e.reshape(&boxed_w, &[w.shape[0], c * t])?;
-        let rows: Vec<T<'c, 'b>> = positions
+        // The windows side by side along the channels (`[batch, position x channel, taps...]`),
+        // then one reshape: row-major, that is `[batch, position, channel x tap]`.
+        let windows: Vec<T<'c, 'b>> = positions
             .iter()
-            .map(|p| {
-                let window = window.position_slice(cx, p, &live_box)?;
-                e.reshape(&window, &[b, 1, c * t])
-            })
+            .map(|p| window.position_slice(cx, p, &live_box))
             .collect::<R<_>>()?;
-        let refs: Vec<&T<'c, 'b>> = rows.iter().collect();
         let n = positions.len() as i64;
-        let stacked = match refs.as_slice() {
-            [one] => (*one).clone(),
-            _ => e.op(
-                "stablehlo.concatenate",
-                &refs,
-                &[("dimension", "1 : i64".to_string())],
-                &[b, n, c * t],
-                w.dtype,
-            )?,
+        let side_by_side = match windows.as_slice() {
+            [one] => one.clone(),
+            _ => {
+                let mut shape = windows[0].shape.clone();
+                shape[1] *= n;
+                let refs: Vec<&T<'c, 'b>> = windows.iter().collect();
+                e.op(
+                    "stablehlo.concatenate",
+                    &refs,
+                    &[("dimension", "1 : i64".to_string())],
+                    &shape,
+                    w.dtype,
+                )?
+            }
         };
+        let stacked = e.reshape(&side_by_side, &[b, n, c * t])?;
         let product = e.dot_general(
             &stacked,
             &flat_w,
