@@ -3,7 +3,8 @@
 use crate::graph::{Arg, Graph, Input, InputKind, Node, Output, TensorType, ValueRef};
 use crate::wire::{FxArg, FxGraph, FxMeta, FxNode};
 use crate::SymExpr;
-use std::collections::{BTreeMap, HashMap};
+use rustc_hash::FxHashMap as HashMap;
+use std::collections::BTreeMap;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
@@ -47,7 +48,7 @@ enum Binding {
 
 pub fn import(fx: &FxGraph) -> Result<Graph, ImportError> {
     let mut g = Graph::default();
-    let mut env: HashMap<&str, Binding> = HashMap::new();
+    let mut env: HashMap<&str, Binding> = HashMap::default();
     let mut saw_output = false;
 
     for n in &fx.nodes {
