@@ -113,15 +113,10 @@ pub fn walk<'py>(
         }
         let op_obj = n.getattr(intern!(py, "op"))?;
         let op = op_obj.cast::<PyString>()?.to_str()?;
-        if detect && op == "call_function" && w.is_size_float(&n)? {
-            w.symfloats.insert(n.as_ptr() as usize);
-            symfloats.push(n);
-            continue;
-        }
         let name: String = n.getattr(intern!(py, "name"))?.extract()?;
         match op {
             "placeholder" => {
-                let val = w.node_val(&n)?;
+                let val = w.node_val(&n)?.into_meta();
                 inputs.push(placeholder(name.clone(), name, val));
             }
             "get_attr" => {
@@ -138,6 +133,14 @@ pub fn walk<'py>(
                 attr_targets.push(target);
             }
             "call_function" | "output" => {
+                let val = match w.node_val(&n)? {
+                    NodeVal::SizeFloat if detect && op == "call_function" => {
+                        w.symfloats.insert(n.as_ptr() as usize);
+                        symfloats.push(n);
+                        continue;
+                    }
+                    v => v.into_meta(),
+                };
                 // `_args`/`_kwargs` are what the `args`/`kwargs` properties return, without a
                 // Python call each.
                 let node_args = attr_or(&n, intern!(py, "_args"), intern!(py, "args"))?;
@@ -174,7 +177,6 @@ pub fn walk<'py>(
                     args.push(FxArg::Int(streams));
                     streams += 1;
                 }
-                let val = w.node_val(&n)?;
                 ops.push(FxNode {
                     name,
                     op: op.to_string(),
@@ -239,6 +241,23 @@ fn scalar_input(name: String, shape: &[i64], dtype: DType) -> FxNode {
     placeholder(name.clone(), name, Some(val))
 }
 
+/// What a node's `meta` records.
+enum NodeVal {
+    /// The wire form of its value (None: nothing the frontend uses).
+    Meta(Option<FxMeta>),
+    /// A float computed from sizes (a `SymFloat` that is not a number): an input of the graph.
+    SizeFloat,
+}
+
+impl NodeVal {
+    fn into_meta(self) -> Option<FxMeta> {
+        match self {
+            NodeVal::Meta(m) => m,
+            NodeVal::SizeFloat => None,
+        }
+    }
+}
+
 /// A size as the wire format wants it: an int, or the ShapeEnv expression.
 enum Size {
     Int(i64),
@@ -249,7 +268,7 @@ impl<'py> Walker<'py> {
     /// The wire form of the node's `meta["val"]`. A tensor's shape and dtype are read from
     /// `meta["tensor_meta"]` where recorded next to it (as traced): that skips a FakeTensor's
     /// dispatch and a new `torch.Size` per node.
-    fn node_val(&mut self, n: &Bound<'py, PyAny>) -> PyResult<Option<FxMeta>> {
+    fn node_val(&mut self, n: &Bound<'py, PyAny>) -> PyResult<NodeVal> {
         let meta = n.getattr(intern!(self.py, "meta"))?;
         let meta = meta.cast::<PyDict>()?;
         if let Some(class) = &self.torch.tensor_metadata {
@@ -257,14 +276,17 @@ impl<'py> Walker<'py> {
                 if recorded.get_type().is(class) {
                     let fields = recorded.cast::<PyTuple>()?;
                     let (shape, dtype) = (fields.get_item(0)?, fields.get_item(1)?);
-                    return self.tensor_meta(&shape, &dtype, n).map(Some);
+                    return Ok(NodeVal::Meta(Some(self.tensor_meta(&shape, &dtype, n)?)));
                 }
             }
         }
-        match meta.get_item(intern!(self.py, "val"))? {
-            Some(val) => self.meta(&val, n),
-            None => Ok(None),
+        let Some(val) = meta.get_item(intern!(self.py, "val"))? else {
+            return Ok(NodeVal::Meta(None));
+        };
+        if is_a(&val, &self.torch.symfloat) && !self.sym_node_expr(&val)?.1 {
+            return Ok(NodeVal::SizeFloat);
         }
+        Ok(NodeVal::Meta(self.meta(&val, n)?))
     }
 
     /// A tensor's wire form from its shape (a tuple of sizes) and dtype.
@@ -284,19 +306,6 @@ impl<'py> Walker<'py> {
         }
         let dtype = self.dtype(dtype, n)?;
         Ok(FxMeta::Tensor { shape: dims, dtype })
-    }
-
-    /// Whether call_function node `n` computes a float from sizes: its value is a `SymFloat`
-    /// that is not a number.
-    fn is_size_float(&self, n: &Bound<'py, PyAny>) -> PyResult<bool> {
-        let meta = n.getattr(intern!(self.py, "meta"))?;
-        let Some(val) = meta.cast::<PyDict>()?.get_item(intern!(self.py, "val"))? else {
-            return Ok(false);
-        };
-        if !is_a(&val, &self.torch.symfloat) {
-            return Ok(false);
-        }
-        Ok(!self.sym_node_expr(&val)?.1)
     }
 
     /// A `SymInt`/`SymFloat`'s ShapeEnv expression and whether it is a number (a size the
