@@ -93,15 +93,14 @@ pub fn walk<'py>(
                     .is_ok_and(|f| f.len() >= 2 && f[0] == "shape" && f[1] == "dtype")
             }),
     };
+    let detect = symfloats.is_none();
+    let mut symfloats = symfloats.unwrap_or_default();
     let mut w = Walker {
         py,
         torch,
         dtypes: HashMap::new(),
-        symfloats: HashSet::new(),
+        symfloats: symfloats.iter().map(|n| n.as_ptr() as usize).collect(),
     };
-    let detect = symfloats.is_none();
-    let mut symfloats = symfloats.unwrap_or_default();
-    w.symfloats = symfloats.iter().map(|n| n.as_ptr() as usize).collect();
     let (mut inputs, mut attrs, mut ops) = (Vec::new(), Vec::new(), Vec::new());
     let mut attr_targets = Vec::new();
     let mut streams = 0i64;

@@ -95,9 +95,9 @@ pub struct Emitter<'c, 'b> {
     diagnostics: Diagnostics,
     /// Attributes built so far in this context, by their text (see [`AttrCache`]).
     parsed: AttrCache,
-    /// Splat constants already in this block, by their value text: one op per distinct value
-    /// (zeros for ReLU, empty statistics), each defined before every later op of the block.
-    splats: std::cell::RefCell<HashMap<String, T<'c, 'b>>>,
+    /// Constants already in this block, by their value text: one op per distinct value (zeros
+    /// for ReLU, empty statistics), each defined before every later op of the block.
+    constants: std::cell::RefCell<HashMap<String, T<'c, 'b>>>,
     /// Broadcasts already in this block, by (operand, shape, dims): the same constant or
     /// per-channel vector is broadcast to one activation shape again and again.
     broadcasts: std::cell::RefCell<HashMap<BroadcastKey, T<'c, 'b>>>,
@@ -343,7 +343,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             precision,
             diagnostics,
             parsed,
-            splats: Default::default(),
+            constants: Default::default(),
             broadcasts: Default::default(),
         }
     }
@@ -357,7 +357,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             precision: self.precision,
             diagnostics: self.diagnostics.clone(),
             parsed: self.parsed.clone(),
-            splats: Default::default(),
+            constants: Default::default(),
             broadcasts: Default::default(),
         }
     }
@@ -456,18 +456,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             literal(value, dtype),
             tensor_type_text(shape, dtype)
         );
-        if let Some(t) = self.splats.borrow().get(&value_attr) {
-            return Ok(t.clone());
-        }
-        let t = self.op(
-            "stablehlo.constant",
-            &[],
-            &[("value", value_attr.clone())],
-            shape,
-            dtype,
-        )?;
-        self.splats.borrow_mut().insert(value_attr, t.clone());
-        Ok(t)
+        self.constant(value_attr, shape, dtype)
     }
 
     /// A constant from explicit values (row-major).
@@ -478,7 +467,13 @@ impl<'c, 'b> Emitter<'c, 'b> {
             v.join(", "),
             tensor_type_text(shape, dtype)
         );
-        if let Some(t) = self.splats.borrow().get(&value_attr) {
+        self.constant(value_attr, shape, dtype)
+    }
+
+    /// A `stablehlo.constant` of `value_attr` (its `dense<...> : tensor<...>` text), or the one
+    /// this block already has.
+    fn constant(&self, value_attr: String, shape: &[i64], dtype: DType) -> R<T<'c, 'b>> {
+        if let Some(t) = self.constants.borrow().get(&value_attr) {
             return Ok(t.clone());
         }
         let t = self.op(
@@ -488,7 +483,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             shape,
             dtype,
         )?;
-        self.splats.borrow_mut().insert(value_attr, t.clone());
+        self.constants.borrow_mut().insert(value_attr, t.clone());
         Ok(t)
     }
 

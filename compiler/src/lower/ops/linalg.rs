@@ -407,27 +407,22 @@ fn tap_dots<'c, 'b>(
     let taps = window.geometry.taps();
     let live: Vec<&Vec<i64>> = taps.iter().filter(|t| window.reads_input(t)).collect();
     // Output positions, row-major.
-    // Output positions, row-major.
     let positions = window_taps(&out[2..]);
-    let live_box = window.live_box();
-    let box_taps = live_box
-        .as_ref()
-        .map_or(0, |b| b.iter().map(|r| r.end - r.start).product::<i64>());
-    let product = if !live.is_empty() && (positions.len() as i64) < box_taps {
+    let box_taps = |b: &[std::ops::Range<i64>]| b.iter().map(|r| r.end - r.start).product::<i64>();
+    let fewer_positions = window
+        .live_box()
+        .filter(|b| (positions.len() as i64) < box_taps(b));
+    let product = if let Some(live_box) = fewer_positions {
         // Fewer output positions than live taps, which span a box of the kernel: one slice per
         // position (its window over the box: channels, then taps row-major) and one product
         // with the weights over the box, `[batch, position, channel x tap]`.
-        let live_box = live_box.unwrap_or_default();
-        let (b, c, t) = (out[0], w.shape[1], box_taps);
-        let boxed_w = if box_taps as usize == taps.len() {
-            w.clone()
-        } else {
-            let mut start = vec![0, 0];
-            let mut limit = vec![w.shape[0], w.shape[1]];
-            start.extend(live_box.iter().map(|r| r.start));
-            limit.extend(live_box.iter().map(|r| r.end));
-            e.slice(w, &start, &limit, &vec![1; w.rank()])?
-        };
+        let (b, c, t) = (out[0], w.shape[1], box_taps(&live_box));
+        let mut start = vec![0, 0];
+        let mut limit = vec![w.shape[0], w.shape[1]];
+        start.extend(live_box.iter().map(|r| r.start));
+        limit.extend(live_box.iter().map(|r| r.end));
+        // The whole kernel when every tap is live (`slice` then emits nothing).
+        let boxed_w = e.slice(w, &start, &limit, &vec![1; w.rank()])?;
         let flat_w = e.reshape(&boxed_w, &[w.shape[0], c * t])?;
         // The windows side by side along the channels (`[batch, position x channel, taps...]`),
         // then one reshape: row-major, that is `[batch, position, channel x tap]`.
@@ -465,7 +460,6 @@ fn tap_dots<'c, 'b>(
         // Every tap reads input: one product over (channel, tap), the weights' own row-major
         // order, so they are read as they are (a reshape, no per-tap slices).
         let (b, c, t) = (out[0], w.shape[1], taps.len() as i64);
-        let flat_w = e.reshape(w, &[w.shape[0], c * t])?;
         let slices: Vec<T<'c, 'b>> = taps
             .iter()
             .map(|tap| {
@@ -488,6 +482,7 @@ fn tap_dots<'c, 'b>(
         let mut cols_shape = vec![b, c * t];
         cols_shape.extend_from_slice(&out[2..]);
         let cols = e.reshape(&stacked, &cols_shape)?;
+        let flat_w = e.reshape(w, &[w.shape[0], c * t])?;
         e.dot_general(
             &cols,
             &flat_w,
