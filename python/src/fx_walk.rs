@@ -8,6 +8,7 @@
 use crate::GraphImportError;
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{LazyLock, Mutex};
@@ -34,25 +35,68 @@ pub struct Walked {
     pub uses_rng: bool,
 }
 
-/// The torch classes a walk tells values apart by, looked up once per walk.
-struct Torch<'py> {
-    node: Bound<'py, PyType>,
-    tensor: Bound<'py, PyType>,
-    symint: Bound<'py, PyType>,
-    symfloat: Bound<'py, PyType>,
-    dtype: Bound<'py, PyAny>,
-    device: Bound<'py, PyAny>,
-    layout: Bound<'py, PyAny>,
-    memory_format: Bound<'py, PyAny>,
-    getitem: Bound<'py, PyAny>,
+/// The torch classes a walk tells values apart by, looked up once per process.
+struct Torch {
+    node: Py<PyType>,
+    tensor: Py<PyType>,
+    symint: Py<PyType>,
+    symfloat: Py<PyType>,
+    dtype: Py<PyAny>,
+    device: Py<PyAny>,
+    layout: Py<PyAny>,
+    memory_format: Py<PyAny>,
+    getitem: Py<PyAny>,
     /// `meta["tensor_meta"]`'s class, where this torch has it and it is the named tuple whose
     /// first fields are `shape, dtype` (read by index).
-    tensor_metadata: Option<Bound<'py, PyAny>>,
+    tensor_metadata: Option<Py<PyAny>>,
+    /// `torch._C.DisableTorchFunctionSubclass`.
+    disable_torch_function: Py<PyAny>,
+}
+
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+impl Torch {
+    fn look_up(py: Python<'_>) -> PyResult<Torch> {
+        let torch = py.import("torch")?;
+        let class = |name: &str| -> PyResult<Py<PyType>> {
+            Ok(torch.getattr(name)?.cast_into::<PyType>()?.unbind())
+        };
+        Ok(Torch {
+            node: py
+                .import("torch.fx")?
+                .getattr("Node")?
+                .cast_into::<PyType>()?
+                .unbind(),
+            tensor: class("Tensor")?,
+            symint: class("SymInt")?,
+            symfloat: class("SymFloat")?,
+            dtype: torch.getattr("dtype")?.unbind(),
+            device: torch.getattr("device")?.unbind(),
+            layout: torch.getattr("layout")?.unbind(),
+            memory_format: torch.getattr("memory_format")?.unbind(),
+            getitem: py.import("operator")?.getattr("getitem")?.unbind(),
+            tensor_metadata: py
+                .import("torch.fx.passes.shape_prop")
+                .and_then(|m| m.getattr("TensorMetadata"))
+                .ok()
+                .filter(|class| {
+                    class
+                        .getattr("_fields")
+                        .and_then(|f| f.extract::<Vec<String>>())
+                        .is_ok_and(|f| f.len() >= 2 && f[0] == "shape" && f[1] == "dtype")
+                })
+                .map(Bound::unbind),
+            disable_torch_function: torch
+                .getattr("_C")?
+                .getattr("DisableTorchFunctionSubclass")?
+                .unbind(),
+        })
+    }
 }
 
 struct Walker<'py> {
     py: Python<'py>,
-    torch: Torch<'py>,
+    torch: &'static Torch,
     /// dtype object address -> wire dtype (dtypes are interned torch objects).
     dtypes: HashMap<usize, DType>,
     /// Size-derived float nodes (by address): skipped as ops, passed as inputs.
@@ -70,29 +114,11 @@ pub fn walk<'py>(
     symfloats: Option<Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<Walked> {
     let py = gm.py();
-    let torch_mod = py.import("torch")?;
-    let fx = py.import("torch.fx")?;
-    let torch = Torch {
-        node: fx.getattr("Node")?.cast_into()?,
-        tensor: torch_mod.getattr("Tensor")?.cast_into()?,
-        symint: torch_mod.getattr("SymInt")?.cast_into()?,
-        symfloat: torch_mod.getattr("SymFloat")?.cast_into()?,
-        dtype: torch_mod.getattr("dtype")?,
-        device: torch_mod.getattr("device")?,
-        layout: torch_mod.getattr("layout")?,
-        memory_format: torch_mod.getattr("memory_format")?,
-        getitem: py.import("operator")?.getattr("getitem")?,
-        tensor_metadata: py
-            .import("torch.fx.passes.shape_prop")
-            .and_then(|m| m.getattr("TensorMetadata"))
-            .ok()
-            .filter(|class| {
-                class
-                    .getattr("_fields")
-                    .and_then(|f| f.extract::<Vec<String>>())
-                    .is_ok_and(|f| f.len() >= 2 && f[0] == "shape" && f[1] == "dtype")
-            }),
-    };
+    let torch = TORCH.get_or_try_init(py, || Torch::look_up(py))?;
+    // Reading a FakeTensor's shape or dtype asks torch whether its class overrides
+    // `__torch_function__` (an attribute lookup by a freshly made string) unless that is off:
+    // more than half of the read, for values whose metadata is all the walk wants.
+    let _plain = TorchFunctionOff::enter(torch.disable_torch_function.bind(py))?;
     let detect = symfloats.is_none();
     let mut symfloats = symfloats.unwrap_or_default();
     let mut w = Walker {
@@ -121,7 +147,7 @@ pub fn walk<'py>(
             "get_attr" => {
                 let target: String = n.getattr(intern!(py, "target"))?.extract()?;
                 let val = gm.getattr(target.as_str())?;
-                if !is_a(&val, &w.torch.tensor) {
+                if !is_a(&val, w.torch.tensor.bind(py)) {
                     return Err(import_err(format!(
                         "node `{name}`: get_attr of a {}",
                         val.get_type().name()?
@@ -271,6 +297,7 @@ impl<'py> Walker<'py> {
         let meta = n.getattr(intern!(self.py, "meta"))?;
         let meta = meta.cast::<PyDict>()?;
         if let Some(class) = &self.torch.tensor_metadata {
+            let class = class.bind(self.py);
             if let Some(recorded) = meta.get_item(intern!(self.py, "tensor_meta"))? {
                 if recorded.get_type().is(class) {
                     let fields = recorded.cast::<PyTuple>()?;
@@ -282,7 +309,7 @@ impl<'py> Walker<'py> {
         let Some(val) = meta.get_item(intern!(self.py, "val"))? else {
             return Ok(NodeVal::Meta(None));
         };
-        if is_a(&val, &self.torch.symfloat) && !self.sym_node_expr(&val)?.1 {
+        if is_a(&val, self.torch.symfloat.bind(self.py)) && !self.sym_node_expr(&val)?.1 {
             return Ok(NodeVal::SizeFloat);
         }
         Ok(NodeVal::Meta(self.meta(&val, n)?))
@@ -361,12 +388,12 @@ impl<'py> Walker<'py> {
         if val.is_none() {
             return Ok(None);
         }
-        if is_a(val, &self.torch.tensor) {
+        if is_a(val, self.torch.tensor.bind(self.py)) {
             let shape = val.getattr(intern!(py, "shape"))?;
             let dtype = val.getattr(intern!(py, "dtype"))?;
             return self.tensor_meta(&shape, &dtype, n).map(Some);
         }
-        if is_a(val, &self.torch.symint) {
+        if is_a(val, self.torch.symint.bind(self.py)) {
             return Ok(Some(match self.sym(val)? {
                 Size::Int(i) => FxMeta::Int(i),
                 Size::Expr(e) => FxMeta::Symint(self.sym_expr(&e, n)?),
@@ -381,7 +408,7 @@ impl<'py> Walker<'py> {
         if val.is_instance_of::<PyFloat>() {
             return Ok(Some(FxMeta::Float(val.extract()?)));
         }
-        if is_a(val, &self.torch.symfloat) {
+        if is_a(val, self.torch.symfloat.bind(self.py)) {
             let (expr, number) = self.sym_node_expr(val)?;
             return Ok(if number {
                 Some(FxMeta::Float(
@@ -413,7 +440,7 @@ impl<'py> Walker<'py> {
                 Err(_) => FxArg::Float(a.extract::<f64>()?),
             });
         }
-        if is_a(a, &self.torch.node) {
+        if is_a(a, self.torch.node.bind(self.py)) {
             return Ok(FxArg::Node {
                 node: a.getattr(intern!(py, "name"))?.extract()?,
             });
@@ -451,22 +478,24 @@ impl<'py> Walker<'py> {
                 .collect::<PyResult<Vec<_>>>()
                 .map(FxArg::List);
         }
-        if a.is_instance(&self.torch.dtype)? {
+        if a.is_instance(self.torch.dtype.bind(self.py))? {
             return Ok(FxArg::DType {
                 dtype: self.dtype(a, n)?,
             });
         }
-        if a.is_instance(&self.torch.device)? {
+        if a.is_instance(self.torch.device.bind(self.py))? {
             return Ok(FxArg::Device {
                 device: a.str()?.to_string(),
             });
         }
-        if a.is_instance(&self.torch.layout)? || a.is_instance(&self.torch.memory_format)? {
+        if a.is_instance(self.torch.layout.bind(self.py))?
+            || a.is_instance(self.torch.memory_format.bind(self.py))?
+        {
             return Ok(FxArg::Other {
                 other: a.str()?.to_string(),
             });
         }
-        if is_a(a, &self.torch.symint) {
+        if is_a(a, self.torch.symint.bind(self.py)) {
             if let Size::Int(i) = self.sym(a)? {
                 return Ok(FxArg::Int(i));
             }
@@ -508,13 +537,33 @@ impl<'py> Walker<'py> {
             return Ok(name.clone());
         }
         // Formatted with the lock released: `str()` runs Python, which may switch threads.
-        let name = if target.is(&self.torch.getitem) {
+        let name = if target.is(self.torch.getitem.bind(self.py)) {
             "<built-in function getitem>".to_string()
         } else {
             target.str()?.to_string()
         };
         names().insert(key, (target.clone().unbind(), name.clone()));
         Ok(name)
+    }
+}
+
+/// `torch._C.DisableTorchFunctionSubclass()` entered until dropped.
+struct TorchFunctionOff<'py>(Bound<'py, PyAny>);
+
+impl<'py> TorchFunctionOff<'py> {
+    fn enter(class: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let guard = class.call0()?;
+        guard.call_method0("__enter__")?;
+        Ok(TorchFunctionOff(guard))
+    }
+}
+
+impl Drop for TorchFunctionOff<'_> {
+    fn drop(&mut self) {
+        let none = self.0.py().None();
+        if let Err(e) = self.0.call_method1("__exit__", (&none, &none, &none)) {
+            e.write_unraisable(self.0.py(), Some(&self.0));
+        }
     }
 }
 

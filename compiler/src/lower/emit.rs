@@ -12,6 +12,7 @@ use melior::ir::{Block, Identifier, Location, Region, RegionLike, Type, Value, V
 use melior::Context;
 use rustc_hash::FxHashMap as HashMap;
 use smallvec::SmallVec;
+use std::fmt::Write;
 use tpuc_frontend_fx::DType;
 
 /// A tensor value being built, with its static type.
@@ -40,6 +41,15 @@ pub enum Scalar {
 }
 
 impl Scalar {
+    /// The variant and its bits: equal keys, equal scalars (NaNs included).
+    fn key(self) -> (u8, u64) {
+        match self {
+            Scalar::Float(x) => (0, x.to_bits()),
+            Scalar::Int(i) => (1, i as u64),
+            Scalar::Bool(b) => (2, b as u64),
+        }
+    }
+
     pub fn as_f64(self) -> f64 {
         match self {
             Scalar::Float(x) => x,
@@ -98,6 +108,8 @@ pub struct Emitter<'c, 'b> {
     /// Constants already in this block, by their value text: one op per distinct value (zeros
     /// for ReLU, empty statistics), each defined before every later op of the block.
     constants: std::cell::RefCell<HashMap<String, T<'c, 'b>>>,
+    /// The splats among them, by value, dtype and shape.
+    splats: std::cell::RefCell<HashMap<SplatKey, T<'c, 'b>>>,
     /// Broadcasts already in this block, by (operand, shape, dims): the same constant or
     /// per-channel vector is broadcast to one activation shape again and again.
     broadcasts: std::cell::RefCell<HashMap<BroadcastKey, T<'c, 'b>>>,
@@ -107,6 +119,9 @@ pub struct Emitter<'c, 'b> {
 /// lists, comparison directions, constants), and parsing is most of what building an op costs.
 /// Raw handles: they live as long as the context (uniqued there), which owns the cache.
 pub type AttrCache = std::rc::Rc<std::cell::RefCell<HashMap<String, mlir_sys::MlirAttribute>>>;
+
+/// A splat's value (see [`Scalar::key`]), dtype and shape.
+type SplatKey = ((u8, u64), DType, SmallVec<[i64; 4]>);
 
 /// A broadcast's operand (its MLIR value's address), result shape and dims.
 type BroadcastKey = (usize, Vec<i64>, Vec<i64>);
@@ -162,7 +177,7 @@ pub fn elem_name(dtype: DType) -> &'static str {
 pub fn tensor_type_text(shape: &[i64], dtype: DType) -> String {
     let mut s = String::from("tensor<");
     for d in shape {
-        s.push_str(&format!("{d}x"));
+        let _ = write!(s, "{d}x");
     }
     s.push_str(elem_name(dtype));
     s.push('>');
@@ -217,19 +232,31 @@ fn literal(value: Scalar, dtype: DType) -> String {
 
 /// `1, 2, 3`: the inside of a StableHLO attribute's integer list.
 pub fn int_list(values: &[i64]) -> String {
-    values
-        .iter()
-        .map(|x| x.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
+    let mut s = String::with_capacity(4 * values.len());
+    push_ints(&mut s, values);
+    s
+}
+
+/// Appends `values` to `s` as `1, 2, 3`, without a string per value: attribute texts are built
+/// for every op, and their allocations show in lowering time.
+fn push_ints(s: &mut String, values: &[i64]) {
+    for (i, x) in values.iter().enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        let _ = write!(s, "{x}");
+    }
 }
 
 pub fn array_i64(values: &[i64]) -> String {
     if values.is_empty() {
         return "array<i64>".into();
     }
-    let v: Vec<String> = values.iter().map(|x| x.to_string()).collect();
-    format!("array<i64: {}>", v.join(", "))
+    let mut s = String::with_capacity(12 + 4 * values.len());
+    s.push_str("array<i64: ");
+    push_ints(&mut s, values);
+    s.push('>');
+    s
 }
 
 /// The usual PyTorch type promotion between two operand dtypes (category first, then width).
@@ -344,6 +371,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             diagnostics,
             parsed,
             constants: Default::default(),
+            splats: Default::default(),
             broadcasts: Default::default(),
         }
     }
@@ -358,6 +386,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             diagnostics: self.diagnostics.clone(),
             parsed: self.parsed.clone(),
             constants: Default::default(),
+            splats: Default::default(),
             broadcasts: Default::default(),
         }
     }
@@ -451,20 +480,26 @@ impl<'c, 'b> Emitter<'c, 'b> {
 
     /// A tensor filled with one value.
     pub fn splat(&self, value: Scalar, shape: &[i64], dtype: DType) -> R<T<'c, 'b>> {
+        // Looked up before the value's text is formatted: most splats repeat (zeros, ones).
+        let key = (value.key(), dtype, SmallVec::from_slice(shape));
+        if let Some(t) = self.splats.borrow().get(&key) {
+            return Ok(t.clone());
+        }
         let value_attr = format!(
             "dense<{}> : {}",
             literal(value, dtype),
             tensor_type_text(shape, dtype)
         );
-        self.constant(value_attr, shape, dtype)
+        let t = self.constant(value_attr, shape, dtype)?;
+        self.splats.borrow_mut().insert(key, t.clone());
+        Ok(t)
     }
 
     /// A constant from explicit values (row-major).
     pub fn constant_i64(&self, values: &[i64], shape: &[i64], dtype: DType) -> R<T<'c, 'b>> {
-        let v: Vec<String> = values.iter().map(|x| x.to_string()).collect();
         let value_attr = format!(
             "dense<[{}]> : {}",
-            v.join(", "),
+            int_list(values),
             tensor_type_text(shape, dtype)
         );
         self.constant(value_attr, shape, dtype)
