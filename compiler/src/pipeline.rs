@@ -8,6 +8,7 @@ use crate::pjrt::{
 };
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -533,7 +534,7 @@ impl Engine {
             }
         }
         let mut next = staged.iter();
-        let refs: Vec<&Buffer> = args
+        let refs: SmallVec<[&Buffer; 4]> = args
             .iter()
             .map(|a| match a {
                 PtrArg::Device(b) => *b,
@@ -542,6 +543,7 @@ impl Engine {
             .collect();
         let t1 = t0.map(|_| Instant::now());
         let results = compiled.exe.execute(&refs)?;
+        drop(refs);
         drop(staged);
         if let (Some(t), Some(t0), Some(t1)) = (timings, t0, t1) {
             t.stage += t1 - t0;

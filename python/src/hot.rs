@@ -16,8 +16,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
+use smallvec::SmallVec;
 use std::ffi::{c_void, CStr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tpuc_compiler::pipeline::{dense_bytes, Compiled, Engine, PtrArg, RunTimings};
@@ -156,13 +157,58 @@ fn dl_dtype(dtype: DType) -> Option<DLDataType> {
     })
 }
 
+/// The device buffer of one input position, reused while the same tensor object comes back
+/// unchanged (same `_version`): parameters and buffers are uploaded once. A tensor is only made
+/// resident the second time it is seen (`ref` remembers the first), so per-call activations
+/// are never pinned. `backend._residency` fills it; call plans read it without attribute
+/// lookups.
+#[pyclass(module = "tpuc._native")]
+pub struct Slot {
+    /// A weak reference to the last tensor seen here that is not resident, or None.
+    #[pyo3(get, set, name = "ref")]
+    seen: Option<Py<PyAny>>,
+    /// The resident tensor, or None.
+    #[pyo3(get, set)]
+    tensor: Option<Py<PyAny>>,
+    /// Its `_version` when uploaded.
+    #[pyo3(get, set)]
+    version: i64,
+    /// Its device buffer.
+    #[pyo3(get, set)]
+    buffer: Option<Py<DeviceBuffer>>,
+}
+
+#[pymethods]
+impl Slot {
+    #[new]
+    fn new() -> Self {
+        Slot {
+            seen: None,
+            tensor: None,
+            version: -1,
+            buffer: None,
+        }
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.seen)?;
+        visit.call(&self.tensor)?;
+        visit.call(&self.buffer)?;
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        (self.seen, self.tensor, self.buffer) = (None, None, None);
+    }
+}
+
 struct PlanInput {
     /// Index into the caller's args followed by `extra` (then the seed).
     position: usize,
     shape: Py<PyTuple>,
     dtype: Py<PyAny>,
-    /// The position's `backend._Slot` (resident buffer of a tensor that keeps coming back).
-    slot: Py<PyAny>,
+    /// The position's resident buffer.
+    slot: Py<Slot>,
     /// Whether the dtype can carry torch's lazy conjugation bit.
     complex: bool,
 }
@@ -173,7 +219,14 @@ struct PlanOutput {
     dl: Option<DLDataType>,
     /// `(shape, strides, dtype)` for the allocator, when the output is copied out.
     alloc_args: Py<PyTuple>,
+    /// Whether torch can read this output's device memory in place ([`LEND_UNKNOWN`] until the
+    /// first call asks the plugin: the answer is the same for every call of one executable).
+    lend: AtomicU8,
 }
+
+const LEND_UNKNOWN: u8 = 0;
+const LEND_IN_PLACE: u8 = 1;
+const LEND_COPY: u8 = 2;
 
 enum ResultItem {
     Output(usize),
@@ -219,7 +272,7 @@ pub fn plan_executions() -> u64 {
 }
 
 /// `(position, shape, dtype, slot, complex)` of one tensor input, as Python passes it.
-type InputTuple = (usize, Py<PyTuple>, Py<PyAny>, Py<PyAny>, bool);
+type InputTuple = (usize, Py<PyTuple>, Py<PyAny>, Py<Slot>, bool);
 
 /// Seconds of one timed call: `(checking inputs, wrapping host inputs, executing, handing
 /// outputs to torch)`.
@@ -264,6 +317,7 @@ impl CallPlan {
                 nbytes: dense_bytes(shape, *dtype),
                 dl: dl_dtype(*dtype),
                 alloc_args,
+                lend: AtomicU8::new(LEND_UNKNOWN),
             })
             .collect();
         let result: Vec<ResultItem> = result
@@ -404,8 +458,9 @@ impl CallPlan {
             None => None,
         };
         let n_args = args.len();
-        let mut run_args: Vec<Arg<'_>> = Vec::with_capacity(self.inputs.len());
-        let mut held: Vec<Bound<'_, PyAny>> = Vec::with_capacity(self.inputs.len());
+        // On the stack for a few inputs: every call builds these lists.
+        let mut run_args: SmallVec<[Arg<'_>; 4]> = SmallVec::with_capacity(self.inputs.len());
+        let mut held: SmallVec<[Bound<'_, PyAny>; 4]> = SmallVec::with_capacity(self.inputs.len());
         for input in &self.inputs {
             let t = if input.position < n_args {
                 args.get_item(input.position)?
@@ -422,7 +477,7 @@ impl CallPlan {
             }
             held.push(t);
         }
-        let ptr_args: Vec<PtrArg<'_>> = run_args
+        let ptr_args: SmallVec<[PtrArg<'_>; 4]> = run_args
             .iter()
             .map(|a| match a {
                 Arg::Device(d) => PtrArg::Device(&d.get().buffer),
@@ -474,14 +529,17 @@ impl CallPlan {
         t: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Arg<'py>>> {
         let slot = input.slot.bind(py);
-        if slot.getattr(intern!(py, "tensor"))?.is(t) {
-            // Resident: checked when it was uploaded; valid while unchanged.
-            let version: i64 = slot.getattr(intern!(py, "version"))?.extract()?;
-            if t.getattr(intern!(py, "_version"))?.extract::<i64>()? == version {
-                let buffer = slot.getattr(intern!(py, "buffer"))?;
-                return Ok(Some(Arg::Device(buffer.cast_into::<DeviceBuffer>()?)));
+        {
+            let slot = slot.borrow();
+            if let (Some(resident), Some(buffer)) = (&slot.tensor, &slot.buffer) {
+                // Resident: checked when it was uploaded; valid while unchanged.
+                if resident.is(t)
+                    && t.getattr(intern!(py, "_version"))?.extract::<i64>()? == slot.version
+                {
+                    return Ok(Some(Arg::Device(buffer.bind(py).clone())));
+                }
             }
-        }
+        } // released: `device_arg` below updates the slot
         let Ok(dtype) = t.getattr(intern!(py, "dtype")) else {
             return Ok(None); // not a tensor
         };
@@ -509,15 +567,28 @@ impl CallPlan {
         &self,
         py: Python<'py>,
         buffers: Vec<Buffer>,
-    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let mut outs = Vec::with_capacity(buffers.len());
+    ) -> PyResult<SmallVec<[Bound<'py, PyAny>; 2]>> {
+        let mut outs = SmallVec::with_capacity(buffers.len());
         for (buffer, out) in buffers.into_iter().zip(&self.outputs) {
             if let Some(dl) = out.dl {
-                if let Some(data) = self
-                    .engine
-                    .host_view(&buffer, out.nbytes)
-                    .map_err(pjrt_err)?
-                {
+                let data = match out.lend.load(Ordering::Relaxed) {
+                    LEND_COPY => None,
+                    LEND_IN_PLACE => Some(buffer.device_pointer().map_err(pjrt_err)?),
+                    _ => {
+                        let view = self
+                            .engine
+                            .host_view(&buffer, out.nbytes)
+                            .map_err(pjrt_err)?;
+                        let lend = if view.is_some() {
+                            LEND_IN_PLACE
+                        } else {
+                            LEND_COPY
+                        };
+                        out.lend.store(lend, Ordering::Relaxed);
+                        view
+                    }
+                };
+                if let Some(data) = data {
                     let capsule = lend(py, buffer, data, &out.shape, dl)?;
                     outs.push(self.from_dlpack.bind(py).call1((capsule,))?);
                     continue;

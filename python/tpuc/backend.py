@@ -145,26 +145,12 @@ def record_compile(exe) -> None:
         counters.add(cache_hits_memory=1, lower_seconds=exe.lower_seconds)
 
 
-class _Slot:
-    """The device buffer of one input position, reused while the same tensor object comes back
-    unchanged (same `_version`): parameters and buffers are uploaded once. A tensor is only
-    cached the second time it is seen, so per-call activations are never pinned."""
-
-    __slots__ = ("ref", "tensor", "version", "buffer")
-
-    def __init__(self):
-        self.ref = None
-        self.tensor = None
-        self.version = -1
-        self.buffer = None
-
-
 def _residency(rt):
     """`device_arg(slot, t)`: the resident buffer of input tensor `t` at a position whose
-    `_Slot` is `slot`, uploading it the second time the same tensor comes back (or after it
+    `_native.Slot` is `slot`, uploading it the second time the same tensor comes back (or after it
     changed), else None. Holds the runtime, not the graph (call plans keep it)."""
 
-    def device_arg(slot: _Slot, t: torch.Tensor):
+    def device_arg(slot: _native.Slot, t: torch.Tensor):
         if slot.tensor is t and slot.version == t._version:
             return slot.buffer
         if slot.ref is not None and slot.ref() is t:
@@ -210,7 +196,7 @@ class CompiledGraph:
         self.tensor_slots = [i for i, k in enumerate(self.inputs) if k[0] == "tensor"]
         self.symbolic = any(k[0] == "symint" or any(isinstance(d, str) for d in k[1]) for k in self.inputs)
         self.executables: dict = {}
-        self.slots = [_Slot() for _ in self.inputs]
+        self.slots = [_native.Slot() for _ in self.inputs]
         self.device_arg = _residency(self.runtime)
         self.lock = threading.Lock()
         # Symbols with a declared maximum are bucketed: {symbol: (maximum, source, bucket sizes)}.
