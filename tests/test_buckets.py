@@ -287,8 +287,9 @@ def test_sizes_pinned_by_the_trace_are_not_declared_maxima():
 
 
 def test_walk_finds_the_size_derived_floats_itself():
-    """`fx_export.export(gm)` without the list finds the same size-derived float nodes as
-    `symfloat_nodes` (they become 0-d float64 inputs after the placeholders)."""
+    """The FX walk finds the nodes computing a float from sizes (`SymFloat`-valued, not a
+    number) and makes each a 0-d float64 input after the placeholders, in the order it returns
+    them; a `Scalar` overload that took one becomes the `Tensor` overload."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from tpuc import fx_export
@@ -298,11 +299,16 @@ def test_walk_finds_the_size_derived_floats_itself():
         return x * (n / (n - 1)) + 0.5
 
     gm = make_fx(f, tracing_mode="symbolic")(torch.randn(5, 3))
-    found = fx_export.symfloat_nodes(gm)
-    assert found, gm.graph
-    given, _, _ = fx_export.export(gm, found)
+    expected = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.meta.get("val"), torch.SymFloat)
+        and not n.meta["val"].node.expr.is_number
+    ]
+    assert expected, gm.graph
+    *_, found = fx_export.export_cleaned(gm, enabled=[])
+    assert found == expected
     walked, _, _ = fx_export.export(gm)
-    assert str(walked) == str(given)
-    # An input, and the Scalar overload that took it swapped for the Tensor one.
     assert f"%{found[0].name}: float64[] = input()" in str(walked), str(walked)
     assert "aten.mul.Tensor" in str(walked), str(walked)

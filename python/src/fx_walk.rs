@@ -27,12 +27,14 @@ static TARGET_NAMES: LazyLock<Mutex<TargetNames>> = LazyLock::new(Mutex::default
 /// Target address -> (the target, its name).
 type TargetNames = HashMap<usize, (Py<PyAny>, String)>;
 
-/// What the walk produced: the graph, the `get_attr` targets in input order, and whether a
-/// random op takes the seed input.
+/// What the walk produced: the graph, the `get_attr` targets in input order, whether a random
+/// op takes the seed input, and the size-derived float nodes (inputs after the `get_attr`
+/// ones, in this order).
 pub struct Walked {
     pub graph: FxGraph,
     pub attr_targets: Vec<String>,
     pub uses_rng: bool,
+    pub symfloats: Vec<Py<PyAny>>,
 }
 
 /// The torch classes a walk tells values apart by, looked up once per process.
@@ -107,25 +109,21 @@ fn import_err(msg: String) -> PyErr {
     GraphImportError::new_err(msg)
 }
 
-/// `symfloats`: the graph's size-derived float nodes, or None to find them here (call_function
-/// nodes whose value is a symbolic `SymFloat`, as `fx_export.symfloat_nodes` picks them).
-pub fn walk<'py>(
-    gm: &Bound<'py, PyAny>,
-    symfloats: Option<Vec<Bound<'py, PyAny>>>,
-) -> PyResult<Walked> {
+/// Walks `gm`'s nodes into the wire graph, finding its size-derived float nodes on the way
+/// (call_function nodes whose value is a symbolic `SymFloat`).
+pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
     let py = gm.py();
     let torch = TORCH.get_or_try_init(py, || Torch::look_up(py))?;
     // Reading a FakeTensor's shape or dtype asks torch whether its class overrides
     // `__torch_function__` (an attribute lookup by a freshly made string) unless that is off:
     // more than half of the read, for values whose metadata is all the walk wants.
     let _plain = TorchFunctionOff::enter(torch.disable_torch_function.bind(py))?;
-    let detect = symfloats.is_none();
-    let mut symfloats = symfloats.unwrap_or_default();
+    let mut symfloats: Vec<Bound<'py, PyAny>> = Vec::new();
     let mut w = Walker {
         py,
         torch,
         dtypes: HashMap::new(),
-        symfloats: symfloats.iter().map(|n| n.as_ptr() as usize).collect(),
+        symfloats: HashSet::new(),
     };
     let (mut inputs, mut attrs, mut ops) = (Vec::new(), Vec::new(), Vec::new());
     let mut attr_targets = Vec::new();
@@ -133,9 +131,6 @@ pub fn walk<'py>(
     let graph = gm.getattr(intern!(py, "graph"))?;
     for n in graph.getattr(intern!(py, "nodes"))?.try_iter()? {
         let n = n?;
-        if w.symfloats.contains(&(n.as_ptr() as usize)) {
-            continue;
-        }
         let op_obj = n.getattr(intern!(py, "op"))?;
         let op = op_obj.cast::<PyString>()?.to_str()?;
         let name: String = n.getattr(intern!(py, "name"))?.extract()?;
@@ -159,7 +154,7 @@ pub fn walk<'py>(
             }
             "call_function" | "output" => {
                 let val = match w.node_val(&n)? {
-                    NodeVal::SizeFloat if detect && op == "call_function" => {
+                    NodeVal::SizeFloat if op == "call_function" => {
                         w.symfloats.insert(n.as_ptr() as usize);
                         symfloats.push(n);
                         continue;
@@ -242,6 +237,7 @@ pub fn walk<'py>(
         graph: FxGraph { nodes },
         attr_targets,
         uses_rng: streams > 0,
+        symfloats: symfloats.into_iter().map(Bound::unbind).collect(),
     })
 }
 

@@ -164,19 +164,12 @@ fn clean(mut g: Graph, enabled: Option<&[String]>, texts: bool) -> (PassReport, 
 
 #[pymethods]
 impl FxGraph {
-    /// Imports an AOTAutograd FX graph module, read straight from its nodes. `symfloats` are
-    /// its size-derived float nodes (they become inputs; None: found here, the same ones as
-    /// `fx_export.symfloat_nodes`). Returns the graph, the targets of its `get_attr` nodes
-    /// (inputs after the placeholders, in order) and whether it takes the random seed input
-    /// (last).
+    /// Imports an AOTAutograd FX graph module, read straight from its nodes. Returns the
+    /// graph, the targets of its `get_attr` nodes (inputs after the placeholders, in order) and
+    /// whether it takes the random seed input (last, after the size-derived floats).
     #[staticmethod]
-    #[pyo3(signature = (gm, symfloats=None))]
-    fn from_fx(
-        py: Python<'_>,
-        gm: &Bound<'_, PyAny>,
-        symfloats: Option<Vec<Bound<'_, PyAny>>>,
-    ) -> PyResult<(FxGraph, Vec<String>, bool)> {
-        let walked = fx_walk::walk(gm, symfloats)?;
+    fn from_fx(py: Python<'_>, gm: &Bound<'_, PyAny>) -> PyResult<(FxGraph, Vec<String>, bool)> {
+        let walked = fx_walk::walk(gm)?;
         let graph = py
             .detach(|| tpuc_frontend_fx::import(&walked.graph))
             .map_err(|e| GraphImportError::new_err(e.to_string()))?;
@@ -244,18 +237,26 @@ impl FxGraph {
 
     /// `from_fx`, then `cleanup` on the imported graph itself (no copy of it is kept): returns
     /// the imported graph's text (None unless `texts`), the pass report, the graph after the
-    /// passes, the `get_attr` targets and whether it takes the random seed input.
+    /// passes, the `get_attr` targets, whether it takes the random seed input, and its
+    /// size-derived float nodes (`SymFloat`-valued: inputs after the `get_attr` ones, whose
+    /// values the runtime computes from the sizes).
     #[staticmethod]
-    #[pyo3(signature = (gm, symfloats=None, enabled=None, texts=false))]
+    #[pyo3(signature = (gm, enabled=None, texts=false))]
     #[allow(clippy::type_complexity)]
     fn from_fx_cleaned(
         py: Python<'_>,
         gm: &Bound<'_, PyAny>,
-        symfloats: Option<Vec<Bound<'_, PyAny>>>,
         enabled: Option<Vec<String>>,
         texts: bool,
-    ) -> PyResult<(Option<String>, PassReport, FxGraph, Vec<String>, bool)> {
-        let walked = fx_walk::walk(gm, symfloats)?;
+    ) -> PyResult<(
+        Option<String>,
+        PassReport,
+        FxGraph,
+        Vec<String>,
+        bool,
+        Vec<Py<PyAny>>,
+    )> {
+        let walked = fx_walk::walk(gm)?;
         let (imported_text, report, graph) = py
             .detach(|| {
                 let g = tpuc_frontend_fx::import(&walked.graph)?;
@@ -270,6 +271,7 @@ impl FxGraph {
             graph,
             walked.attr_targets,
             walked.uses_rng,
+            walked.symfloats,
         ))
     }
 

@@ -183,13 +183,12 @@ class CompiledGraph:
         # The texts only dumps read: printing the FX graph alone costs more than lowering it.
         dumping = opts.dump_dir is not None
         self.fx_text = gm.print_readable(print_output=False) if dumping else None
-        # Size-derived floats, inputs after the attributes, computed per shape from the sizes.
-        symfloats = fx_export.symfloat_nodes(gm)
-        self.symfloat_exprs = [n.meta["val"].node.expr for n in symfloats]
         # Random ops take a fresh seed per call, drawn from torch's generator (the last input).
-        self.imported_text, self.pass_report, self.graph, attr_targets, self.rng = fx_export.export_cleaned(
-            gm, symfloats, opts.enabled_passes(), texts=dumping
+        self.imported_text, self.pass_report, self.graph, attr_targets, self.rng, symfloats = (
+            fx_export.export_cleaned(gm, opts.enabled_passes(), texts=dumping)
         )
+        # Size-derived floats, inputs after the attributes, computed per shape from the sizes.
+        self.symfloat_exprs = [n.meta["val"].node.expr for n in symfloats]
         self.attr_tensors = [getattr(gm, t) for t in attr_targets]
         counters.record_passes(self.pass_report)
         self.inputs = self.graph.inputs()
