@@ -225,7 +225,7 @@ const SINGLE: &[(&str, &str)] = &[
 
 struct Grower<'g> {
     g: &'g Graph,
-    outputs: HashSet<NodeId>,
+    outputs: &'g HashSet<NodeId>,
     taken: &'g HashSet<NodeId>,
 }
 
@@ -297,7 +297,7 @@ pub fn fusion_groups(g: &Graph) -> Vec<FusionGroup> {
         let found = {
             let grower = Grower {
                 g,
-                outputs: outputs.clone(),
+                outputs: &outputs,
                 taken: &taken,
             };
             attention(&grower, id)

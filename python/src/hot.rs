@@ -66,7 +66,8 @@ const DLTENSOR_NAME: &CStr = c"dltensor";
 #[repr(C)]
 struct Lent {
     managed: DLManagedTensor,
-    shape: Vec<i64>,
+    /// Inline for the usual ranks: one allocation per output, the box.
+    shape: SmallVec<[i64; 4]>,
     buffer: Buffer,
 }
 
@@ -116,7 +117,7 @@ fn lend<'py>(
             manager_ctx: std::ptr::null_mut(),
             deleter: Some(delete_lent),
         },
-        shape: shape.to_vec(),
+        shape: SmallVec::from_slice(shape),
         buffer,
     });
     lent.managed.dl_tensor.shape = lent.shape.as_mut_ptr();
