@@ -6,11 +6,13 @@
 //! random seed when a random op draws from it.
 
 use crate::GraphImportError;
+use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::c_void;
 use std::sync::{LazyLock, Mutex};
 use tpuc_frontend_fx::wire::{FxArg, FxGraph, FxMeta, FxNode};
 use tpuc_frontend_fx::{DType, Dim, SymExpr};
@@ -53,6 +55,64 @@ struct Torch {
     tensor_metadata: Option<Py<PyAny>>,
     /// `torch._C.DisableTorchFunctionSubclass`.
     disable_torch_function: Py<PyAny>,
+    /// The Node fields the walk reads.
+    op: NodeField,
+    name: NodeField,
+    target: NodeField,
+    args: NodeField,
+    kwargs: NodeField,
+    meta: NodeField,
+}
+
+/// A field of FX's `Node`, read through its member descriptor where torch's C base class
+/// stores it: `getattr` first searches the class hierarchy for the name (through the type
+/// cache, which a cold or busy interpreter has lost), for every field of every node.
+struct NodeField {
+    name: Py<PyString>,
+    /// The descriptor and its `__get__`, when `name` is a member descriptor of `Node`.
+    member: Option<(Py<PyAny>, ffi::descrgetfunc)>,
+}
+
+impl NodeField {
+    /// `fast`, or `slow` where this torch's `Node` has no member named `fast`.
+    fn look_up(node: &Bound<'_, PyType>, fast: &str, slow: &str) -> PyResult<NodeField> {
+        let py = node.py();
+        let members = py.import("types")?.getattr("MemberDescriptorType")?;
+        let descr = node
+            .getattr(fast)
+            .ok()
+            .filter(|d| d.get_type().is(&members));
+        let Some(descr) = descr else {
+            return Ok(NodeField {
+                name: PyString::intern(py, slow).unbind(),
+                member: None,
+            });
+        };
+        // SAFETY: a live type object; the slot of a member descriptor's type is its `__get__`.
+        let get = unsafe {
+            let slot = ffi::PyType_GetSlot(descr.get_type().as_type_ptr(), ffi::Py_tp_descr_get);
+            (!slot.is_null()).then(|| std::mem::transmute::<*mut c_void, ffi::descrgetfunc>(slot))
+        };
+        Ok(NodeField {
+            name: PyString::intern(py, fast).unbind(),
+            member: get.map(|get| (descr.unbind(), get)),
+        })
+    }
+
+    /// The field of `n` (a `Node` of exactly `node`'s class takes the descriptor).
+    fn get<'py>(&self, n: &Bound<'py, PyAny>, node: &Py<PyType>) -> PyResult<Bound<'py, PyAny>> {
+        let py = n.py();
+        match &self.member {
+            Some((descr, get)) if n.get_type().is(node.bind(py)) => {
+                // SAFETY: live objects; `get` returns a new reference, or null with an error set.
+                unsafe {
+                    let value = get(descr.as_ptr(), n.as_ptr(), node.as_ptr());
+                    Bound::from_owned_ptr_or_err(py, value)
+                }
+            }
+            _ => n.getattr(self.name.bind(py)),
+        }
+    }
 }
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
@@ -63,12 +123,20 @@ impl Torch {
         let class = |name: &str| -> PyResult<Py<PyType>> {
             Ok(torch.getattr(name)?.cast_into::<PyType>()?.unbind())
         };
+        let node = py
+            .import("torch.fx")?
+            .getattr("Node")?
+            .cast_into::<PyType>()?;
         Ok(Torch {
-            node: py
-                .import("torch.fx")?
-                .getattr("Node")?
-                .cast_into::<PyType>()?
-                .unbind(),
+            op: NodeField::look_up(&node, "op", "op")?,
+            name: NodeField::look_up(&node, "name", "name")?,
+            target: NodeField::look_up(&node, "target", "target")?,
+            // `_args`/`_kwargs` are what the `args`/`kwargs` properties return, without a
+            // Python call each.
+            args: NodeField::look_up(&node, "_args", "args")?,
+            kwargs: NodeField::look_up(&node, "_kwargs", "kwargs")?,
+            meta: NodeField::look_up(&node, "meta", "meta")?,
+            node: node.unbind(),
             tensor: class("Tensor")?,
             symint: class("SymInt")?,
             symfloat: class("SymFloat")?,
@@ -131,16 +199,16 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
     let graph = gm.getattr(intern!(py, "graph"))?;
     for n in graph.getattr(intern!(py, "nodes"))?.try_iter()? {
         let n = n?;
-        let op_obj = n.getattr(intern!(py, "op"))?;
+        let op_obj = w.field(&w.torch.op, &n)?;
         let op = op_obj.cast::<PyString>()?.to_str()?;
-        let name: String = n.getattr(intern!(py, "name"))?.extract()?;
+        let name: String = w.field(&w.torch.name, &n)?.extract()?;
         match op {
             "placeholder" => {
                 let val = w.node_val(&n)?.into_meta();
                 inputs.push(placeholder(name.clone(), name, val));
             }
             "get_attr" => {
-                let target: String = n.getattr(intern!(py, "target"))?.extract()?;
+                let target: String = w.field(&w.torch.target, &n)?.extract()?;
                 let val = gm.getattr(target.as_str())?;
                 if !is_a(&val, w.torch.tensor.bind(py)) {
                     return Err(import_err(format!(
@@ -161,15 +229,13 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
                     }
                     v => v.into_meta(),
                 };
-                // `_args`/`_kwargs` are what the `args`/`kwargs` properties return, without a
-                // Python call each.
-                let node_args = attr_or(&n, intern!(py, "_args"), intern!(py, "args"))?;
+                let node_args = w.field(&w.torch.args, &n)?;
                 let node_args = node_args.cast::<PyTuple>()?;
                 let mut args = node_args
                     .iter()
                     .map(|a| w.arg(&a, &n))
                     .collect::<PyResult<Vec<_>>>()?;
-                let kwargs_obj = attr_or(&n, intern!(py, "_kwargs"), intern!(py, "kwargs"))?;
+                let kwargs_obj = w.field(&w.torch.kwargs, &n)?;
                 let kwargs_dict = kwargs_obj.cast::<PyDict>()?;
                 let mut kwargs = BTreeMap::new();
                 for (k, v) in kwargs_dict.iter() {
@@ -286,11 +352,15 @@ enum Size {
 }
 
 impl<'py> Walker<'py> {
+    fn field(&self, f: &NodeField, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        f.get(n, &self.torch.node)
+    }
+
     /// The wire form of the node's `meta["val"]`. A tensor's shape and dtype are read from
     /// `meta["tensor_meta"]` where recorded next to it (as traced): that skips a FakeTensor's
     /// dispatch and a new `torch.Size` per node.
     fn node_val(&mut self, n: &Bound<'py, PyAny>) -> PyResult<NodeVal> {
-        let meta = n.getattr(intern!(self.py, "meta"))?;
+        let meta = self.field(&self.torch.meta, n)?;
         let meta = meta.cast::<PyDict>()?;
         if let Some(class) = &self.torch.tensor_metadata {
             let class = class.bind(self.py);
@@ -438,7 +508,7 @@ impl<'py> Walker<'py> {
         }
         if is_a(a, self.torch.node.bind(self.py)) {
             return Ok(FxArg::Node {
-                node: a.getattr(intern!(py, "name"))?.extract()?,
+                node: self.field(&self.torch.name, a)?.extract()?,
             });
         }
         if a.is_instance_of::<PyBool>() {
@@ -509,7 +579,7 @@ impl<'py> Walker<'py> {
     /// input) is swapped for the op's `Tensor` overload.
     fn target(&self, n: &Bound<'py, PyAny>, args: &Bound<'py, PyTuple>) -> PyResult<String> {
         let py = self.py;
-        let mut target = n.getattr(intern!(py, "target"))?;
+        let mut target = self.field(&self.torch.target, n)?;
         if !self.symfloats.is_empty()
             && args
                 .iter()
@@ -561,15 +631,6 @@ impl Drop for TorchFunctionOff<'_> {
             e.write_unraisable(self.0.py(), Some(&self.0));
         }
     }
-}
-
-/// `obj.fast`, or `obj.slow` where this torch has no `fast`.
-fn attr_or<'py>(
-    obj: &Bound<'py, PyAny>,
-    fast: &Bound<'py, PyString>,
-    slow: &Bound<'py, PyString>,
-) -> PyResult<Bound<'py, PyAny>> {
-    obj.getattr(fast).or_else(|_| obj.getattr(slow))
 }
 
 /// `isinstance(v, class)` for a class without a custom `__instancecheck__` (torch's tensor,
