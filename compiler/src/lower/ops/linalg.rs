@@ -190,7 +190,7 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             dilation,
         };
         let (xa, wa) = (cx.e.convert(&xc, acc)?, cx.e.convert(&wc, acc)?);
-        let window = TapWindow::new(cx, &xa, geometry, &shape)?;
+        let window = TapWindow::new(&xa, geometry, &shape);
         if groups > 1 {
             depthwise_taps(cx, &window, &wa)?
         } else {
@@ -242,10 +242,14 @@ fn is_depthwise(x: &[i64], w: &[i64], groups: i64) -> bool {
 /// lowered as a sum of one matrix product per kernel tap.
 const TAP_DOTS_MAX_POSITIONS: i64 = 4;
 
-/// A convolution's input, zero-padded so that every tap's window is a strided slice of it, and
-/// the window's geometry. For the lowerings that go tap by tap.
+/// A convolution's input and the window's geometry, for the lowerings that go tap by tap. Each
+/// tap's (or output position's) window is a strided slice of the input zero-padded by the
+/// window's padding; a window that lies inside the input is sliced from it, so the padded input
+/// is only made when some window reaches into the padding.
 struct TapWindow<'c, 'b> {
-    padded: T<'c, 'b>,
+    x: T<'c, 'b>,
+    /// `x` padded (see [`Window::pad`]), made on first use.
+    padded: std::cell::OnceCell<T<'c, 'b>>,
     /// The unpadded input's spatial sizes.
     input: Vec<i64>,
     geometry: Window,
@@ -253,18 +257,49 @@ struct TapWindow<'c, 'b> {
 }
 
 impl<'c, 'b> TapWindow<'c, 'b> {
-    fn new(
-        cx: &NodeCx<'_, 'c, 'b>,
-        x: &T<'c, 'b>,
-        geometry: Window,
-        out_shape: &[i64],
-    ) -> R<TapWindow<'c, 'b>> {
-        Ok(TapWindow {
-            padded: geometry.pad(cx.e, x, out_shape, Scalar::Float(0.0))?,
+    fn new(x: &T<'c, 'b>, geometry: Window, out_shape: &[i64]) -> TapWindow<'c, 'b> {
+        TapWindow {
+            x: x.clone(),
+            padded: std::cell::OnceCell::new(),
             input: x.shape[2..].to_vec(),
             geometry,
             out_shape: out_shape.to_vec(),
-        })
+        }
+    }
+
+    /// The slice of the padded input at `start` (padded coordinates, per spatial dim), `count`
+    /// elements `step` apart per spatial dim, all batches and channels.
+    fn padded_slice(
+        &self,
+        cx: &NodeCx<'_, 'c, 'b>,
+        start: &[i64],
+        count: &[i64],
+        step: &[i64],
+    ) -> R<T<'c, 'b>> {
+        let pad = &self.geometry.padding;
+        let last = |k: usize| start[k] + (count[k] - 1) * step[k];
+        let inside =
+            (0..start.len()).all(|k| start[k] >= pad[k] && last(k) < pad[k] + self.input[k]);
+        let (source, shift) = if inside {
+            (&self.x, pad.as_slice())
+        } else {
+            if self.padded.get().is_none() {
+                let p = self
+                    .geometry
+                    .pad(cx.e, &self.x, &self.out_shape, Scalar::Float(0.0))?;
+                let _ = self.padded.set(p);
+            }
+            (self.padded.get().expect("set above"), &[][..])
+        };
+        let rank = source.rank();
+        let (mut lo, mut hi, mut steps) = (vec![0; rank], source.shape.clone(), vec![1; rank]);
+        for k in 0..start.len() {
+            let off = shift.get(k).copied().unwrap_or(0);
+            lo[k + 2] = start[k] - off;
+            hi[k + 2] = last(k) - off + 1;
+            steps[k + 2] = step[k];
+        }
+        cx.e.slice(source, &lo, &hi, &steps)
     }
 
     /// Whether some output position reads real input (not padding) through `tap`.
@@ -284,16 +319,8 @@ impl<'c, 'b> TapWindow<'c, 'b> {
     /// The input under `tap` at every output position: `[batch, channels, out spatial...]`.
     fn slice(&self, cx: &NodeCx<'_, 'c, 'b>, tap: &[i64]) -> R<T<'c, 'b>> {
         let g = &self.geometry;
-        let rank = self.padded.rank();
-        let (mut start, mut limit, mut steps) =
-            (vec![0; rank], self.padded.shape.clone(), vec![1; rank]);
-        for (k, &t) in tap.iter().enumerate() {
-            let d = k + 2;
-            start[d] = t * g.dilation[k];
-            limit[d] = start[d] + (self.out_shape[d] - 1) * g.stride[k] + 1;
-            steps[d] = g.stride[k];
-        }
-        cx.e.slice(&self.padded, &start, &limit, &steps)
+        let start: Vec<i64> = tap.iter().zip(&g.dilation).map(|(t, d)| t * d).collect();
+        self.padded_slice(cx, &start, &self.out_shape[2..], &g.stride)
     }
 
     /// What output `position` (its spatial index) reads through the taps in `taps` (a range
@@ -305,16 +332,11 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         taps: &[std::ops::Range<i64>],
     ) -> R<T<'c, 'b>> {
         let g = &self.geometry;
-        let rank = self.padded.rank();
-        let (mut start, mut limit, mut steps) =
-            (vec![0; rank], self.padded.shape.clone(), vec![1; rank]);
-        for (k, (&o, r)) in position.iter().zip(taps).enumerate() {
-            let d = k + 2;
-            start[d] = o * g.stride[k] + r.start * g.dilation[k];
-            limit[d] = start[d] + (r.end - r.start - 1) * g.dilation[k] + 1;
-            steps[d] = g.dilation[k];
-        }
-        cx.e.slice(&self.padded, &start, &limit, &steps)
+        let start: Vec<i64> = (0..position.len())
+            .map(|k| position[k] * g.stride[k] + taps[k].start * g.dilation[k])
+            .collect();
+        let count: Vec<i64> = taps.iter().map(|r| r.end - r.start).collect();
+        self.padded_slice(cx, &start, &count, &g.dilation)
     }
 
     /// The taps that read input, as one range per kernel dim, where they form such a box (a
