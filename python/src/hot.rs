@@ -530,8 +530,7 @@ impl CallPlan {
         t: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Arg<'py>>> {
         let slot = input.slot.bind(py);
-        {
-            let slot = slot.borrow();
+        if let Ok(slot) = slot.try_borrow() {
             if let (Some(resident), Some(buffer)) = (&slot.tensor, &slot.buffer) {
                 // Resident: checked when it was uploaded; valid while unchanged.
                 if resident.is(t)
