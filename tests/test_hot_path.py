@@ -216,3 +216,44 @@ def test_lazily_conjugated_or_negated_inputs_are_materialized():
     assert neg.is_neg()
     for _ in range(3):
         torch.testing.assert_close(g(neg), neg + 1)
+
+
+def test_plain_inference_graphs_skip_aotautograds_runtime_wrapper(monkeypatch):
+    """Dynamo calls a plain inference graph's compiled forward directly (`backend._Direct`);
+    graphs whose wrapper has work to do (autograd, input mutations, outputs aliasing inputs)
+    keep AOTAutograd's wrapper, and their results stay right."""
+    direct = []
+    original = backend._Direct.__call__
+
+    def counting(self, *args):
+        direct.append(len(args))
+        return original(self, *args)
+
+    monkeypatch.setattr(backend._Direct, "__call__", counting)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).eval()
+    x = torch.randn(2, 4)
+    with torch.no_grad():  # parameters require grad, autograd is off: an inference graph
+        compiled = torch.compile(model, backend="tpu", options={"cache_dir": None})
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(direct) == 2
+
+    cases = {
+        "autograd": lambda m, a: m(a),
+        "input mutation": lambda m, a: m(a.mul_(2)),
+        "output aliasing an input": lambda m, a: (m(a), a),
+    }
+    for name, fn in cases.items():
+        direct.clear()
+        torch._dynamo.reset()
+        a, b = x.clone(), x.clone()
+        got = torch.compile(fn, backend="tpu", options={"cache_dir": None})(model, a)
+        want = fn(model, b)
+        assert not direct, name
+        torch.testing.assert_close(got, want, msg=name)
+        torch.testing.assert_close(a, b, msg=name)
+        if name == "autograd":
+            got.sum().backward()
+            assert model[0].weight.grad is not None
+        if name == "output aliasing an input":
+            assert got[1] is a, name

@@ -833,12 +833,18 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         shard_ctx = sharding_mod.Context.for_dynamo_graph(gm, example_inputs, mesh, opts.sharding)
         maxima = {}
 
+    direct = []  # the forward graph, when Dynamo may call it without AOTAutograd's wrapper
+    grad_enabled = torch.is_grad_enabled()  # as AOTAutograd reads it (Dynamo guards it)
+
     def compiler(kind: str):
         def compile_one(g, ins):
             shard = (shard_ctx, kind) if shard_ctx else None
             name = f"g{gid}_{kind}"
             if not saving:
-                return compile_graph(g, ins, opts, name, traces, maxima, shard)
+                compiled = compile_graph(g, ins, opts, name, traces, maxima, shard)
+                if kind == "forward" and shard is None and _plain_inference(gm, grad_enabled):
+                    direct.append(compiled)
+                return compiled
             from . import saved
 
             graph = saved.pickle_graph(g)  # before compile_graph rewrites it
@@ -859,4 +865,54 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             decompositions=_BUCKET_DECOMPOSITIONS if maxima else _DECOMPOSITIONS,
         )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
+    if len(direct) == 1:
+        return _Direct(direct[0])
     return out
+
+
+def _plain_inference(gm: torch.fx.GraphModule, grad_enabled: bool) -> bool:
+    """Whether the graph AOTAutograd is compiling (its metadata in the tracing context) is an
+    inference graph whose runtime wrapper would only call it: no autograd (grad mode off, or no
+    input that requires grad: AOTAutograd's own test; Dynamo guards both), no input mutations,
+    no outputs aliasing inputs or each other, no effect tokens, no functionalized RNG, no tensor
+    subclasses, no autocast to turn off, and no parameters of the Dynamo graph module to prepend
+    (Dynamo lifts them to inputs). Then the wrapper costs a few microseconds per call and does
+    nothing."""
+    from torch._functorch._aot_autograd.schemas import PlainTensorMeta
+
+    ctx = torch._guards.TracingContext.try_get()
+    m = getattr(ctx, "fw_metadata", None)
+    if m is None:
+        return False
+    try:
+        return (
+            not (grad_enabled and any(i.requires_grad for i in m.input_info))
+            and not m.traced_tangents
+            and not any(o.requires_grad for o in m.output_info)
+            and m.num_mutated_inp_runtime_indices == 0
+            and m.num_outputs_aliased == 0
+            and m.num_intermediate_bases == 0
+            and m.num_unsafe_view_outputs == 0
+            and not m.tokens
+            and not m.is_rng_op_functionalized
+            and all(type(s) is PlainTensorMeta or isinstance(s, int) for s in m.subclass_inp_meta)
+            and all(type(s) is PlainTensorMeta for s in m.subclass_fw_graph_out_meta)
+            and not torch._C._is_any_autocast_enabled()
+            and next(gm.parameters(), None) is None
+            and next(gm.buffers(), None) is None
+        )
+    except AttributeError:  # another torch's metadata: keep AOTAutograd's wrapper
+        return False
+
+
+class _Direct:
+    """What Dynamo calls for a plain inference graph (see `_plain_inference`): the compiled
+    forward itself, boxed, without AOTAutograd's runtime wrapper."""
+
+    __slots__ = ("compiled",)
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args):
+        return self.compiled(list(args))
