@@ -373,12 +373,13 @@ impl CallPlan {
                 return Ok(out);
             }
         }
-        match &self.fallback {
-            Some(general) => Ok(general.bind(py).call1((args,))?.unbind()),
-            None => Err(PyValueError::new_err(
-                "tpuc: the arguments do not fit this call plan (use try_call)",
-            )),
-        }
+        self.general(py, args)
+    }
+
+    /// The plan as Dynamo calls a compiled graph that skips AOTAutograd's wrapper: with the
+    /// args themselves, not boxed in a list (`backend._Direct`, without its Python frame).
+    fn unboxed(slf: Py<Self>) -> Unboxed {
+        Unboxed { plan: slf }
     }
 
     /// The outputs, or None when the args do not fit the plan.
@@ -432,6 +433,29 @@ impl CallPlan {
     }
 }
 
+/// A call plan called with the graph's args unboxed (see [`CallPlan::unboxed`]).
+#[pyclass(module = "tpuc._native", frozen)]
+pub struct Unboxed {
+    plan: Py<CallPlan>,
+}
+
+#[pymethods]
+impl Unboxed {
+    #[pyo3(signature = (*args))]
+    fn __call__(&self, py: Python<'_>, args: &Bound<'_, PyTuple>) -> PyResult<Py<PyAny>> {
+        let list = PyList::new(py, args)?;
+        let plan = self.plan.get();
+        match plan.call(py, &list, None)? {
+            Some(out) => Ok(out),
+            None => plan.general(py, list.as_any()),
+        }
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.plan)
+    }
+}
+
 #[derive(Default)]
 struct PlanTimings {
     inputs: f64,
@@ -446,6 +470,16 @@ enum Arg<'py> {
 }
 
 impl CallPlan {
+    /// The graph's general path for args that do not fit the plan.
+    fn general(&self, py: Python<'_>, args: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        match &self.fallback {
+            Some(general) => Ok(general.bind(py).call1((args,))?.unbind()),
+            None => Err(PyValueError::new_err(
+                "tpuc: the arguments do not fit this call plan (use try_call)",
+            )),
+        }
+    }
+
     fn call(
         &self,
         py: Python<'_>,

@@ -1001,6 +1001,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<bucket::BucketedGraph>()?;
     m.add_class::<hot::CallPlan>()?;
     m.add_class::<hot::Slot>()?;
+    m.add_class::<hot::Unboxed>()?;
     m.add_function(wrap_pyfunction!(hot::plan_executions, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::bucket_graph, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::eval_sym, m)?)?;

@@ -866,7 +866,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
     if len(direct) == 1:
-        return _Direct(direct[0])
+        compiled = direct[0]
+        return compiled.unboxed() if isinstance(compiled, _native.CallPlan) else _Direct(compiled)
     return out
 
 
@@ -907,7 +908,8 @@ def _plain_inference(gm: torch.fx.GraphModule, grad_enabled: bool) -> bool:
 
 class _Direct:
     """What Dynamo calls for a plain inference graph (see `_plain_inference`): the compiled
-    forward itself, boxed, without AOTAutograd's runtime wrapper."""
+    forward itself, boxed, without AOTAutograd's runtime wrapper (a static graph's call plan
+    does the same in Rust: `CallPlan.unboxed()`)."""
 
     __slots__ = ("compiled",)
 
