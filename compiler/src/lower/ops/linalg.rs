@@ -250,8 +250,6 @@ struct TapWindow<'c, 'b> {
     x: T<'c, 'b>,
     /// `x` padded (see [`Window::pad`]), made on first use.
     padded: std::cell::OnceCell<T<'c, 'b>>,
-    /// The unpadded input's spatial sizes.
-    input: Vec<i64>,
     geometry: Window,
     out_shape: Vec<i64>,
 }
@@ -261,10 +259,14 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         TapWindow {
             x: x.clone(),
             padded: std::cell::OnceCell::new(),
-            input: x.shape[2..].to_vec(),
             geometry,
             out_shape: out_shape.to_vec(),
         }
+    }
+
+    /// The unpadded input's size along spatial dim `k`.
+    fn input(&self, k: usize) -> i64 {
+        self.x.shape[k + 2]
     }
 
     /// The slice of the padded input at `start` (padded coordinates, per spatial dim), `count`
@@ -279,7 +281,7 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         let pad = &self.geometry.padding;
         let last = |k: usize| start[k] + (count[k] - 1) * step[k];
         let inside =
-            (0..start.len()).all(|k| start[k] >= pad[k] && last(k) < pad[k] + self.input[k]);
+            (0..start.len()).all(|k| start[k] >= pad[k] && last(k) < pad[k] + self.input(k));
         let (source, shift) = if inside {
             (&self.x, pad.as_slice())
         } else {
@@ -312,7 +314,7 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         let g = &self.geometry;
         (0..self.out_shape[k + 2]).any(|o| {
             let i = o * g.stride[k] + t * g.dilation[k] - g.padding[k];
-            (0..self.input[k]).contains(&i)
+            (0..self.input(k)).contains(&i)
         })
     }
 
