@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import models
+import pytest
 import torch
 
 import tpuc
@@ -44,4 +45,115 @@ def test_buffers_updated_in_place_are_seen():
         for _ in range(3):
             compiled(x)
         model.bn1.running_mean.add_(0.25)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+# Ordinary PyTorch that gives a parameter new memory, or writes it, without bumping `_version`
+# (or that frees and re-allocates it, as FSDP2 does between steps). Each runs between compiled
+# calls of a model whose parameters are already resident.
+def _assign_data(m):
+    m[0].weight.data = torch.randn(8, 8)
+
+
+def _dtype_round_trip(m):
+    m.double()
+    m.float()
+
+
+def _unversioned_write(m):
+    m[0].weight.data.mul_(2.0)  # `.data` has its own version counter
+
+
+def _set(m):
+    m[2].bias.set_(torch.randn(8))
+
+
+def _load_state_dict_assign(m):
+    m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()}, assign=True)
+
+
+def _load_state_dict_copy(m):
+    m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
+
+
+def _free_and_reallocate(m):
+    # FSDP2's unsharded parameters: storage freed after use, re-allocated and refilled later.
+    w = m[0].weight
+    values = torch.randn(8, 8)
+    nbytes = w.untyped_storage().nbytes()
+    w.untyped_storage().resize_(0)
+    torch.randn(4096)  # take the freed memory
+    w.untyped_storage().resize_(nbytes)
+    w.data.copy_(values)
+
+
+def _transpose_in_place_of_data(m):
+    m[0].weight.data = m[0].weight.data.t()  # same address, another layout
+
+
+def _swap_tensors(m):
+    torch.utils.swap_tensors(m[2].weight, torch.nn.Parameter(torch.randn(8, 8)))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _assign_data,
+        _dtype_round_trip,
+        _unversioned_write,
+        _set,
+        _load_state_dict_assign,
+        _load_state_dict_copy,
+        _free_and_reallocate,
+        _transpose_in_place_of_data,
+        _swap_tensors,
+    ],
+    ids=lambda f: f.__name__.lstrip("_"),
+)
+def test_parameter_changes_between_calls_are_seen(change):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    compiled = torch.compile(model, backend="tpu", options={"fallback": "error"})
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):  # resident from the second call
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        for _ in range(2):
+            change(model)
+            for _ in range(2):
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_swap_module_params_on_conversion():
+    # What nn.Module._apply does under this flag: swap_tensors on every parameter.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    compiled = torch.compile(model, backend="tpu", options={"fallback": "error"})
+    x = torch.randn(4, 8)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(x)
+            model.double()
+            torch.testing.assert_close(compiled(x.double()), model(x.double()))
+            model.float()
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def test_unaligned_parameters_are_read_in_place_every_call():
+    # A parameter at an offset the CPU plugin cannot compute on in place would be copied if made
+    # resident, and the copy would miss writes PyTorch does not version: it is passed every call.
+    flat = torch.randn(8 * 8 + 1)
+    model = torch.nn.Linear(8, 8, bias=False)
+    model.weight.data = flat[1:].view(8, 8)  # 4 bytes past a 64-byte boundary
+    compiled = torch.compile(model, backend="tpu", options={"fallback": "error"})
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+        flat.mul_(3.0)  # through another tensor: the weight's version does not move
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)

@@ -244,3 +244,23 @@ def test_sharded_executables_load_from_the_disk_cache_in_a_new_process(tmp_path)
 def test_precompile_with_a_mesh_says_it_is_not_supported():
     with pytest.raises(NotImplementedError, match="mesh"):
         tpuc.precompile(_mlp(), (torch.randn(8, 16),), options={"mesh": MESHES["4x1"]})
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "tensor_parallel"])
+def test_parameter_changes_between_calls_are_seen(sharding):
+    # Resident pieces keyed on the tensor's memory (as for one device): `.data =`, a dtype round
+    # trip and a write PyTorch does not version are all seen.
+    model = _mlp()
+    compiled = _compiled(model, "2x2", sharding)
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        for change in (
+            lambda: None,
+            lambda: setattr(model[0].weight, "data", torch.randn(64, 16)),
+            lambda: (model.double(), model.float()),
+            lambda: model[2].weight.data.mul_(2.0),
+            lambda: model[4].weight.data.mul_(-1.0),
+        ):
+            change()
+            for _ in range(2):
+                torch.testing.assert_close(compiled(x), model(x), **TOL)

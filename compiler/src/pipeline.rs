@@ -155,7 +155,7 @@ pub struct RunTimings {
 
 /// The alignment the CPU plugin requires of memory it computes on in place (XLA's minimum
 /// buffer alignment).
-const HOST_VIEW_ALIGN: usize = 64;
+pub const HOST_VIEW_ALIGN: usize = 64;
 
 /// Bytes of a dense array of `shape` and `dtype` (shapes of lowered signatures are valid).
 pub fn dense_bytes(shape: &[i64], dtype: DType) -> usize {
@@ -190,6 +190,12 @@ impl Engine {
 
     pub fn platform(&self) -> &str {
         &self.platform
+    }
+
+    /// Whether device memory is host memory (the CPU plugin): host arrays can be computed on
+    /// in place.
+    pub fn host_zero_copy(&self) -> bool {
+        self.host_zero_copy
     }
 
     pub fn cached_executables(&self) -> usize {

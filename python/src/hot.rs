@@ -158,14 +158,18 @@ fn dl_dtype(dtype: DType) -> Option<DLDataType> {
     })
 }
 
-/// The device buffer of one input position, reused while the same tensor object comes back
-/// unchanged (same `_version`): parameters and buffers are uploaded once. A tensor is only made
-/// resident the second time it is seen (`ref` remembers the first), so per-call activations
-/// are never pinned. `backend._residency` fills it; call plans read it without attribute
-/// lookups.
+/// The device buffer of one input position, reused while the same tensor comes back with the
+/// same memory and `_version`: parameters and buffers are uploaded once. A tensor is only made
+/// resident the second time its storage is seen here (`ref` remembers the first), so per-call
+/// activations are never pinned. What is resident is keyed on the tensor's memory, not only on
+/// the tensor object: `.data =`, dtype round trips (`module.double().float()`), `swap_tensors`
+/// and FSDP's storage resizes give the same object new memory without bumping `_version`, and
+/// a buffer over the old memory would read freed or stale bytes. `backend._residency` fills
+/// it; call plans read it without attribute lookups.
 #[pyclass(module = "tpuc._native")]
 pub struct Slot {
-    /// A weak reference to the last tensor seen here that is not resident, or None.
+    /// A weak reference to the storage of the last tensor seen here that is not resident, or
+    /// None (a weak reference to the tensor itself would stop `torch.utils.swap_tensors`).
     #[pyo3(get, set, name = "ref")]
     seen: Option<Py<PyAny>>,
     /// The resident tensor, or None.
@@ -174,6 +178,18 @@ pub struct Slot {
     /// Its `_version` when uploaded.
     #[pyo3(get, set)]
     version: i64,
+    /// Its `data_ptr()` when uploaded.
+    #[pyo3(get, set)]
+    ptr: usize,
+    /// Its storage when uploaded (held: its memory cannot be reused for another storage while
+    /// a buffer may point at it).
+    #[pyo3(get, set)]
+    storage: Option<Py<PyAny>>,
+    /// Whether the buffer is the host memory itself (the CPU plugin): it then reads the
+    /// tensor's current bytes whatever wrote them; a copy is only current while nothing wrote
+    /// the memory, which the version, address and storage checks stand for.
+    #[pyo3(get, set)]
+    aliased: bool,
     /// Its device buffer.
     #[pyo3(get, set)]
     buffer: Option<Py<DeviceBuffer>>,
@@ -187,6 +203,9 @@ impl Slot {
             seen: None,
             tensor: None,
             version: -1,
+            ptr: 0,
+            storage: None,
+            aliased: false,
             buffer: None,
         }
     }
@@ -194,12 +213,13 @@ impl Slot {
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.seen)?;
         visit.call(&self.tensor)?;
+        visit.call(&self.storage)?;
         visit.call(&self.buffer)?;
         Ok(())
     }
 
     fn __clear__(&mut self) {
-        (self.seen, self.tensor, self.buffer) = (None, None, None);
+        (self.seen, self.tensor, self.storage, self.buffer) = (None, None, None, None);
     }
 }
 
@@ -563,20 +583,11 @@ impl CallPlan {
         input: &PlanInput,
         t: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Arg<'py>>> {
-        let slot = input.slot.bind(py);
-        if let Ok(slot) = slot.try_borrow() {
-            if let (Some(resident), Some(buffer)) = (&slot.tensor, &slot.buffer) {
-                // Resident: checked when it was uploaded; valid while unchanged.
-                if resident.is(t)
-                    && t.getattr(intern!(py, "_version"))?.extract::<i64>()? == slot.version
-                {
-                    return Ok(Some(Arg::Device(buffer.bind(py).clone())));
-                }
-            }
-        } // released: `device_arg` below updates the slot
         let Ok(dtype) = t.getattr(intern!(py, "dtype")) else {
             return Ok(None); // not a tensor
         };
+        // Checked for resident tensors too: `.data =` can give the same object (same version,
+        // even the same address) another shape, dtype or layout.
         let fits = dtype.is(input.dtype.bind(py))
             && t.getattr(intern!(py, "shape"))?.eq(input.shape.bind(py))?
             && t.getattr(intern!(py, "is_cpu"))?.is_truthy()?
@@ -587,9 +598,25 @@ impl CallPlan {
         if !fits {
             return Ok(None);
         }
+        let ptr: usize = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let slot = input.slot.bind(py);
+        if let Ok(slot) = slot.try_borrow() {
+            if let (Some(resident), Some(buffer)) = (&slot.tensor, &slot.buffer) {
+                if resident.is(t)
+                    && slot.ptr == ptr
+                    && t.getattr(intern!(py, "_version"))?.extract::<i64>()? == slot.version
+                    && (slot.aliased
+                        || slot.storage.as_ref().is_some_and(|s| {
+                            t.call_method0(intern!(py, "untyped_storage"))
+                                .is_ok_and(|now| now.is(s))
+                        }))
+                {
+                    return Ok(Some(Arg::Device(buffer.bind(py).clone())));
+                }
+            }
+        } // released: `device_arg` below updates the slot
         let resident = self.device_arg.bind(py).call1((slot, t))?;
         if resident.is_none() {
-            let ptr: usize = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
             return Ok(Some(Arg::Host(ptr)));
         }
         Ok(Some(Arg::Device(resident.cast_into::<DeviceBuffer>()?)))

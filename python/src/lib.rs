@@ -419,6 +419,9 @@ struct Runtime {
 #[pyclass(module = "tpuc._native", frozen)]
 struct DeviceBuffer {
     buffer: Buffer,
+    /// Whether the buffer is the uploaded host memory itself (no copy was made).
+    #[pyo3(get)]
+    aliases_host: bool,
 }
 
 fn host_array(t: &Bound<'_, PyTuple>) -> PyResult<HostArray> {
@@ -452,6 +455,18 @@ impl Runtime {
     #[getter]
     fn platform_version(&self) -> PyResult<String> {
         self.engine.client().platform_version().map_err(pjrt_err)
+    }
+
+    /// Whether device memory is host memory (the CPU plugin).
+    #[getter]
+    fn host_zero_copy(&self) -> bool {
+        self.engine.host_zero_copy()
+    }
+
+    /// The alignment host memory needs for the plugin to compute on it in place.
+    #[classattr]
+    fn host_align() -> usize {
+        tpuc_compiler::pipeline::HOST_VIEW_ALIGN
     }
 
     #[getter]
@@ -590,7 +605,13 @@ impl Runtime {
         // SAFETY: the Python caller passes a live, contiguous tensor's data pointer and keeps the
         // tensor alive as long as this DeviceBuffer.
         let buffer = unsafe { self.engine.upload_to(&a, device) }.map_err(pjrt_err)?;
-        Ok(DeviceBuffer { buffer })
+        let aliases_host = a.nbytes > 0
+            && self.engine.host_zero_copy()
+            && buffer.device_pointer().is_ok_and(|p| p == a.ptr);
+        Ok(DeviceBuffer {
+            buffer,
+            aliases_host,
+        })
     }
 }
 

@@ -147,20 +147,42 @@ def record_compile(exe) -> None:
 
 def _residency(rt):
     """`device_arg(slot, t)`: the resident buffer of input tensor `t` at a position whose
-    `_native.Slot` is `slot`, uploading it the second time the same tensor comes back (or after it
-    changed), else None. Holds the runtime, not the graph (call plans keep it)."""
+    `_native.Slot` is `slot`, uploading it the second time the same storage comes back (or after
+    it changed), else None. Holds the runtime, not the graph (call plans keep it).
+
+    A resident buffer is reused only while `t` is the same tensor with the same `_version`, the
+    same address and, for a copy, the same storage: `.data =`, `module.to(dtype)`, swap_tensors
+    and FSDP's storage resizes change the memory without bumping the version. Where device
+    memory is host memory (the CPU plugin) only buffers that are the tensor's memory itself stay
+    resident: they read whatever wrote it, also writes PyTorch does not version (`p.data.mul_`);
+    a copy (memory not aligned as the plugin needs) would not see those, so such a tensor is
+    passed as host memory every call instead."""
+    zero_copy, align = rt.host_zero_copy, rt.host_align
 
     def device_arg(slot: _native.Slot, t: torch.Tensor):
-        if slot.tensor is t and slot.version == t._version:
+        ptr = t.data_ptr()
+        storage = t.untyped_storage()
+        if (
+            slot.tensor is t
+            and slot.version == t._version
+            and slot.ptr == ptr
+            and (slot.aliased or slot.storage is storage)
+        ):
             return slot.buffer
-        if slot.ref is not None and slot.ref() is t:
+        slot.tensor = slot.buffer = slot.storage = None
+        if zero_copy and ptr % align:
+            return None  # the plugin would copy it (see above)
+        if slot.ref is not None and slot.ref() is storage:
             # Seen before at this position: keep it resident from now on.
-            slot.tensor, slot.version = t, t._version
-            slot.buffer = rt.upload(_host_array(t))
+            buffer = rt.upload(_host_array(t))
             counters.count_upload()
-            return slot.buffer
-        slot.ref = weakref.ref(t)
-        slot.tensor = slot.buffer = None
+            if zero_copy and not buffer.aliases_host:
+                slot.ref = None
+                return None  # the plugin copied it after all (see above)
+            slot.tensor, slot.version, slot.ptr, slot.storage = t, t._version, ptr, storage
+            slot.aliased, slot.buffer = buffer.aliases_host, buffer
+            return buffer
+        slot.ref = weakref.ref(storage)
         return None
 
     return device_arg

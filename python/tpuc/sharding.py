@@ -274,20 +274,40 @@ class ShardedGraph:
 
     def _resident(self, i: int, t: torch.Tensor, layout, host_array):
         """Per-device buffers of input `i` kept on the devices while the same tensor comes back
-        unchanged (parameters), as for unsharded graphs: cached the second time it is seen."""
+        with the same memory and version (parameters), cached the second time its storage is
+        seen, under the rules of unsharded graphs (`backend._residency`): where device memory is
+        host memory, only pieces that are the tensor's own memory stay resident."""
         slot = self.slots.get(i)
-        if slot is not None and slot.tensor is t and slot.version == t._version and slot.layout == layout:
+        ptr, storage = t.data_ptr(), t.untyped_storage()
+        if (
+            slot is not None
+            and slot.tensor is t
+            and slot.version == t._version
+            and slot.ptr == ptr
+            and slot.layout == layout
+            and (slot.aliased or slot.storage is storage)
+        ):
             return slot
-        if slot is not None and slot.ref is not None and slot.ref() is t:
+        if slot is not None and slot.ref is not None and slot.ref() is storage:
+            if slot.copied:
+                return None  # its pieces are copies (see below)
             pieces = split(t, layout)
             buffers = [self.runtime.upload(host_array(p), d) for d, p in enumerate(pieces)]
             for _ in buffers:
                 counters.count_upload()
-            slot.tensor, slot.version, slot.layout = t, t._version, layout
-            slot.pieces, slot.buffers = pieces, buffers
+            # Every piece a view of `t` computed on in place: live values, whatever writes them.
+            aliased = all(
+                b.aliases_host and p.untyped_storage() is storage
+                for p, b in zip(pieces, buffers, strict=True)
+            )
+            if self.runtime.host_zero_copy and not aliased:
+                slot.copied = True  # a copy could go stale: split per call instead
+                return None
+            slot.tensor, slot.version, slot.ptr, slot.storage = t, t._version, ptr, storage
+            slot.layout, slot.aliased, slot.pieces, slot.buffers = layout, aliased, pieces, buffers
             return slot
         fresh = _ResidentShards()
-        fresh.ref = weakref.ref(t)
+        fresh.ref = weakref.ref(storage)
         self.slots[i] = fresh
         return None
 
@@ -304,11 +324,22 @@ class ShardedGraph:
 
 
 class _ResidentShards:
-    __slots__ = ("ref", "tensor", "version", "layout", "pieces", "buffers")
+    __slots__ = (
+        "ref",
+        "copied",
+        "tensor",
+        "version",
+        "ptr",
+        "storage",
+        "aliased",
+        "layout",
+        "pieces",
+        "buffers",
+    )
 
     def __init__(self):
-        self.ref = self.tensor = self.layout = self.pieces = self.buffers = None
-        self.version = -1
+        self.ref = self.tensor = self.storage = self.layout = self.pieces = self.buffers = None
+        self.version, self.ptr, self.aliased, self.copied = -1, 0, False, False
 
 
 _live: weakref.WeakSet = weakref.WeakSet()
