@@ -167,9 +167,14 @@ pub fn dense_bytes(shape: &[i64], dtype: DType) -> usize {
 }
 
 impl Engine {
-    pub fn new(plugin_path: &Path, cpu_devices: Option<i64>) -> Result<Engine, PjrtError> {
+    /// Loads the plugin (once per process) and creates a client with `options` (see
+    /// [`pjrt::OptionValue`]: each plugin family takes its own).
+    pub fn new(
+        plugin_path: &Path,
+        options: &[(String, pjrt::OptionValue)],
+    ) -> Result<Engine, PjrtError> {
         let plugin: &'static Plugin = pjrt::load_plugin(plugin_path)?;
-        let client = Client::new(plugin, cpu_devices)?;
+        let client = Client::new(plugin, options)?;
         let platform = client.platform_name()?.to_lowercase();
         Ok(Engine {
             host_zero_copy: platform == "cpu",

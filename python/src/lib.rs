@@ -14,7 +14,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyTuple};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -23,7 +23,7 @@ use tpuc_compiler::lower::{LowerError, Precision};
 use tpuc_compiler::pipeline::{
     CacheOutcome, CompileError, Compiled, DiskCacheOptions, Engine, HostArray, RunArg,
 };
-use tpuc_compiler::pjrt::{Buffer, PjrtError};
+use tpuc_compiler::pjrt::{Buffer, OptionValue, PjrtError};
 use tpuc_frontend_fx::{DType, Dim, Graph, InputKind, Output};
 use tpuc_passes::sharding::{Mesh, Role, ShardingRequest, Slot, Spec, Strategy};
 
@@ -424,6 +424,29 @@ struct DeviceBuffer {
     aliases_host: bool,
 }
 
+/// A Python value as a PJRT create option's value (bool before int: `True` is an int).
+fn option_value(name: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<OptionValue> {
+    if v.is_instance_of::<PyBool>() {
+        return Ok(OptionValue::Bool(v.extract()?));
+    }
+    if let Ok(i) = v.extract::<i64>() {
+        return Ok(OptionValue::Int64(i));
+    }
+    if v.is_instance_of::<PyFloat>() {
+        return Ok(OptionValue::Float(v.extract::<f64>()? as f32));
+    }
+    if let Ok(s) = v.extract::<String>() {
+        return Ok(OptionValue::Str(s));
+    }
+    if let Ok(list) = v.extract::<Vec<i64>>() {
+        return Ok(OptionValue::Int64List(list));
+    }
+    Err(PyValueError::new_err(format!(
+        "tpuc: PJRT create option {name}: expected a bool, int, float, str or list of ints, got {}",
+        v.repr()?
+    )))
+}
+
 fn host_array(t: &Bound<'_, PyTuple>) -> PyResult<HostArray> {
     let (ptr, nbytes, dt, shape): (usize, usize, String, Vec<i64>) = t.extract()?;
     Ok(HostArray {
@@ -436,11 +459,24 @@ fn host_array(t: &Bound<'_, PyTuple>) -> PyResult<HostArray> {
 
 #[pymethods]
 impl Runtime {
+    /// `create_options`: `PJRT_Client_Create`'s options, `{name: value}` with values of type
+    /// bool, int, float, str or list of int (`runtime.create_options` picks them per plugin).
     #[new]
-    #[pyo3(signature = (plugin_path, cpu_devices=None))]
-    fn new(py: Python<'_>, plugin_path: PathBuf, cpu_devices: Option<i64>) -> PyResult<Runtime> {
+    #[pyo3(signature = (plugin_path, create_options=None))]
+    fn new(
+        py: Python<'_>,
+        plugin_path: PathBuf,
+        create_options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Runtime> {
+        let options = match create_options {
+            Some(d) => d
+                .iter()
+                .map(|(k, v)| Ok((k.extract::<String>()?, option_value(&k, &v)?)))
+                .collect::<PyResult<Vec<_>>>()?,
+            None => Vec::new(),
+        };
         let engine = py
-            .detach(|| Engine::new(&plugin_path, cpu_devices))
+            .detach(|| Engine::new(&plugin_path, &options))
             .map_err(pjrt_err)?;
         Ok(Runtime {
             engine: Arc::new(engine),

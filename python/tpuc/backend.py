@@ -201,7 +201,9 @@ class CompiledGraph:
         self.eager = gm if opts.fallback == "eager" else None
         self.name = name
         shard_ctx, shard_kind = shard if shard is not None else (None, None)
-        self.runtime = runtime.get_runtime(opts.plugin, shard_ctx.mesh.size if shard_ctx else None)
+        self.runtime = runtime.get_runtime(
+            opts.plugin, shard_ctx.mesh.size if shard_ctx else None, opts.plugin_options
+        )
         # The texts only dumps read: printing the FX graph alone costs more than lowering it.
         dumping = opts.dump_dir is not None
         self.fx_text = gm.print_readable(print_output=False) if dumping else None
@@ -835,7 +837,9 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         )
     opts = options_mod.parse(options, mode)
     mesh = sharding_mod.parse_mesh(opts)
-    runtime.get_runtime(opts.plugin, mesh.size if mesh else None)  # a bad plugin fails here
+    runtime.get_runtime(
+        opts.plugin, mesh.size if mesh else None, opts.plugin_options
+    )  # a bad plugin fails here
     with _counter_lock:
         _graph_counter += 1
         gid = _graph_counter

@@ -7,22 +7,31 @@ import sys
 
 
 def _doctor(args) -> int:
+    import os
+
     import torch
 
     from . import _native, runtime
     from . import options as options_mod
 
     print(f"torch {torch.__version__}")
+    print("installed plugins:")
+    for family, found in runtime.installed_plugins().items():
+        present = "present" if runtime.hardware_present(family) else "absent"
+        print(f"  {family}: {found} (hardware {present})")
+    plugin = args.plugin or os.environ.get("TPUC_PJRT_PLUGIN") or None
+    source = "--plugin" if args.plugin else "TPUC_PJRT_PLUGIN" if plugin else "detected"
     try:
-        path = runtime.resolve_plugin(args.plugin)
+        path = runtime.resolve_plugin(plugin)
     except ValueError as e:
         print(f"plugin: NOT FOUND ({e})")
         return 1
-    print(f"plugin: {path}")
+    family = runtime.plugin_family(path, plugin)
+    print(f"plugin ({source}): {path} (family {family})")
     try:
-        rt = runtime.get_runtime(str(path))
+        rt = runtime.get_runtime(plugin)
     except _native.TpucError as e:
-        print(f"plugin: failed to load: {e}")
+        print(f"plugin: failed to start: {e}")
         return 1
     print(f"platform: {rt.platform} {rt.platform_version} (PJRT API {rt.api_version[0]}.{rt.api_version[1]})")
     print(f"devices: {rt.device_count}")
@@ -137,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="check the plugin, versions, devices and cache dir")
-    doctor.add_argument("--plugin", default=None, help="cpu, cuda, tpu or a path (default: detect)")
+    doctor.add_argument(
+        "--plugin",
+        default=None,
+        help="cpu, cuda, rocm, tpu or a path (default: TPUC_PJRT_PLUGIN, else detect)",
+    )
     doctor.set_defaults(func=_doctor)
 
     cache = sub.add_parser("cache", help="inspect and manage the persistent executable cache")

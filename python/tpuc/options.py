@@ -19,6 +19,7 @@ VALID_KEYS = (
     "mesh",
     "sharding",
     "passes",
+    "plugin_options",
 )
 PRECISIONS = ("highest", "high", "default")
 FALLBACKS = ("eager", "error")
@@ -57,6 +58,7 @@ class Options:
     sharding: Any = "replicated"
     passes: dict = field(default_factory=dict)
     cache_max_bytes: int | None = None
+    plugin_options: dict = field(default_factory=dict)
 
     def pass_enabled(self, name: str) -> bool:
         """Whether pass or group `name` runs: a pass's own entry wins over its group's."""
@@ -103,7 +105,23 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
 
     plugin = options.get("plugin", os.environ.get("TPUC_PJRT_PLUGIN") or None)
     if plugin is not None and not isinstance(plugin, str | os.PathLike):
-        raise _bad("plugin", plugin, '"cpu", "cuda", "tpu" or a path to a PJRT plugin .so')
+        raise _bad("plugin", plugin, '"cpu", "cuda", "rocm", "tpu" or a path to a PJRT plugin .so')
+    plugin_options = options.get("plugin_options") or {}
+    if not isinstance(plugin_options, dict) or not all(
+        isinstance(k, str)
+        and (
+            isinstance(v, bool | int | float | str)
+            or (
+                isinstance(v, list | tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+            )
+        )
+        for k, v in plugin_options.items()
+    ):
+        raise _bad(
+            "plugin_options",
+            plugin_options,
+            "a dict of PJRT_Client_Create options {name: bool | int | float | str | list of ints}",
+        )
 
     if "precision" in options:
         precision = options["precision"]
@@ -175,5 +193,6 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
         mesh=mesh,
         sharding=sharding,
         passes=dict(passes),
+        plugin_options={k: list(v) if isinstance(v, list | tuple) else v for k, v in plugin_options.items()},
         cache_max_bytes=parse_size(os.environ.get("TPUC_CACHE_MAX_SIZE") or DEFAULT_CACHE_MAX_SIZE),
     )

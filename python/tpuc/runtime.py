@@ -12,7 +12,7 @@ from pathlib import Path
 from . import _native
 
 _lock = threading.Lock()
-_runtimes: dict[tuple[str, int | None], _native.Runtime] = {}
+_runtimes: dict[tuple, _native.Runtime] = {}
 
 # pip distribution -> the plugin file inside it.
 _PLUGIN_WHEELS = {
@@ -21,7 +21,15 @@ _PLUGIN_WHEELS = {
         ("jax-cuda12-pjrt", "jax_plugins/xla_cuda12/xla_cuda_plugin.so"),
         ("jax-cuda13-pjrt", "jax_plugins/xla_cuda13/xla_cuda_plugin.so"),
     ],
+    "rocm": [("jax-rocm7-pjrt", "jax_plugins/xla_rocm7/xla_rocm_plugin.so")],
     "tpu": [("libtpu", "libtpu/libtpu.so")],
+}
+
+# What each family's hardware is called in errors, and where its device files are.
+_HARDWARE = {
+    "cuda": ("an NVIDIA GPU", "/dev/nvidia0 ..."),
+    "rocm": ("an AMD GPU", "/dev/kfd"),
+    "tpu": ("a TPU", "/dev/accel* or /dev/vfio/*"),
 }
 
 
@@ -36,6 +44,12 @@ def _installed_plugin(kind: str) -> Path | None:
     return None
 
 
+def installed_plugins() -> dict[str, Path]:
+    """Each plugin family with a plugin installed from its wheel: {family: path}."""
+    found = {kind: _installed_plugin(kind) for kind in _PLUGIN_WHEELS}
+    return {kind: path for kind, path in found.items() if path is not None}
+
+
 def _has_tpu() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
@@ -44,15 +58,44 @@ def _has_cuda() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def _has_rocm() -> bool:
+    return os.path.exists("/dev/kfd")
+
+
+def hardware_present(family: str) -> bool:
+    """Whether this machine has the devices a plugin family needs (the CPU always)."""
+    check = {"cuda": _has_cuda, "rocm": _has_rocm, "tpu": _has_tpu}.get(family)
+    return check() if check is not None else True
+
+
+def plugin_family(path: Path, given: str | None = None) -> str:
+    """`cpu`, `cuda`, `rocm`, `tpu` or `unknown` for the plugin at `path` (`given`: the option's
+    value, a family name or the path as the user spelled it, before links were resolved), from
+    the file's name: known before the library is loaded, since loading libtpu off a TPU host is
+    what must never happen."""
+    if given in _PLUGIN_WHEELS:
+        return given
+    if given is not None and plugin_family(Path(given)) != "unknown":
+        return plugin_family(Path(given))
+    name = path.name.lower()
+    for kind, wheels in _PLUGIN_WHEELS.items():
+        if any(Path(rel).name == path.name for _dist, rel in wheels):
+            return kind
+    if name.startswith("libtpu"):
+        return "tpu"
+    for kind in ("cuda", "rocm", "cpu"):
+        if kind in name:
+            return kind
+    return "unknown"
+
+
 def resolve_plugin(plugin: str | None) -> Path:
-    """The plugin file for an option value (`cpu`, `cuda`, `tpu`, a path, or None = detect)."""
+    """The plugin file for an option value (`cpu`, `cuda`, `rocm`, `tpu`, a path, or None =
+    detect: a family is only picked where its hardware is present)."""
     if plugin is None:
-        if _has_tpu() and _installed_plugin("tpu"):
-            plugin = "tpu"
-        elif _has_cuda() and _installed_plugin("cuda"):
-            plugin = "cuda"
-        else:
-            plugin = "cpu"
+        plugin = next(
+            (k for k in ("tpu", "cuda", "rocm") if hardware_present(k) and _installed_plugin(k)), "cpu"
+        )
     if plugin in _PLUGIN_WHEELS:
         path = _installed_plugin(plugin)
         if path is None:
@@ -61,17 +104,42 @@ def resolve_plugin(plugin: str | None) -> Path:
                 f"tpuc: no {plugin} PJRT plugin is installed (pip install --no-deps {wheels}), "
                 f"or pass options={{'plugin': '/path/to/plugin.so'}}"
             )
-        if plugin == "tpu":
-            # Without this, libtpu retries a metadata server for minutes off Google Cloud.
-            os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         return path
     path = Path(plugin).expanduser()
     if not path.is_file():
         raise ValueError(
             f"tpuc: PJRT plugin {str(plugin)!r} does not exist "
-            f"(option 'plugin' or TPUC_PJRT_PLUGIN: 'cpu', 'cuda', 'tpu' or a path to a .so)"
+            f"(option 'plugin' or TPUC_PJRT_PLUGIN: 'cpu', 'cuda', 'rocm', 'tpu' or a path to a .so)"
         )
     return path.resolve()
+
+
+def check_hardware(path: Path, family: str) -> None:
+    """Raises PjrtError naming the missing device when `path`'s family needs hardware this machine
+    lacks: a GPU plugin fails slowly and obscurely without one, and libtpu waits minutes for a
+    metadata server. TPUC_SKIP_DEVICE_CHECK=1 skips it (device files elsewhere)."""
+    if family not in _HARDWARE or os.environ.get("TPUC_SKIP_DEVICE_CHECK") == "1":
+        return
+    if not hardware_present(family):
+        what, files = _HARDWARE[family]
+        raise _native.PjrtError(
+            f"the {family} PJRT plugin {path} needs {what}, and this machine has none (no {files}); "
+            "use options={'plugin': 'cpu'} or leave 'plugin' unset to pick what is present"
+        )
+
+
+def create_options(family: str, devices: int | None, overrides: dict | None = None) -> dict:
+    """`PJRT_Client_Create` options for a plugin family: only names the family's plugin accepts
+    (each plugin rejects the others). CPU: its device count. CUDA/ROCm: no preallocation (torch's
+    allocator shares the GPU). TPU and unknown plugins: none. `overrides` (option
+    'plugin_options') are added last, as given."""
+    options: dict = {}
+    if family == "cpu" and devices is not None:
+        options["cpu_device_count"] = devices
+    elif family in ("cuda", "rocm"):
+        options["preallocate"] = False
+    options.update(overrides or {})
+    return options
 
 
 def positive_int_env(name: str, default: int) -> int:
@@ -124,20 +192,49 @@ def check_plugin_file(path: Path) -> None:
             )
 
 
-def get_runtime(plugin: str | None, mesh_size: int | None = None) -> _native.Runtime:
+def get_runtime(
+    plugin: str | None, mesh_size: int | None = None, plugin_options: dict | None = None
+) -> _native.Runtime:
     """The process's runtime for `plugin` (created on first use; plugins are never unloaded).
     With a mesh and TPUC_CPU_DEVICES unset, the CPU plugin gets one device per mesh device."""
     path = resolve_plugin(plugin)
+    family = plugin_family(path, plugin)
     devices = cpu_device_count()
     if mesh_size is not None and os.environ.get("TPUC_CPU_DEVICES") is None:
         devices = max(devices, mesh_size)
+    if family == "tpu":
+        # Without this, libtpu retries a metadata server for minutes off Google Cloud.
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     # XLA logs informational lines to stderr at plugin start; keep them unless asked for.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    key = (str(path), devices)
+    options = create_options(family, devices, plugin_options)
+    key = (str(path), tuple(sorted((k, repr(v)) for k, v in options.items())))
     with _lock:
         rt = _runtimes.get(key)
         if rt is None:
+            check_hardware(path, family)
             check_plugin_file(path)
-            rt = _native.Runtime(str(path), devices)
+            try:
+                rt = _native.Runtime(str(path), options)
+            except _native.PjrtError as e:
+                raise _native.PjrtError(_plain_start_error(str(e), path, family)) from None
             _runtimes[key] = rt
         return rt
+
+
+def _plain_start_error(message: str, path: Path, family: str) -> str:
+    """A plugin's start-up error, with what it means in plain words where it is a known one."""
+    low = message.lower()
+    if family in ("cuda", "rocm") and any(
+        s in low for s in ("no cuda-capable device", "cuda_error_no_device", "no visible device", "no gpu")
+    ):
+        return f"the {family} PJRT plugin {path} found no usable GPU: {message}"
+    if family in ("cuda", "rocm") and any(
+        s in low for s in ("libcuda", "cuda driver", "libamdhip", "cannot open shared object")
+    ):
+        return f"the {family} PJRT plugin {path} cannot find the GPU driver library: {message}"
+    if "unexpected option name" in low:
+        return (
+            f"{message} (the {family} plugin {path} rejects this create option; see option 'plugin_options')"
+        )
+    return message

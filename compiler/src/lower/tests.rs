@@ -150,7 +150,8 @@ fn engine() -> &'static Engine {
             "CPU PJRT plugin not found: `.venv/bin/pip install --no-deps xla-cpu-pjrt==0.0.1` \
              or set TPUC_PJRT_PLUGIN",
         );
-        Engine::new(&path, Some(1)).expect("create the CPU engine")
+        Engine::new(&path, &crate::pjrt::cpu_device_options(Some(1)))
+            .expect("create the CPU engine")
     })
 }
 

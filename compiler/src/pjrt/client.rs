@@ -57,31 +57,77 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// The value of one `PJRT_Client_Create` option (`PJRT_NamedValue`). Which names and types a
+/// plugin accepts is the plugin's own (the CPU plugin: `cpu_device_count`; the CUDA/ROCm plugins:
+/// `preallocate`, `memory_fraction`, `allocator`, `visible_devices` ...); a plugin rejects names
+/// it does not know.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OptionValue {
+    Str(String),
+    Int64(i64),
+    Int64List(Vec<i64>),
+    Float(f32),
+    Bool(bool),
+}
+
+/// `(name, value)` options of `PJRT_Client_Create`.
+pub type CreateOptions = Vec<(String, OptionValue)>;
+
+/// The CPU plugin's option for its number of devices (its default is 4).
+pub fn cpu_device_options(count: Option<i64>) -> CreateOptions {
+    count
+        .map(|n| vec![("cpu_device_count".to_string(), OptionValue::Int64(n))])
+        .unwrap_or_default()
+}
+
 impl Client {
-    /// Creates a client. `cpu_device_count` passes the create option
-    /// `cpu_device_count` (int64), which the CPU plugin uses for its number of
-    /// devices (default 4); other plugins may reject it.
+    /// Creates a client with `options` passed to `PJRT_Client_Create` as they are.
     pub fn new(
         plugin: &'static Plugin,
-        cpu_device_count: Option<i64>,
+        options: &[(String, OptionValue)],
     ) -> Result<Client, PjrtError> {
         let api = &plugin.api;
-        const CPU_DEVICE_COUNT: &str = "cpu_device_count";
-        let mut options = Vec::new();
-        if let Some(n) = cpu_device_count {
-            let mut nv = sys::PJRT_NamedValue::new();
-            nv.name = CPU_DEVICE_COUNT.as_ptr().cast::<c_char>();
-            nv.name_size = CPU_DEVICE_COUNT.len();
-            nv.type_ = sys::PJRT_NamedValue_kInt64;
-            nv.__bindgen_anon_1.int64_value = n;
-            nv.value_size = 1;
-            options.push(nv);
-        }
+        let options: Vec<sys::PJRT_NamedValue> = options
+            .iter()
+            .map(|(name, value)| {
+                let mut nv = sys::PJRT_NamedValue::new();
+                nv.name = name.as_ptr().cast::<c_char>();
+                nv.name_size = name.len();
+                match value {
+                    OptionValue::Str(v) => {
+                        nv.type_ = sys::PJRT_NamedValue_kString;
+                        nv.__bindgen_anon_1.string_value = v.as_ptr().cast::<c_char>();
+                        nv.value_size = v.len();
+                    }
+                    OptionValue::Int64(v) => {
+                        nv.type_ = sys::PJRT_NamedValue_kInt64;
+                        nv.__bindgen_anon_1.int64_value = *v;
+                        nv.value_size = 1;
+                    }
+                    OptionValue::Int64List(v) => {
+                        nv.type_ = sys::PJRT_NamedValue_kInt64List;
+                        nv.__bindgen_anon_1.int64_array_value = v.as_ptr();
+                        nv.value_size = v.len();
+                    }
+                    OptionValue::Float(v) => {
+                        nv.type_ = sys::PJRT_NamedValue_kFloat;
+                        nv.__bindgen_anon_1.float_value = *v;
+                        nv.value_size = 1;
+                    }
+                    OptionValue::Bool(v) => {
+                        nv.type_ = sys::PJRT_NamedValue_kBool;
+                        nv.__bindgen_anon_1.bool_value = *v;
+                        nv.value_size = 1;
+                    }
+                }
+                nv
+            })
+            .collect();
         let mut args = sys::PJRT_Client_Create_Args::new();
         args.create_options = options.as_ptr();
         args.num_options = options.len();
-        // SAFETY: `options` (and the static name it points to) outlive the
-        // call; no key-value store callbacks are given.
+        // SAFETY: `options` and the strings and lists they point into outlive
+        // the call; no key-value store callbacks are given.
         unsafe { pjrt_call!(api, PJRT_Client_Create, &mut args) }?;
         if args.client.is_null() {
             return Err(PjrtError::Other(

@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use buffer::Buffer;
-pub use client::Client;
+pub use client::{cpu_device_options, Client, CreateOptions, OptionValue};
 pub use executable::{CompileOptions, LoadedExecutable};
 pub use plugin::{load_plugin, Plugin};
 

@@ -27,7 +27,7 @@ fn plugin() -> &'static Plugin {
 }
 
 fn client() -> Client {
-    Client::new(plugin(), None).expect("create client")
+    Client::new(plugin(), &[]).expect("create client")
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -124,9 +124,9 @@ fn plugin_identity_is_a_stable_file_hash() {
 
 #[test]
 fn cpu_device_count_option() {
-    let c = Client::new(plugin(), Some(4)).unwrap();
+    let c = Client::new(plugin(), &cpu_device_options(Some(4))).unwrap();
     assert_eq!(c.addressable_device_count(), 4);
-    let c = Client::new(plugin(), Some(2)).unwrap();
+    let c = Client::new(plugin(), &cpu_device_options(Some(2))).unwrap();
     assert_eq!(c.addressable_device_count(), 2);
 }
 
@@ -384,7 +384,7 @@ fn bad_calls_are_errors_not_crashes() {
 
 #[test]
 fn execute_sharded_over_two_replicas() {
-    let c = Client::new(plugin(), Some(4)).unwrap();
+    let c = Client::new(plugin(), &cpu_device_options(Some(4))).unwrap();
     let opts = CompileOptions {
         num_replicas: 2,
         ..CompileOptions::default()
@@ -547,7 +547,7 @@ module @m attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas = 1 : i32
 
 #[test]
 fn spmd_partitioned_sum_all_reduces_across_devices() {
-    let c = Client::new(plugin(), Some(4)).unwrap();
+    let c = Client::new(plugin(), &cpu_device_options(Some(4))).unwrap();
     let opts = CompileOptions {
         num_replicas: 1,
         num_partitions: 2,
