@@ -8,6 +8,7 @@ Ops without a lowering rule run in PyTorch (`fallback="eager"`) or raise (`fallb
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, buckets, callprof, counters, dump, fx_export, precompiler, runtime
+from . import _native, buckets, callprof, counters, dump, fx_export, precompiler, runtime, ties
 from . import options as options_mod
 from . import sharding as sharding_mod
 
@@ -584,6 +585,8 @@ def _supported(n: torch.fx.Node) -> bool:
     target = str(n.target)
     if target in _STORAGE_OPS and not _owns_dense_storage(n.args[0]):
         return False
+    if ties.unordered_topk(n):
+        return False
     leaves: list = []
     torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
     vals = [n.meta.get("val"), *(a.meta.get("val") for a in leaves if isinstance(a, torch.fx.Node))]
@@ -602,6 +605,8 @@ def _supported(n: torch.fx.Node) -> bool:
 def _why_unsupported(n: torch.fx.Node) -> str:
     """The reason `_supported` gives for `n`, for error messages."""
     target = str(n.target)
+    if ties.unordered_topk(n):
+        return "its order (sorted=False, or a dim of symbolic size) is PyTorch's own kernel's"
     if target in _supported_ops:
         leaves: list = []
         torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
@@ -764,7 +769,11 @@ def compile_graph(
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set."""
     checks = _hoist_linalg_checks(gm)
+    as_is = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # what PyTorch runs, for ties
+    n_ties = ties.add_tie_checks(gm)
     inner = _compile_hook(gm, opts, name, traces, maxima, shard)
+    if n_ties:
+        inner = ties.TieChecked(inner, n_ties, as_is.forward, name)
     return _Checked(inner, checks) if checks else inner
 
 

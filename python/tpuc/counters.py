@@ -27,6 +27,8 @@ def reset_stats() -> None:
             cache_hits_disk=0,
             executions=0,
             device_uploads=0,
+            # calls run again by PyTorch because a topk had ties (see ties.py)
+            eager_reruns=0,
             fallback_ops=Counter(),
             # per IR pass: {"runs", "ops_before", "ops_after", "ops_removed", "changes", "seconds"}
             passes={},

@@ -1,0 +1,80 @@
+"""torch.topk on tied values returns the indices PyTorch's own kernel picks (libstdc++'s selection
+order, not the input order): a call whose selected values tie is run again by PyTorch, so results
+equal eager's; a call without ties stays compiled."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tpuc
+
+
+def _compiled(fn, fallback="error"):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="tpu", options={"fallback": fallback, "cache_dir": None})
+
+
+def _same(actual, expected):
+    for a, e in zip(actual, expected, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        assert torch.equal(a, e) or torch.allclose(a, e, equal_nan=True, rtol=0, atol=0), (a, e)
+
+
+@pytest.mark.parametrize("n,k", [(4, 1), (5, 2), (8, 3), (16, 2), (64, 1), (65, 2), (200, 8)])
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_with_ties_returns_pytorchs_indices(n, k, largest):
+    x = torch.cat([torch.full((2, n), 0.5), torch.randint(0, 3, (3, n)).float()])
+    x[4, n // 2] = float("nan")
+    tpuc.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _compiled(lambda x: torch.topk(x, k, dim=1, largest=largest))(x)
+    _same(out, torch.topk(x, k, dim=1, largest=largest))
+    assert tpuc.stats()["eager_reruns"] == 1
+
+
+def test_topk_without_ties_stays_compiled():
+    x = torch.randperm(64).float().reshape(4, 16)
+    tpuc.reset_stats()
+    f = _compiled(lambda x: torch.topk(x * 2, 3, dim=1))
+    for _ in range(3):
+        _same(f(x), torch.topk(x * 2, 3, dim=1))
+    assert tpuc.stats()["eager_reruns"] == 0
+    assert tpuc.stats()["executions"] == 3
+
+
+def test_unsorted_topk_runs_in_pytorch():
+    # sorted=False returns nth_element's partition order, which no sort reproduces.
+    x = torch.tensor([[3.0, 9.0, 1.0, 7.0, 5.0, 8.0, 2.0, 6.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _compiled(lambda x: torch.topk(x.exp(), 4, sorted=False), fallback="eager")(x)
+    _same(out, torch.topk(x.exp(), 4, sorted=False))
+    with pytest.raises(tpuc.UnsupportedOpError, match="sorted=False"):
+        _compiled(lambda x: torch.topk(x.exp(), 4, sorted=False))(x)
+
+
+def test_moe_router_with_a_zero_gate_matches_eager():
+    # Every expert scores sigmoid(0): the expert choice is topk's tie order alone.
+    torch.manual_seed(0)
+    experts = torch.randn(4, 16, 16) * 0.1
+
+    def moe(h, gate):
+        scores = torch.sigmoid(h @ gate.t())
+        weights, idx = torch.topk(scores, 2, dim=1)
+        y = torch.einsum("th,tkhi->tki", h, experts[idx])
+        return (y * (weights / weights.sum(-1, keepdim=True)).unsqueeze(-1)).sum(1)
+
+    h = torch.randn(8, 16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for gate in (torch.zeros(4, 16), torch.randn(4, 16)):
+            compiled = _compiled(moe)
+            out = compiled(h, gate)
+            torch.testing.assert_close(out, moe(h, gate), rtol=1e-5, atol=1e-6)
+            (g,) = torch.autograd.grad(out.sum(), h)
+            (ge,) = torch.autograd.grad(moe(h, gate).sum(), h)
+            torch.testing.assert_close(g, ge, rtol=1e-5, atol=1e-6)
