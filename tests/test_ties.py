@@ -78,3 +78,33 @@ def test_moe_router_with_a_zero_gate_matches_eager():
             (g,) = torch.autograd.grad(out.sum(), h)
             (ge,) = torch.autograd.grad(moe(h, gate).sum(), h)
             torch.testing.assert_close(g, ge, rtol=1e-5, atol=1e-6)
+
+
+def test_kthvalue_with_ties_returns_pytorchs_indices():
+    x = torch.cat([torch.full((2, 9), 1.0), torch.randint(0, 2, (4, 9)).float(), torch.randn(1, 9)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k in (1, 2, 5):
+            f = _compiled(lambda x, k=k: torch.kthvalue(x, k, dim=1))
+            _same(f(x), torch.kthvalue(x, k, dim=1))
+            # Values alone do not depend on the tie order: no check, no rerun.
+            tpuc.reset_stats()
+            g = _compiled(lambda x, k=k: torch.kthvalue(x, k, dim=1, keepdim=True).values * 2)
+            _same([g(x)], [torch.kthvalue(x, k, dim=1, keepdim=True).values * 2])
+            assert tpuc.stats()["eager_reruns"] == 0
+
+
+def test_unstable_sort_indices_come_from_pytorch():
+    # Introsort leaves ties in its own order above 16 elements; insertion sort (stable) below.
+    x = torch.randint(0, 3, (4, 40)).float()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fn in (
+            lambda x: torch.sort(x, dim=1)[1] * 2,
+            lambda x: torch.argsort(x.flatten(), descending=True) + 1,
+            lambda x: torch.sort(x[:, :16], dim=1, stable=False)[1],
+            lambda x: torch.sort(x, dim=1, stable=True)[1],
+        ):
+            _same([_compiled(fn, fallback="eager")(x)], [fn(x)])
+    # Values alone are exact whatever the order of ties: compiled as they are.
+    _same([_compiled(lambda x: torch.sort(x, dim=1)[0] + 1)(x)], [torch.sort(x, dim=1)[0] + 1])

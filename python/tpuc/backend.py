@@ -585,7 +585,7 @@ def _supported(n: torch.fx.Node) -> bool:
     target = str(n.target)
     if target in _STORAGE_OPS and not _owns_dense_storage(n.args[0]):
         return False
-    if ties.unordered_topk(n):
+    if ties.pytorch_order(n):
         return False
     leaves: list = []
     torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
@@ -605,8 +605,11 @@ def _supported(n: torch.fx.Node) -> bool:
 def _why_unsupported(n: torch.fx.Node) -> str:
     """The reason `_supported` gives for `n`, for error messages."""
     target = str(n.target)
-    if ties.unordered_topk(n):
-        return "its order (sorted=False, or a dim of symbolic size) is PyTorch's own kernel's"
+    if ties.pytorch_order(n):
+        return (
+            "its indices are in an order only PyTorch's own kernel gives (topk sorted=False, "
+            "unstable sort of more than 16 elements, or a dim of symbolic size)"
+        )
     if target in _supported_ops:
         leaves: list = []
         torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)

@@ -1,4 +1,4 @@
-"""Exact results for ops whose answer on tied values is whatever PyTorch's own kernel produces.
+"""Exact results for ops whose indices on tied values are whatever PyTorch's own kernel produces.
 
 `torch.topk` on CPU selects with libstdc++'s `nth_element`/`partial_sort`: among equal values the
 indices it returns (and their order) follow that algorithm, not the input order, and models depend
@@ -9,7 +9,10 @@ rewritten to select one value more, and the graph reports whether any two of tho
 (NaNs tie with NaNs): a call where one does is run again by PyTorch itself (counted in
 `tpuc.stats()["eager_reruns"]`), so results always equal eager's. `sorted=False` with k*64 > n
 returns `nth_element`'s partition order, which no sort reproduces: such a `topk` runs in PyTorch
-(see `unordered_topk`)."""
+(see `pytorch_order`). The same holds for `kthvalue` (quickselect: checked for another element
+equal to the one selected) and for `sort(stable=False)` over more than 16 elements (introsort;
+16 or fewer are insertion-sorted, which is stable): its indices come from PyTorch. Only ops whose
+indices are read are concerned: values do not depend on the tie order."""
 
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ import torch.fx
 from . import counters
 
 _TOPK = torch.ops.aten.topk.default
+_KTHVALUE = torch.ops.aten.kthvalue.default
+_SORT = torch.ops.aten.sort.default
+_SORT_STABLE = torch.ops.aten.sort.stable
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -35,9 +41,16 @@ def _topk_args(n: torch.fx.Node) -> tuple:
     return (*n.args, *(n.kwargs.get(name, d) for name, d in rest))
 
 
+def _kthvalue_args(n: torch.fx.Node) -> tuple:
+    """(input, k, dim, keepdim) of an `aten.kthvalue` node, defaults filled in."""
+    names, defaults = ("self", "k", "dim", "keepdim"), (None, None, -1, False)
+    rest = zip(names[len(n.args) :], defaults[len(n.args) :], strict=True)
+    return (*n.args, *(n.kwargs.get(name, d) for name, d in rest))
+
+
 def _static_size(n: torch.fx.Node) -> int | None:
-    """Size of the selected dim when static, else None."""
-    x, _k, dim, _largest, _sorted = _topk_args(n)
+    """Size of a topk's or kthvalue's dim when static, else None."""
+    x, _k, dim = _topk_args(n)[:3] if n.target is _TOPK else _kthvalue_args(n)[:3]
     val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return None
@@ -45,17 +58,40 @@ def _static_size(n: torch.fx.Node) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def unordered_topk(n: torch.fx.Node) -> bool:
-    """Whether `n` is a topk whose order only PyTorch's kernel gives: unsorted output of
-    `nth_element` (k > 1 and k*64 > n), or a dim of symbolic size (whether it is may depend on
-    the size)."""
-    if n.op != "call_function" or n.target is not _TOPK:
+def _indices_read(n: torch.fx.Node) -> bool:
+    """Whether the indices (output 1) of a (values, indices) op are used."""
+    return any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] != 0 for u in n.users)
+
+
+def _sort_args(n: torch.fx.Node) -> tuple:
+    """(input, dim, stable) of an `aten.sort` node."""
+    if n.target is _SORT:
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", -1)
+        return n.args[0], dim, False
+    return n.args[0], n.kwargs.get("dim", -1), bool(n.kwargs.get("stable"))
+
+
+def pytorch_order(n: torch.fx.Node) -> bool:
+    """Whether `n`'s indices are in an order only PyTorch's kernel gives, whatever the values:
+    a topk returning `nth_element`'s unsorted output (k > 1 and k*64 > n), an unstable sort of
+    more than 16 elements whose indices are read, or either over a dim of symbolic size. Such an
+    op runs in PyTorch."""
+    if n.op != "call_function":
         return False
-    _x, k, _dim, _largest, sorted_ = _topk_args(n)
-    size = _static_size(n)
-    if size is None or not isinstance(k, int):
-        return True
-    return not sorted_ and k > 1 and k * 64 > size
+    if n.target is _TOPK:
+        _x, k, _dim, _largest, sorted_ = _topk_args(n)
+        size = _static_size(n)
+        if size is None or not isinstance(k, int):
+            return True
+        return not sorted_ and k > 1 and k * 64 > size
+    if n.target in (_SORT, _SORT_STABLE):
+        x, dim, stable = _sort_args(n)
+        if stable or not _indices_read(n):
+            return False
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        size = val.shape[dim] if isinstance(val, torch.Tensor) and val.dim() else 1
+        return not isinstance(size, int) or size > 16
+    return False
 
 
 def _fake_mode(gm: torch.fx.GraphModule):
@@ -64,16 +100,19 @@ def _fake_mode(gm: torch.fx.GraphModule):
 
 
 def add_tie_checks(gm: torch.fx.GraphModule) -> int:
-    """Rewrites every topk of `gm` (in place) to select one value more and appends one bool
-    output per topk: whether any neighbours among its selected values and the next tie. Returns
-    the number of outputs added (0: `gm` is unchanged)."""
+    """Rewrites `gm` (in place) so that it also returns, per topk or kthvalue whose indices are
+    read, a bool: whether the values it selected could tie (topk: it selects one value more and
+    compares neighbours; kthvalue: another element equals the one selected). Returns the number
+    of outputs added (0: `gm` is unchanged)."""
     nodes = [
         n
         for n in gm.graph.nodes
         if n.op == "call_function"
-        and n.target is _TOPK
-        and not unordered_topk(n)
-        and min(_topk_args(n)[1] + 1, _static_size(n)) > 1  # else nothing can tie
+        and n.target in (_TOPK, _KTHVALUE)
+        and _indices_read(n)
+        and not pytorch_order(n)
+        and _static_size(n) is not None
+        and (n.target is _KTHVALUE or min(_topk_args(n)[1] + 1, _static_size(n)) > 1)
     ]
     if not nodes:
         return 0
@@ -81,43 +120,51 @@ def add_tie_checks(gm: torch.fx.GraphModule) -> int:
     graph = gm.graph
     aten = torch.ops.aten
     flags = []
+    anchor = None
 
-    def call(target, args, anchor):
+    def call(target, *args):
+        nonlocal anchor
         with graph.inserting_after(anchor):
             node = graph.call_function(target, args)
         fake_args = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
         with fake_mode:
             node.meta["val"] = target(*fake_args)
+        anchor = node
         return node
 
+    def equal_or_both_nan(a, b):
+        tie = call(aten.eq.Tensor, a, b)
+        if a.meta["val"].is_floating_point():
+            both = call(aten.logical_and.default, call(aten.isnan.default, a), call(aten.isnan.default, b))
+            tie = call(aten.logical_or.default, tie, both)
+        return tie
+
     for n in nodes:
+        anchor = n
+        if n.target is _KTHVALUE:
+            x, _k, dim, keepdim = _kthvalue_args(n)
+            value = call(operator.getitem, n, 0)
+            if not keepdim and x.meta["val"].dim():
+                value = call(aten.unsqueeze.default, value, dim)
+            same = call(aten.sum.dim_IntList, equal_or_both_nan(x, value), [dim])
+            flags.append(call(aten.any.default, call(aten.gt.Scalar, same, 1)))
+            continue
         x, k, dim, largest, _sorted = _topk_args(n)
-        size = _static_size(n)
-        wide = min(k + 1, size)
+        wide = min(k + 1, _static_size(n))
         dim = dim % max(x.meta["val"].dim(), 1)
-        selected = call(_TOPK, (x, wide, dim, largest, True), n)
-        values_all = call(operator.getitem, (selected, 0), selected)
-        indices_all = call(operator.getitem, (selected, 1), values_all)
-        values = call(aten.slice.Tensor, (values_all, dim, 0, k), indices_all)
-        indices = call(aten.slice.Tensor, (indices_all, dim, 0, k), values)
-        a = call(aten.slice.Tensor, (values_all, dim, 0, wide - 1), indices)
-        b = call(aten.slice.Tensor, (values_all, dim, 1, wide), a)
-        tie = call(aten.eq.Tensor, (a, b), b)
-        if values_all.meta["val"].is_floating_point():
-            nan_a = call(aten.isnan.default, (a,), tie)
-            nan_b = call(aten.isnan.default, (b,), nan_a)
-            both = call(aten.logical_and.default, (nan_a, nan_b), nan_b)
-            tie = call(aten.logical_or.default, (tie, both), both)
-        flag = call(aten.any.default, (tie,), tie)
+        selected = call(_TOPK, x, wide, dim, largest, True)
+        values_all = call(operator.getitem, selected, 0)
+        indices_all = call(operator.getitem, selected, 1)
+        values = call(aten.slice.Tensor, values_all, dim, 0, k)
+        indices = call(aten.slice.Tensor, indices_all, dim, 0, k)
+        a = call(aten.slice.Tensor, values_all, dim, 0, wide - 1)
+        b = call(aten.slice.Tensor, values_all, dim, 1, wide)
+        flags.append(call(aten.any.default, equal_or_both_nan(a, b)))
         # The old topk's users read values and indices through getitem.
         for user in list(n.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(values if user.args[1] == 0 else indices)
-                graph.erase_node(user)
-        if n.users:
-            n.replace_all_uses_with(selected)  # pragma: no cover (topk is only read via getitem)
+            user.replace_all_uses_with(values if user.args[1] == 0 else indices)
+            graph.erase_node(user)
         graph.erase_node(n)
-        flags.append(flag)
     out = next(n for n in graph.nodes if n.op == "output")
     outs = out.args[0]
     out.args = ((*outs, *flags),) if isinstance(outs, list | tuple) else ((outs, *flags),)
@@ -147,8 +194,8 @@ class TieChecked:
             _warned.add(self.name)
         if first:
             warnings.warn(
-                f"tpuc: graph {self.name} ran in eager PyTorch for a call where torch.topk had tied "
-                "values: which of them it returns is decided by PyTorch's own kernel",
+                f"tpuc: graph {self.name} ran in eager PyTorch for a call where torch.topk or "
+                "kthvalue selected tied values: which indices they return is PyTorch's own kernel's",
                 stacklevel=2,
             )
         return list(self.eager(*args))
