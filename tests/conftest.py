@@ -20,6 +20,10 @@ os.environ["TPUC_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-cache-")
 import tpuc  # noqa: E402
 from tpuc import backend  # noqa: E402
 
+# TPUC_DISCRETE_DEVICE=1: the CPU plugin treated as a device with memory of its own (the GPU/TPU
+# path); the few tests of what only host memory allows skip themselves.
+DISCRETE = os.environ.get("TPUC_DISCRETE_DEVICE", "0") not in ("", "0")
+
 _verified: list[str] = []
 
 

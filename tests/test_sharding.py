@@ -157,7 +157,7 @@ def test_fsdp_keeps_a_quarter_of_the_parameters_per_device():
     per_device = {}
     for sharding in ["replicated", "fsdp"]:
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-        compiled = _compiled(model, "4x1", sharding)
+        compiled = _compiled(model, "4x1", sharding, residency="versioned")
         before = tpuc.resident_bytes() + [0] * 4
         with torch.no_grad():
             for _ in range(3):  # parameters become resident the second time they are seen

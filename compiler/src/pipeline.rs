@@ -157,6 +157,11 @@ pub struct RunTimings {
 /// buffer alignment).
 pub const HOST_VIEW_ALIGN: usize = 64;
 
+/// Whether `TPUC_DISCRETE_DEVICE` asks to treat every plugin as a discrete device.
+pub fn discrete_device_forced() -> bool {
+    std::env::var("TPUC_DISCRETE_DEVICE").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
 /// Bytes of a dense array of `shape` and `dtype` (shapes of lowered signatures are valid).
 pub fn dense_bytes(shape: &[i64], dtype: DType) -> usize {
     shape
@@ -177,7 +182,10 @@ impl Engine {
         let client = Client::new(plugin, options)?;
         let platform = client.platform_name()?.to_lowercase();
         Ok(Engine {
-            host_zero_copy: platform == "cpu",
+            // TPUC_DISCRETE_DEVICE=1 treats the CPU plugin as a device with memory of its own
+            // (inputs uploaded, outputs copied back, resident buffers as copies): the path of
+            // GPUs and TPUs, tested where there are none.
+            host_zero_copy: platform == "cpu" && !discrete_device_forced(),
             host_views: std::sync::atomic::AtomicBool::new(
                 std::env::var_os("TPUC_NO_HOST_VIEWS").is_none(),
             ),

@@ -146,21 +146,36 @@ def record_compile(exe) -> None:
         counters.add(cache_hits_memory=1, lower_seconds=exe.lower_seconds)
 
 
-def _residency(rt):
+def keeps_resident(rt, mode: str) -> tuple[bool, bool]:
+    """(whether inputs may stay resident, whether a resident buffer may be a copy) for option
+    `residency` on runtime `rt`. A copy is only current while nothing wrote the tensor's memory
+    behind PyTorch's version counter (`p.data.mul_`, FSDP2 filling its unsharded parameters), so
+    by default ("auto") only buffers that are the memory itself stay resident: on the CPU
+    plugin, 64-byte-aligned tensors; on discrete devices nothing (uploaded every call).
+    "versioned" keeps copies too (the caller promises versioned writes); "off" keeps nothing."""
+    if mode == "off":
+        return False, False
+    if mode == "versioned":
+        return True, True
+    return rt.host_zero_copy, False
+
+
+def _residency(rt, mode: str = "auto"):
     """`device_arg(slot, t)`: the resident buffer of input tensor `t` at a position whose
     `_native.Slot` is `slot`, uploading it the second time the same storage comes back (or after
     it changed), else None. Holds the runtime, not the graph (call plans keep it).
 
     A resident buffer is reused only while `t` is the same tensor with the same `_version`, the
     same address and, for a copy, the same storage: `.data =`, `module.to(dtype)`, swap_tensors
-    and FSDP's storage resizes change the memory without bumping the version. Where device
-    memory is host memory (the CPU plugin) only buffers that are the tensor's memory itself stay
-    resident: they read whatever wrote it, also writes PyTorch does not version (`p.data.mul_`);
-    a copy (memory not aligned as the plugin needs) would not see those, so such a tensor is
-    passed as host memory every call instead."""
-    zero_copy, align = rt.host_zero_copy, rt.host_align
+    and FSDP's storage resizes change the memory without bumping the version. Which buffers may
+    stay resident at all is `keeps_resident`'s rule: a buffer that is the tensor's memory reads
+    whatever wrote it; a copy misses writes PyTorch does not version."""
+    enabled, copies = keeps_resident(rt, mode)
+    align = rt.host_align if rt.host_zero_copy and not copies else 1
 
     def device_arg(slot: _native.Slot, t: torch.Tensor):
+        if not enabled:
+            return None
         ptr = t.data_ptr()
         storage = t.untyped_storage()
         if (
@@ -171,13 +186,13 @@ def _residency(rt):
         ):
             return slot.buffer
         slot.tensor = slot.buffer = slot.storage = None
-        if zero_copy and ptr % align:
+        if ptr % align:
             return None  # the plugin would copy it (see above)
         if slot.ref is not None and slot.ref() is storage:
             # Seen before at this position: keep it resident from now on.
             buffer = rt.upload(_host_array(t))
             counters.count_upload()
-            if zero_copy and not buffer.aliases_host:
+            if not (copies or buffer.aliases_host):
                 slot.ref = None
                 return None  # the plugin copied it after all (see above)
             slot.tensor, slot.version, slot.ptr, slot.storage = t, t._version, ptr, storage
@@ -221,7 +236,7 @@ class CompiledGraph:
         self.symbolic = any(k[0] == "symint" or any(isinstance(d, str) for d in k[1]) for k in self.inputs)
         self.executables: dict = {}
         self.slots = [_native.Slot() for _ in self.inputs]
-        self.device_arg = _residency(self.runtime)
+        self.device_arg = _residency(self.runtime, opts.residency)
         self.lock = threading.Lock()
         # Symbols with a declared maximum are bucketed: {symbol: (maximum, source, bucket sizes)}.
         self.maxima = {
@@ -233,7 +248,13 @@ class CompiledGraph:
         self.sharded = None
         if shard_ctx is not None:
             self.sharded = sharding_mod.ShardedGraph(
-                shard_ctx, shard_kind, gm, self.inputs, self.output_kinds, self.runtime
+                shard_ctx,
+                shard_kind,
+                gm,
+                self.inputs,
+                self.output_kinds,
+                self.runtime,
+                keeps_resident(self.runtime, opts.residency),
             )
             self.maxima = {}
         self.bucketing = self.symbolic and bool(self.maxima)

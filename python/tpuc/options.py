@@ -20,7 +20,9 @@ VALID_KEYS = (
     "sharding",
     "passes",
     "plugin_options",
+    "residency",
 )
+RESIDENCIES = ("auto", "versioned", "off")
 PRECISIONS = ("highest", "high", "default")
 FALLBACKS = ("eager", "error")
 SHARDINGS = ("replicated", "data_parallel", "fsdp", "tensor_parallel")
@@ -59,6 +61,7 @@ class Options:
     passes: dict = field(default_factory=dict)
     cache_max_bytes: int | None = None
     plugin_options: dict = field(default_factory=dict)
+    residency: str = "auto"
 
     def pass_enabled(self, name: str) -> bool:
         """Whether pass or group `name` runs: a pass's own entry wins over its group's."""
@@ -122,6 +125,10 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
             plugin_options,
             "a dict of PJRT_Client_Create options {name: bool | int | float | str | list of ints}",
         )
+
+    residency = options.get("residency", os.environ.get("TPUC_RESIDENCY") or "auto")
+    if residency not in RESIDENCIES:
+        raise _bad("residency", residency, " or ".join(repr(r) for r in RESIDENCIES))
 
     if "precision" in options:
         precision = options["precision"]
@@ -193,6 +200,7 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
         mesh=mesh,
         sharding=sharding,
         passes=dict(passes),
+        residency=residency,
         plugin_options={k: list(v) if isinstance(v, list | tuple) else v for k, v in plugin_options.items()},
         cache_max_bytes=parse_size(os.environ.get("TPUC_CACHE_MAX_SIZE") or DEFAULT_CACHE_MAX_SIZE),
     )

@@ -170,9 +170,19 @@ class ShardedGraph:
     and running the partitioned executable with inputs split and outputs reassembled."""
 
     def __init__(
-        self, ctx: Context, kind: str, gm: torch.fx.GraphModule, graph_inputs, output_kinds, runtime
+        self,
+        ctx: Context,
+        kind: str,
+        gm: torch.fx.GraphModule,
+        graph_inputs,
+        output_kinds,
+        runtime,
+        residency: tuple[bool, bool] = (True, False),
     ):
         self.ctx = ctx
+        # (whether inputs may stay resident, whether resident pieces may be copies): see
+        # backend.keeps_resident.
+        self.residency = residency
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         num_placeholders = len(placeholders)
         self.input_names = [n.name for n in placeholders]
@@ -277,6 +287,9 @@ class ShardedGraph:
         with the same memory and version (parameters), cached the second time its storage is
         seen, under the rules of unsharded graphs (`backend._residency`): where device memory is
         host memory, only pieces that are the tensor's own memory stay resident."""
+        enabled, copies = self.residency
+        if not enabled:
+            return None
         slot = self.slots.get(i)
         ptr, storage = t.data_ptr(), t.untyped_storage()
         if (
@@ -300,7 +313,7 @@ class ShardedGraph:
                 b.aliases_host and p.untyped_storage() is storage
                 for p, b in zip(pieces, buffers, strict=True)
             )
-            if self.runtime.host_zero_copy and not aliased:
+            if not (copies or aliased):
                 slot.copied = True  # a copy could go stale: split per call instead
                 return None
             slot.tensor, slot.version, slot.ptr, slot.storage = t, t._version, ptr, storage
