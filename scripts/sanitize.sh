@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Sanitized runs of the Rust core (slow; not part of `make test`).
 #
-#   scripts/sanitize.sh [FILTER...]   the PJRT FFI layer (compiler/src/pjrt) under Valgrind memcheck:
-#                                     builds the compiler crate's unit-test binary and runs its PJRT
-#                                     tests (default filter `pjrt::tests`) against the real CPU plugin
+#   scripts/sanitize.sh [FILTER...]   the PJRT FFI layer (the runtime crate) under Valgrind memcheck:
+#                                     builds the runtime crate's unit-test binary and runs its PJRT
+#                                     tests (default filter `tests`) against the real CPU plugin
 #   scripts/sanitize.sh --miri        the unit tests of the crates without FFI (frontend_fx, passes,
 #                                     cache) under Miri (needs `rustup component add --toolchain
 #                                     nightly miri rust-src`)
@@ -23,12 +23,12 @@ if [[ "${1:-}" == "--miri" ]]; then
 fi
 
 filters=("$@")
-[[ ${#filters[@]} -eq 0 ]] && filters=(pjrt::tests)
+[[ ${#filters[@]} -eq 0 ]] && filters=(tests)
 
 # The release profile, whose dependencies `make` has built already (reports name functions; for
 # file and line, run with CARGO_PROFILE_RELEASE_DEBUG=line-tables-only, which rebuilds everything).
-bin=$(cargo test --release -p tpuc_compiler --lib --no-run --message-format=json |
-    jq -r 'select(.reason == "compiler-artifact" and .target.name == "tpuc_compiler"
+bin=$(cargo test --release -p tpuc_runtime --lib --no-run --message-format=json |
+    jq -r 'select(.reason == "compiler-artifact" and .target.name == "tpuc_runtime"
                   and .profile.test and .executable != null) | .executable' | tail -n 1)
 [[ -x "$bin" ]] || { echo "sanitize.sh: test binary not found" >&2; exit 2; }
 echo "sanitize.sh: $bin ${filters[*]}" >&2

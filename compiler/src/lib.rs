@@ -1,6 +1,5 @@
-//! tpuc's compiler: lowering of the IR to StableHLO (melior) and the PJRT runtime that
-//! compiles and runs it.
+//! tpuc's compiler: lowering of the IR to StableHLO (melior) and the compile pipeline (lower,
+//! cache lookup, compile and run through the PJRT runtime, crate `tpuc_runtime`).
 
 pub mod lower;
 pub mod pipeline;
-pub mod pjrt;

@@ -2,10 +2,6 @@
 //! running the result with host memory in and out.
 
 use crate::lower::{self, LowerError, LowerOptions, Lowered, Precision};
-use crate::pjrt::{
-    self, Buffer, Client, CompileOptions, ElementType, HostBufferSemantics, LoadedExecutable,
-    PjrtError, Plugin,
-};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
@@ -20,6 +16,10 @@ use tpuc_cache::{
 use tpuc_frontend_fx::{DType, Graph};
 use tpuc_passes::sharding::{ShardingError, ShardingRequest};
 use tpuc_passes::SpecializeError;
+use tpuc_runtime::{
+    self as pjrt, Buffer, Client, CompileOptions, ElementType, HostBufferSemantics,
+    LoadedExecutable, PjrtError, Plugin,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {

@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tpuc_compiler::pipeline::{dense_bytes, Compiled, Engine, PtrArg, RunTimings};
-use tpuc_compiler::pjrt::Buffer;
 use tpuc_frontend_fx::DType;
+use tpuc_runtime::Buffer;
 
 // DLPack's C ABI (dlpack.h, v0.8 layout, the one `torch._C._from_dlpack` reads).
 #[repr(C)]

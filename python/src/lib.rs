@@ -23,9 +23,9 @@ use tpuc_compiler::lower::{LowerError, Precision};
 use tpuc_compiler::pipeline::{
     CacheOutcome, CompileError, Compiled, DiskCacheOptions, Engine, HostArray, RunArg,
 };
-use tpuc_compiler::pjrt::{Buffer, OptionValue, PjrtError};
 use tpuc_frontend_fx::{DType, Dim, Graph, InputKind, Output};
 use tpuc_passes::sharding::{Mesh, Role, ShardingRequest, Slot, Spec, Strategy};
+use tpuc_runtime::{Buffer, OptionValue, PjrtError};
 
 create_exception!(
     _native,
@@ -1011,7 +1011,7 @@ fn cache_clear(dir: PathBuf) -> PyResult<usize> {
 /// Live PJRT objects of this process: `{"buffers", "events", "executables"}` (leak tests).
 #[pyfunction]
 fn live_objects() -> HashMap<&'static str, usize> {
-    let live = tpuc_compiler::pjrt::live_objects();
+    let live = tpuc_runtime::live_objects();
     HashMap::from([
         ("buffers", live.buffers),
         ("events", live.events),
@@ -1025,9 +1025,9 @@ fn live_objects() -> HashMap<&'static str, usize> {
 #[pyo3(signature = (us=None))]
 fn execute_spin_us(us: Option<u64>) -> u64 {
     if let Some(us) = us {
-        tpuc_compiler::pjrt::set_execute_spin(std::time::Duration::from_micros(us));
+        tpuc_runtime::set_execute_spin(std::time::Duration::from_micros(us));
     }
-    u64::try_from(tpuc_compiler::pjrt::execute_spin().as_micros()).unwrap_or(u64::MAX)
+    u64::try_from(tpuc_runtime::execute_spin().as_micros()).unwrap_or(u64::MAX)
 }
 
 #[pyfunction]

@@ -146,11 +146,11 @@ fn mlir(g: &Graph) -> String {
 fn engine() -> &'static Engine {
     static ENGINE: OnceLock<Engine> = OnceLock::new();
     ENGINE.get_or_init(|| {
-        let path = crate::pjrt::default_cpu_plugin_path().expect(
+        let path = tpuc_runtime::default_cpu_plugin_path().expect(
             "CPU PJRT plugin not found: `.venv/bin/pip install --no-deps xla-cpu-pjrt==0.0.1` \
              or set TPUC_PJRT_PLUGIN",
         );
-        Engine::new(&path, &crate::pjrt::cpu_device_options(Some(1)))
+        Engine::new(&path, &tpuc_runtime::cpu_device_options(Some(1)))
             .expect("create the CPU engine")
     })
 }

@@ -132,12 +132,12 @@ macro_rules! pjrt_fn {
         #[allow(unused_unsafe)]
         // SAFETY: `Api::function` only calls this after checking that the
         // field lies within the plugin's (immutable, never freed) table.
-        let read = |raw: *const $crate::pjrt::sys::PJRT_Api| unsafe {
+        let read = |raw: *const $crate::sys::PJRT_Api| unsafe {
             ::std::ptr::addr_of!((*raw).$name).read()
         };
-        $crate::pjrt::api::Api::function(
+        $crate::api::Api::function(
             $api,
-            ::std::mem::offset_of!($crate::pjrt::sys::PJRT_Api, $name),
+            ::std::mem::offset_of!($crate::sys::PJRT_Api, $name),
             stringify!($name),
             read,
         )
@@ -150,8 +150,8 @@ pub(crate) use pjrt_fn;
 /// The caller's SAFETY comment must justify the pointers stored in `args`.
 macro_rules! pjrt_call {
     ($api:expr, $name:ident, $args:expr) => {{
-        let api: &$crate::pjrt::api::Api = $api;
-        match $crate::pjrt::api::pjrt_fn!(api, $name) {
+        let api: &$crate::api::Api = $api;
+        match $crate::api::pjrt_fn!(api, $name) {
             Ok(f) => {
                 let err = f($args);
                 api.check(err, stringify!($name))

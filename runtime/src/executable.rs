@@ -198,7 +198,7 @@ impl LoadedExecutable {
         self.num_devices
     }
 
-    /// Whether this executable came from [`crate::pjrt::Client::deserialize`].
+    /// Whether this executable came from [`crate::Client::deserialize`].
     pub fn is_deserialized(&self) -> bool {
         self.deserialized
     }
@@ -325,7 +325,7 @@ impl LoadedExecutable {
         }
     }
 
-    /// Serializes the executable for [`crate::pjrt::Client::deserialize`].
+    /// Serializes the executable for [`crate::Client::deserialize`].
     ///
     /// Refused for an executable that was itself deserialized: the CPU
     /// plugin then returns a truncated blob that loads but fails in Execute.

@@ -14,7 +14,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed={HEADER_ENV}");
 
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
-    let workspace_root = manifest_dir.parent().expect("compiler/ has a parent");
+    let workspace_root = manifest_dir.parent().expect("runtime/ has a parent");
     let header = find_header(workspace_root);
     println!("cargo:rerun-if-changed={}", header.display());
 
