@@ -2,8 +2,38 @@
 # Sets up everything tpuc needs on a fresh Debian 12 machine, skipping what is already there:
 # the LLVM/MLIR 22 packages, the Python environment (.venv) with torch 2.15 and the CPU PJRT
 # plugin, the test tools, and the build of the Rust extension (installed into .venv).
+#
+#   scripts/setup.sh [--plugin NAME]...   also install an accelerator PJRT plugin from PyPI:
+#       cuda (jax-cuda13-pjrt: the CUDA 13 libraries torch 2.15 brings serve it), cuda12,
+#       rocm (jax-rocm7-pjrt), tpu (libtpu). Each is picked by options={"plugin": NAME} or found
+#       by detection where its hardware is present (README "Plugins").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# name -> pip requirement (installed with --no-deps: none of them may touch torch).
+declare -A PLUGIN_WHEELS=(
+    [cuda]="jax-cuda13-pjrt==0.12.0.1"
+    [cuda12]="jax-cuda12-pjrt==0.12.0.1"
+    [rocm]="jax-rocm7-pjrt==0.12.0"
+    [tpu]="libtpu==0.0.51"
+)
+EXTRA_PLUGINS=()
+while (($#)); do
+    case "$1" in
+    --plugin)
+        [[ -n "${2:-}" && -n "${PLUGIN_WHEELS[$2]:-}" ]] || {
+            echo "setup: --plugin takes one of: ${!PLUGIN_WHEELS[*]}" >&2
+            exit 2
+        }
+        EXTRA_PLUGINS+=("$2")
+        shift 2
+        ;;
+    *)
+        echo "setup: unknown argument $1 (usage: scripts/setup.sh [--plugin NAME]...)" >&2
+        exit 2
+        ;;
+    esac
+done
 
 # graphviz: `dot` renders the graph.svg of debugging dumps (dump_dir); without it dumps hold graph.dot.
 APT_PACKAGES=(llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22 libclang-common-22-dev libzstd-dev zlib1g-dev graphviz)
@@ -44,6 +74,13 @@ if ! have "import importlib.metadata as m; m.distribution('xla-cpu-pjrt')"; then
     step "python: installing the CPU PJRT plugin (xla-cpu-pjrt)"
     "${PIP[@]}" --no-deps "xla-cpu-pjrt==0.0.1"
 fi
+for name in "${EXTRA_PLUGINS[@]}"; do
+    req=${PLUGIN_WHEELS[$name]}
+    if ! have "import importlib.metadata as m, sys; sys.exit(m.version('${req%%==*}') != '${req##*==}')"; then
+        step "python: installing the $name PJRT plugin ($req)"
+        "${PIP[@]}" --no-deps "$req"
+    fi
+done
 # Test tools first: the verifier wheel below needs numpy. expecttest is what PyTorch's op database
 # (bench/op_sweep.py) imports.
 if ! have "import maturin, pytest, numpy, expecttest" || [ ! -x .venv/bin/ruff ]; then

@@ -83,3 +83,69 @@ def test_doctor_reports_the_plugin_of_tpuc_pjrt_plugin(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"plugin (TPUC_PJRT_PLUGIN): {runtime.resolve_plugin('cpu')}" in out.stdout, out.stdout
     assert "installed plugins:\n  cpu: " in out.stdout, out.stdout
+
+
+# The accelerator plugins from PyPI, downloaded once into a cache (the tests skip, saying why,
+# where the package index cannot be reached).
+_REAL_PLUGINS = {
+    "cuda": ("jax-cuda13-pjrt==0.12.0.1", "jax_plugins/xla_cuda13/xla_cuda_plugin.so", "GPU"),
+    "tpu": ("libtpu==0.0.51", "libtpu/libtpu.so", "TPU"),
+}
+_CHILD = """
+import sys, time, torch, tpuc
+start = time.monotonic()
+try:
+    torch.compile(lambda x: x + 1, backend="tpu", options={"plugin": sys.argv[1]})(torch.ones(2))
+    print("no error")
+except tpuc.PjrtError as e:
+    print("PjrtError:", e)
+print("seconds", time.monotonic() - start)
+"""
+
+
+def _real_plugin(family: str) -> Path:
+    import zipfile
+
+    requirement, member, _ = _REAL_PLUGINS[family]
+    cache = Path(os.environ.get("TPUC_TEST_PLUGIN_CACHE", Path.home() / ".cache" / "tpuc-test-plugins"))
+    target = cache / family / member
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    name = requirement.split("==")[0]
+    wheels = list(cache.glob(f"{name.replace('-', '_')}-*.whl"))
+    if not wheels:
+        got = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), requirement],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        wheels = list(cache.glob(f"{name.replace('-', '_')}-*.whl"))
+        if got.returncode != 0 or not wheels:
+            pytest.skip(f"cannot download {requirement} (offline?): {got.stderr.strip()[-300:]}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        z.extract(member, cache / family)
+    target.chmod(0o755)
+    return target
+
+
+@pytest.mark.parametrize("family", sorted(_REAL_PLUGINS))
+@pytest.mark.parametrize("forced", [False, True], ids=["checked", "loaded"])
+def test_real_accelerator_plugin_without_its_hardware_fails_fast(family, forced):
+    # "checked": tpuc's own check names the missing device before loading anything; "loaded"
+    # (TPUC_SKIP_DEVICE_CHECK=1): the plugin itself starts and says so, within seconds (libtpu
+    # never waits on a metadata server), and is never handed the CPU plugin's options.
+    if runtime.hardware_present(family):
+        pytest.skip(f"this machine has a {family} device")
+    plugin = _real_plugin(family)
+    env = {**os.environ, "TPUC_SKIP_DEVICE_CHECK": "1" if forced else "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(plugin)], env=env, capture_output=True, text=True, timeout=120
+    )
+    device = _REAL_PLUGINS[family][2]
+    assert f"PjrtError: the {family} PJRT plugin" in out.stdout and device in out.stdout, (
+        out.stdout + out.stderr[-2000:]
+    )
+    assert "cpu_device_count" not in out.stdout
+    assert float(out.stdout.split("seconds")[-1]) < 60

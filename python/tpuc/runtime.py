@@ -226,13 +226,15 @@ def _plain_start_error(message: str, path: Path, family: str) -> str:
     """A plugin's start-up error, with what it means in plain words where it is a known one."""
     low = message.lower()
     if family in ("cuda", "rocm") and any(
-        s in low for s in ("no cuda-capable device", "cuda_error_no_device", "no visible device", "no gpu")
+        s in low for s in ("no cuda-capable device", "cuda_error_no_device", "no visible gpu", "no gpu")
     ):
         return f"the {family} PJRT plugin {path} found no usable GPU: {message}"
     if family in ("cuda", "rocm") and any(
         s in low for s in ("libcuda", "cuda driver", "libamdhip", "cannot open shared object")
     ):
         return f"the {family} PJRT plugin {path} cannot find the GPU driver library: {message}"
+    if family == "tpu" and any(s in low for s in ("tpu initialization failed", "no jellyfish device")):
+        return f"the tpu PJRT plugin {path} found no TPU: {message}"
     if "unexpected option name" in low:
         return (
             f"{message} (the {family} plugin {path} rejects this create option; see option 'plugin_options')"
