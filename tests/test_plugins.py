@@ -83,6 +83,7 @@ def test_doctor_reports_the_plugin_of_tpuc_pjrt_plugin(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"plugin (TPUC_PJRT_PLUGIN): {runtime.resolve_plugin('cpu')}" in out.stdout, out.stdout
     assert "installed plugins:\n  cpu: " in out.stdout, out.stdout
+    assert "(PJRT API 0." in out.stdout and "hardware present)" in out.stdout, out.stdout
 
 
 # The accelerator plugins from PyPI, downloaded once into a cache (the tests skip, saying why,

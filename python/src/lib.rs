@@ -1008,6 +1008,16 @@ fn cache_clear(dir: PathBuf) -> PyResult<usize> {
     open_cache(dir)?.clear().map_err(cache_err)
 }
 
+/// `(major, minor)` PJRT C API version of the plugin at `path`, loading it (once per process;
+/// plugins are never unloaded) without creating a client (GIL released).
+#[pyfunction]
+fn plugin_api_version(py: Python<'_>, path: PathBuf) -> PyResult<(i32, i32)> {
+    let plugin = py
+        .detach(|| tpuc_runtime::load_plugin(&path))
+        .map_err(pjrt_err)?;
+    Ok(plugin.api_version())
+}
+
 /// Live PJRT objects of this process: `{"buffers", "events", "executables"}` (leak tests).
 #[pyfunction]
 fn live_objects() -> HashMap<&'static str, usize> {
@@ -1064,6 +1074,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bucket::eval_sym, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
     m.add_function(wrap_pyfunction!(live_objects, m)?)?;
+    m.add_function(wrap_pyfunction!(plugin_api_version, m)?)?;
     m.add_function(wrap_pyfunction!(execute_spin_us, m)?)?;
     m.add_function(wrap_pyfunction!(cache_list, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;

@@ -18,7 +18,14 @@ def _doctor(args) -> int:
     print("installed plugins:")
     for family, found in runtime.installed_plugins().items():
         present = "present" if runtime.hardware_present(family) else "absent"
-        print(f"  {family}: {found} (hardware {present})")
+        if family == "tpu":
+            os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # loading it must not wait
+        try:
+            major, minor = _native.plugin_api_version(str(found))
+            api = f"PJRT API {major}.{minor}"
+        except _native.TpucError as e:
+            api = f"does not load: {e}"
+        print(f"  {family}: {found} ({api}, hardware {present})")
     plugin = args.plugin or os.environ.get("TPUC_PJRT_PLUGIN") or None
     source = "--plugin" if args.plugin else "TPUC_PJRT_PLUGIN" if plugin else "detected"
     try:
