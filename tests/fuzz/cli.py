@@ -1,11 +1,15 @@
 """Long differential fuzzing runs with a report.
 
     python tests/fuzz/cli.py --count 10000 [--start 0] [--report fuzz_report.json] [--save]
-        [--dynamic | --dynamic-count N]
+        [--dynamic | --dynamic-count N] [--stateful | --family classic|stateful|mixed]
+        [--markdown fuzz_report.md]
 
-Programs run in worker subprocesses, so that a process abort (SIGABRT, SIGSEGV) is recorded as a
-crash of the program that caused it and the run goes on. --save shrinks each failure and writes it
-as a regression test under tests/fuzz/regressions/."""
+Families: `classic` (gen.py's programs, static and optionally with dynamic dims), `stateful`
+(stateful.py: modules whose parameters and buffers are changed between calls, even seeds; gen.py
+programs with custom ops that tpuc partitions around, customops.py, odd seeds), `mixed` (each seed
+runs both). Programs run in worker subprocesses, so that a process abort (SIGABRT, SIGSEGV) is
+recorded as a crash of the program that caused it and the run goes on. --save shrinks each failure
+and writes it as a regression test under tests/fuzz/regressions/."""
 
 from __future__ import annotations
 
@@ -21,29 +25,58 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def worker(start: int, end: int, include_known: bool, dynamic_end: int) -> None:
-    """Runs seeds [start, end); one JSON line per program on stdout, a `begin` line before each.
-    Seeds below `dynamic_end` also run in the dynamic-dims mode."""
+FAMILIES = ("classic", "stateful", "mixed")
+BAD = ("mismatch", "internal", "crash")
+
+
+def worker(
+    start: int, end: int, include_known: bool, dynamic_end: int, family: str = "classic", only=None
+) -> None:
+    """Runs seeds [start, end); one JSON line per run on stdout, a `begin` line before each run
+    and an `end` line after each seed. Seeds below `dynamic_end` also run in the dynamic-dims mode
+    (classic family)."""
     import tempfile
+    import warnings
 
     os.environ.setdefault("TPUC_CACHE_DIR", tempfile.mkdtemp(prefix="tpuc-fuzz-"))
+    warnings.simplefilter("ignore")  # fallback and deprecation warnings would flood stderr
     import random
 
     from fuzz.gen import generate
     from fuzz.runner import run, run_dynamic
 
     for seed in range(start, end):
-        print(json.dumps({"begin": seed}), flush=True)
-        program = generate(seed, include_known=include_known)
-        modes = ["static", "dynamic"] if seed < dynamic_end else ["static"]
-        for mode in modes:
+        if family in ("classic", "mixed"):
+            program = generate(seed, include_known=include_known)
+            modes = ["static", "dynamic"] if seed < dynamic_end else ["static"]
+            for mode in modes:
+                print(json.dumps({"begin": seed, "mode": mode}), flush=True)
+                t0 = time.perf_counter()
+                if mode == "static":
+                    outcome = run(program)
+                else:
+                    rng = random.Random(seed)
+                    sizes = (rng.randint(2, 16), rng.randint(2, 16))
+                    outcome = run_dynamic(program, sizes, include_known=include_known)
+                record = {
+                    "seed": seed,
+                    "mode": mode,
+                    "kind": outcome.kind,
+                    "type": outcome.error_type,
+                    "detail": outcome.detail,
+                    "seconds": round(time.perf_counter() - t0, 3),
+                    "nodes": len(program.nodes),
+                }
+                print(json.dumps(record), flush=True)
+        if family in ("stateful", "mixed"):
+            from fuzz.stateful import failure_blame, generate_stateful, mode_of, program_kinds, run_stateful
+
             t0 = time.perf_counter()
-            if mode == "static":
-                outcome = run(program)
-            else:
-                rng = random.Random(seed)
-                sizes = (rng.randint(2, 16), rng.randint(2, 16))
-                outcome = run_dynamic(program, sizes, include_known=include_known)
+            print(json.dumps({"begin": seed, "mode": "stateful"}), flush=True)  # generation runs eager
+            program = generate_stateful(seed, only)
+            mode = mode_of(program)
+            print(json.dumps({"begin": seed, "mode": mode}), flush=True)
+            outcome = run_stateful(program)
             record = {
                 "seed": seed,
                 "mode": mode,
@@ -51,9 +84,12 @@ def worker(start: int, end: int, include_known: bool, dynamic_end: int) -> None:
                 "type": outcome.error_type,
                 "detail": outcome.detail,
                 "seconds": round(time.perf_counter() - t0, 3),
-                "nodes": len(program.nodes),
+                "kinds": program_kinds(program),
             }
+            if outcome.kind in BAD or outcome.kind == "torch":
+                record["blame"] = failure_blame(program, outcome)
             print(json.dumps(record), flush=True)
+        print(json.dumps({"end": seed}), flush=True)
 
 
 def _git_commit() -> str:
@@ -80,7 +116,14 @@ def _git_commit() -> str:
 def _report(args, argv, results, started, t0, dynamic_end, complete, commit, batches):
     kinds = collections.Counter(r["kind"] for r in results)
     errors = collections.Counter(r["type"] for r in results if r["kind"] == "error")
-    bad = [r for r in results if r["kind"] in ("mismatch", "internal", "crash")]
+    bad = [r for r in results if r["kind"] in BAD]
+    by_mode: dict = {}
+    for r in results:
+        by_mode.setdefault(r.get("mode", "?"), collections.Counter())[r["kind"]] += 1
+    # New family: how many programs used each mutation kind / custom op, and how many failures
+    # are blamed on each (the mutations right before the failing call; a program's custom ops).
+    seen = collections.Counter(k for r in results for k in r.get("kinds", []))
+    blamed = collections.Counter(k for r in bad for k in r.get("blame", []))
     report = {
         "command": " ".join(["python", "tests/fuzz/cli.py", *(argv if argv is not None else sys.argv[1:])]),
         "commit": commit,
@@ -91,19 +134,27 @@ def _report(args, argv, results, started, t0, dynamic_end, complete, commit, bat
         "batches_run": batches,
         "programs": len({r["seed"] for r in results}),
         "runs": len(results),
-        "static_runs": collections.Counter(r["kind"] for r in results if r.get("mode") != "dynamic"),
+        "static_runs": collections.Counter(r["kind"] for r in results if r.get("mode", "static") == "static"),
         "dynamic_runs": collections.Counter(r["kind"] for r in results if r.get("mode") == "dynamic"),
+        "family": getattr(args, "family", "classic"),
+        "runs_by_mode": {m: dict(c) for m, c in by_mode.items()},
+        "kinds_seen": dict(seen),
+        "failures_by_kind": dict(blamed),
+        "torch": kinds["torch"],  # failures that backend="aot_eager" shows too (not tpuc's)
         "seconds": round(time.time() - t0, 1),
         "ok": kinds["ok"],
         "crashes": kinds["crash"],
         "silent_mismatches": kinds["mismatch"],
         "internal_errors": kinds["internal"],
         "clear_errors": dict(errors),
-        "invalid": kinds["invalid"],  # dynamic runs whose dim Dynamo specialized, or no dim to mark
+        # dynamic runs whose dim Dynamo specialized, or no dim to mark; stateful programs eager
+        # PyTorch itself rejected
+        "invalid": kinds["invalid"],
         "failures": bad,
         "errors": [
             {k: r.get(k) for k in ("seed", "mode", "type", "detail")} for r in results if r["kind"] == "error"
         ],
+        "torch_failures": [r for r in results if r["kind"] == "torch"],
         "error_examples": {t: next(r["detail"] for r in results if r["type"] == t) for t in errors},
     }
     return report, bad
@@ -120,8 +171,8 @@ def _claim(directory: str, seed: int) -> bool:
         return False
 
 
-SUMMED = ("programs", "runs", "ok", "crashes", "silent_mismatches", "internal_errors", "invalid")
-COUNTED = ("static_runs", "dynamic_runs", "clear_errors")
+SUMMED = ("programs", "runs", "ok", "crashes", "silent_mismatches", "internal_errors", "invalid", "torch")
+COUNTED = ("static_runs", "dynamic_runs", "clear_errors", "kinds_seen", "failures_by_kind")
 
 
 def merge(reports: list[dict]) -> dict:
@@ -140,8 +191,15 @@ def merge(reports: list[dict]) -> dict:
         for r in reports:
             total.update(r.get(k, {}))
         out[k] = dict(total)
+    by_mode: dict = {}
+    for r in reports:
+        for mode, counts in r.get("runs_by_mode", {}).items():
+            by_mode.setdefault(mode, collections.Counter()).update(counts)
+    out["runs_by_mode"] = {m: dict(c) for m, c in by_mode.items()}
+    out["family"] = ",".join(sorted({r.get("family", "classic") for r in reports}))
     out["complete"] = all(r.get("complete") for r in reports)
     out["failures"] = [f for r in reports for f in r.get("failures", [])]
+    out["torch_failures"] = [f for r in reports for f in r.get("torch_failures", [])]
     out["errors"] = [f for r in reports for f in r.get("errors", [])]
     examples: dict = {}
     for r in reports:
@@ -149,6 +207,72 @@ def merge(reports: list[dict]) -> dict:
             examples.setdefault(t, d)
     out["error_examples"] = examples
     return out
+
+
+def markdown(report: dict) -> str:
+    """A Markdown summary of a report (the tables of bench/results/fuzz_long.md)."""
+    modes = report.get("runs_by_mode", {})
+    kinds = ["ok", "mismatch", "internal", "crash", "error", "torch", "invalid"]
+    names = {
+        "ok": "equal to eager",
+        "mismatch": "**silent mismatches**",
+        "internal": "**internal errors** (unclassified exceptions)",
+        "crash": "**crashes** (worker process died)",
+        "error": "clear errors (tpuc errors naming the problem)",
+        "torch": "failures `aot_eager` shows too (PyTorch's, not tpuc's)",
+        "invalid": "not applicable (dim specialized; eager rejects)",
+    }
+    order = [m for m in ("static", "dynamic", "module", "customop") if m in modes]
+    order += [m for m in modes if m not in order]
+    lines = [
+        f"# Differential fuzz run: {report.get('family', 'classic')} family",
+        "",
+        f"Command: `{report.get('command', '')}`  ",
+        f"Commit: {report.get('commit', '?')}, started {report.get('started_utc', '?')}, "
+        f"{report.get('seconds', '?')} s, complete: {report.get('complete')}, seeds {report.get('seeds')}",
+        "",
+        "| | " + " | ".join(order) + " | total |",
+        "|---|" + "---:|" * (len(order) + 1),
+        f"| runs | {' | '.join(str(sum(modes[m].values())) for m in order)} | {report.get('runs', 0)} |",
+    ]
+    for k in kinds:
+        row = [modes[m].get(k, 0) for m in order]
+        if any(row):
+            lines.append(f"| {names[k]} | {' | '.join(f'{v:,}' for v in row)} | {sum(row):,} |")
+    if report.get("clear_errors"):
+        lines += [
+            "",
+            "Clear errors by type: " + ", ".join(f"`{t}` {n}" for t, n in report["clear_errors"].items()),
+        ]
+    seen = report.get("kinds_seen", {})
+    if seen:
+        blamed = report.get("failures_by_kind", {})
+        lines += [
+            "",
+            "Stateful family, by mutation kind / input policy (module programs) and custom op "
+            "(custom-op programs): programs that used it, and failures blamed on it (what changed "
+            "right before the failing call; a custom-op program's ops):",
+            "",
+            "| kind | programs | failures blamed |",
+            "|---|---:|---:|",
+        ]
+        for k in sorted(seen, key=lambda k: (-blamed.get(k, 0), k)):
+            lines.append(f"| `{k}` | {seen[k]:,} | {blamed.get(k, 0):,} |")
+    failures = report.get("failures", [])
+    if failures:
+        lines += ["", f"Failures ({len(failures)}):", ""]
+        for r in failures[:200]:
+            blame = f" [{', '.join(r['blame'])}]" if r.get("blame") else ""
+            reg = f" -> `{r['regression']}`" if r.get("regression") else ""
+            lines.append(
+                f"- seed {r['seed']} ({r.get('mode', '?')}): {r['kind']} {r.get('type', '')}{blame}: "
+                f"{r.get('detail', '')[:240]}{reg}"
+            )
+    torch_f = report.get("torch_failures", [])
+    if torch_f:
+        lines += ["", f"Failures that `aot_eager` shows too ({len(torch_f)}, not counted):", ""]
+        lines += [f"- seed {r['seed']} ({r.get('mode')}): {r.get('detail', '')[:240]}" for r in torch_f[:50]]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -174,18 +298,48 @@ def main(argv=None) -> int:
         help="share the seeds with other runs given the same directory: each run takes the next "
         "batch no run has claimed yet (a file per batch in DIR)",
     )
+    ap.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="classic",
+        help="classic: gen.py's programs; stateful: modules mutated between calls and programs with "
+        "custom ops (stateful.py, customops.py); mixed: both for every seed",
+    )
+    ap.add_argument("--stateful", action="store_true", help="same as --family stateful")
+    ap.add_argument(
+        "--kinds",
+        help="stateful family: module programs only, whose mutations are only these kinds "
+        "(comma-separated, e.g. data_assign,swap_tensors,input:reuse_data_assign; see stateful.py)",
+    )
+    ap.add_argument("--markdown", metavar="PATH", help="also write a Markdown summary of the report")
     ap.add_argument("--merge", nargs="+", metavar="REPORT", help="combine reports of runs into --report")
     ap.add_argument("--worker", nargs=3, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.stateful or args.kinds:
+        args.family = "stateful"
+    only = None
+    if args.kinds:
+        from fuzz.stateful import ALL_KINDS, INPUT_POLICIES
+
+        only = set(args.kinds.split(","))
+        unknown = only - set(ALL_KINDS) - {f"input:{p}" for p in INPUT_POLICIES}
+        if unknown:
+            ap.error(f"unknown kinds {sorted(unknown)}")
     if args.worker:
-        worker(*args.worker[:2], args.include_known, args.worker[2])
+        worker(*args.worker[:2], args.include_known, args.worker[2], args.family, only)
         return 0
     if args.merge:
         report = merge([json.loads(Path(p).read_text()) for p in args.merge])
         Path(args.report).write_text(json.dumps(report, indent=2))
+        if args.markdown:
+            Path(args.markdown).write_text(markdown(report))
         print(
             json.dumps(
-                {k: v for k, v in report.items() if k not in ("failures", "errors", "error_examples")},
+                {
+                    k: v
+                    for k, v in report.items()
+                    if k not in ("failures", "errors", "error_examples", "torch_failures")
+                },
                 indent=2,
             )
         )
@@ -211,25 +365,37 @@ def main(argv=None) -> int:
             batches.append([seed, batch_end])
         stop = batch_end
         cmd = [sys.executable, __file__, "--worker", str(seed), str(stop), str(dynamic_end)]
+        cmd += ["--family", args.family] + (["--kinds", args.kinds] if args.kinds else [])
         if args.include_known:
             cmd.append("--include-known")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        current = None
+        current = current_mode = None
         for line in proc.stdout:
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue  # anything a program printed
+            if not isinstance(rec, dict):
+                continue
             if "begin" in rec:
-                current = rec["begin"]
-            else:
+                current, current_mode = rec["begin"], rec.get("mode")
+            elif "end" in rec:
+                current = current_mode = None
+            elif "seed" in rec and "kind" in rec:
                 results.append(rec)
-                if rec.get("mode") != "static" or rec["seed"] >= dynamic_end:
-                    current = None
+                current_mode = None  # between the runs of one seed
         rc = proc.wait()
-        if current is not None:  # the worker died inside a program: a crash
+        if current is not None:  # the worker died inside a seed: a crash (of its mode's run)
             crashes.append({"seed": current, "returncode": rc})
-            results.append({"seed": current, "kind": "crash", "type": f"exit {rc}", "detail": ""})
+            results.append(
+                {
+                    "seed": current,
+                    "mode": current_mode or "?",
+                    "kind": "crash",
+                    "type": f"exit {rc}",
+                    "detail": "",
+                }
+            )
             seed = current + 1
         else:
             seed = stop
@@ -251,13 +417,27 @@ def main(argv=None) -> int:
         for r in bad:
             if r["kind"] == "crash":
                 continue  # a crash would kill this process too: its seed is in the report
+            if r.get("mode") in ("module", "customop"):
+                from fuzz import stateful
+
+                program = stateful.generate_stateful(r["seed"], only)
+                outcome = stateful.run_stateful(program)
+                if outcome.bad:
+                    small, small_outcome = stateful.shrink_stateful(program, outcome)
+                    name = f"{r['mode']}_seed{r['seed']}"
+                    r["regression"] = str(stateful.save_regression(small, small_outcome, name))
+                continue
             program = generate(r["seed"], include_known=args.include_known)
             outcome = run(program)
             if outcome.bad:
                 small, small_outcome = shrink(program, outcome)
                 r["regression"] = str(save_regression(small, small_outcome, f"seed{r['seed']}"))
     Path(args.report).write_text(json.dumps(report, indent=2))
-    summary = {k: v for k, v in report.items() if k not in ("failures", "errors", "error_examples")}
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(report))
+    summary = {
+        k: v for k, v in report.items() if k not in ("failures", "errors", "error_examples", "torch_failures")
+    }
     print(json.dumps(summary, indent=2))
     for r in bad[:20]:
         print(f"  seed {r['seed']}: {r['kind']} {r.get('type', '')} {r.get('detail', '')[:200]}")

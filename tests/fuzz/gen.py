@@ -589,8 +589,17 @@ def _random_shape(rng, base):
     return tuple(shape)
 
 
-def generate(seed: int, max_nodes: int = 8, include_known: bool = False) -> Program:
-    rng = random.Random(seed)
+def generate(
+    seed: int,
+    max_nodes: int = 8,
+    include_known: bool = False,
+    extra_ops: list | None = None,
+    salt: int = 0,
+) -> Program:
+    """The program of `seed`. `extra_ops`: more (maker, weight) pairs for the op catalog (the
+    custom-op family, tests/fuzz/customops.py); `salt` != 0 draws another program for the same
+    seed (and the same input values). Without either, a seed's program never changes."""
+    rng = random.Random(seed if not salt else f"{seed}/{salt}")
     nd = rng.choice([0, 1, 1, 2, 2, 2, 3, 3, 4])
     base = tuple(
         rng.choice([0, 1, 2, 3, 4, 5, 7]) if rng.random() < 0.08 else rng.randint(1, 6) for _ in range(nd)
@@ -603,7 +612,7 @@ def generate(seed: int, max_nodes: int = 8, include_known: bool = False) -> Prog
     program = Program(inputs, [], [], seed=seed, special=rng.random() < 0.15)
     vals = program.make_inputs()
     bits = [2 if dt == "f32" else 4 for _, dt in inputs]
-    makers, weights = zip(*OPS, strict=True)
+    makers, weights = zip(*(OPS + list(extra_ops or [])), strict=True)
     want = rng.randint(1, max_nodes)
     tries = 0
     while len(program.nodes) < want and tries < want * 10:

@@ -22,6 +22,7 @@ class Outcome:
     kind: str  # "ok", "mismatch", "error" (a clear tpuc error), "internal" (any other exception)
     detail: str = ""
     error_type: str = ""
+    step: int | None = None  # stateful programs (stateful.py, customops.py): the failing call
 
     @property
     def bad(self) -> bool:
@@ -84,6 +85,16 @@ def compare(actual, expected, exact=None, reference=None) -> str | None:
 def _unwrap(e: BaseException) -> BaseException:
     inner = getattr(e, "inner_exception", None)
     return _unwrap(inner) if inner is not None else e
+
+
+def _classify(e: BaseException, prefix: str = "") -> Outcome:
+    """The Outcome of an exception from a compiled call: a clear tpuc error, or an internal one."""
+    inner = _unwrap(e)
+    name = type(inner).__name__
+    msg = str(inner).strip().splitlines()[0][:300] if str(inner).strip() else ""
+    if isinstance(inner, (tpuc.TpucError, ValueError, NotImplementedError)):
+        return Outcome("error", prefix + msg, name)
+    return Outcome("internal", f"{prefix}{name}: {msg}", name)
 
 
 def run(program: Program) -> Outcome:
@@ -175,16 +186,18 @@ def _same_failure(a: Outcome, b: Outcome) -> bool:
     return a.kind == "mismatch" or a.error_type == b.error_type
 
 
-def shrink(program: Program, outcome: Outcome, budget: int = 80) -> tuple[Program, Outcome]:
-    """Greedily drops outputs and nodes and shrinks input shapes while the failure persists."""
+def shrink(program: Program, outcome: Outcome, budget: int = 80, run_program=None) -> tuple[Program, Outcome]:
+    """Greedily drops outputs and nodes and shrinks input shapes while the failure persists.
+    `run_program`: how a candidate runs (default `run`)."""
     tries = 0
+    run_program = run_program or run
 
     def attempt(candidate):
         nonlocal tries
         if candidate is None or tries >= budget or not _valid(candidate):
             return None
         tries += 1
-        got = run(candidate)
+        got = run_program(candidate)
         return got if _same_failure(got, outcome) else None
 
     progress = True

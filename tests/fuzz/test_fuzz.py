@@ -54,3 +54,69 @@ def test_fuzz_short_run_with_dynamic_dims():
     print(f"fuzz (dynamic dims): {DYNAMIC_COUNT} programs: {dict(counts)}")
     assert counts["ok"] >= DYNAMIC_COUNT * 0.3, dict(counts)
     assert not failures, "\n\n".join(failures)
+
+
+STATEFUL_COUNT = int(os.environ.get("TPUC_FUZZ_STATEFUL_COUNT", "200"))
+
+
+def test_fuzz_stateful_short_run():
+    # The stateful family (tests/fuzz/stateful.py): modules whose parameters and buffers are
+    # changed between calls (.data =, set_, swap_tensors, storage resizes, load_state_dict, dtype
+    # round trips ...), compared with eager after every call, and gen.py programs with custom ops
+    # at random positions (fallback="eager" partitions around them). About 0.4 s a program.
+    from fuzz.stateful import (
+        failure_blame,
+        generate_stateful,
+        mode_of,
+        reproducer,
+        run_stateful,
+        shrink_stateful,
+    )
+
+    counts: collections.Counter = collections.Counter()
+    failures = []
+    for k in range(STATEFUL_COUNT):
+        seed = SEED + k
+        program = generate_stateful(seed)
+        outcome = run_stateful(program)
+        kind = outcome.kind if outcome.kind != "error" else f"error:{outcome.error_type}"
+        counts[f"{mode_of(program)}:{kind}"] += 1
+        if outcome.bad and len(failures) < 3:
+            small, small_outcome = shrink_stateful(program, outcome, budget=20)
+            blamed = ", ".join(failure_blame(small, small_outcome))
+            failures.append(f"[{blamed}]\n" + reproducer(small, small_outcome, f"seed{seed}"))
+    print(f"fuzz (stateful): {STATEFUL_COUNT} programs: {dict(counts)}")
+    ok = sum(n for k, n in counts.items() if k.endswith(":ok"))
+    assert ok >= STATEFUL_COUNT * 0.8, dict(counts)
+    assert not failures, "\n\n".join(failures)
+
+
+def test_fuzz_custom_ops_match_their_fakes():
+    # The custom ops of the stateful family (customops.py) must keep their own contracts (fake
+    # shapes, no aliasing, declared mutations), or their mismatches would look like tpuc's.
+    import torch
+
+    from fuzz.customops import register
+
+    register()
+    ops = torch.ops.tpucfuzz
+    checks = ("test_schema", "test_faketensor")
+    for shape in [(), (0,), (3,), (2, 0, 3), (1, 4, 2)]:
+        x = torch.randint(-4, 5, shape).float()
+        k = torch.tensor([2, -1])
+        cases = [
+            (ops.np_affine, (x,)),
+            (ops.np_affine, (x.long(),)),
+            (ops.t_affine, (x, 0.5, 1.0)),
+            (ops.host_roll, (x, k)),
+            (ops.host_repeat, (x, k)),
+            (ops.every_other, (x,)),
+            (ops.swap_last, (x,)),
+            (ops.neg_, (x.clone(),)),
+            (ops.clamp_, (x.clone(), -1.0, 2.0)),
+            (ops.add_into, (x.clone(), x)),
+        ]
+        if shape:
+            cases.append((ops.host_count, (x,)))
+        for op, args in cases:
+            torch.library.opcheck(op, args, test_utils=checks)
