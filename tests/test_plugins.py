@@ -150,3 +150,27 @@ def test_real_accelerator_plugin_without_its_hardware_fails_fast(family, forced)
     )
     assert "cpu_device_count" not in out.stdout
     assert float(out.stdout.split("seconds")[-1]) < 60
+
+
+def test_plugin_reports_the_stablehlo_it_accepts():
+    rt = runtime.get_runtime("cpu")
+    current, minimum = rt.stablehlo_versions
+    assert len(current) == len(minimum) == 3 and tuple(minimum) <= tuple(current)
+    assert rt.module_format == "bytecode"  # this plugin reads tpuc's bytecode
+
+
+def test_modules_as_text_compile_and_match():
+    # What a plugin older than tpuc's bytecode gets (or TPUC_MODULE_FORMAT=text asks for).
+    child = (
+        "import torch, tpuc\n"
+        "from tpuc import runtime\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))\n"
+        "x = torch.randn(4, 8)\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(torch.compile(m, backend='tpu')(x), m(x), rtol=1e-5, atol=1e-5)\n"
+        "print(runtime.get_runtime(None).module_format)\n"
+    )
+    env = {**os.environ, "TPUC_MODULE_FORMAT": "text"}
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "text"

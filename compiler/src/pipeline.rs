@@ -80,8 +80,18 @@ pub struct Engine {
     /// Whether the plugin makes views of host memory (`CreateViewOfDeviceBuffer`); cleared at
     /// the first refusal.
     host_views: std::sync::atomic::AtomicBool,
+    /// Whether modules go to the plugin as MLIR text instead of bytecode (see
+    /// [`Engine::compile_module`]).
+    text_modules: std::sync::atomic::AtomicBool,
+    /// The StableHLO versions the plugin reports (`[major, minor, patch]`), if it does.
+    stablehlo_versions: Option<(Vec<i64>, Vec<i64>)>,
     cpu: String,
 }
+
+/// The oldest StableHLO (as a plugin reports its current version) that tpuc's bytecode was
+/// verified against: xla-cpu-pjrt 0.0.1 (1.13.3). Older plugins get text, which MLIR reads
+/// across versions where bytecode is versioned.
+const BYTECODE_TESTED_FROM: [i64; 3] = [1, 13, 0];
 
 /// Where a compile's executable came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +167,13 @@ pub struct RunTimings {
 /// buffer alignment).
 pub const HOST_VIEW_ALIGN: usize = 64;
 
+/// Whether a compile error says the plugin could not read the module's bytecode (rather than
+/// rejecting what it says).
+fn reads_as_bytecode_rejection(message: &str) -> bool {
+    let m = message.to_lowercase();
+    m.contains("bytecode") && (m.contains("version") || m.contains("parse") || m.contains("read"))
+}
+
 /// Whether `TPUC_DISCRETE_DEVICE` asks to treat every plugin as a discrete device.
 pub fn discrete_device_forced() -> bool {
     std::env::var("TPUC_DISCRETE_DEVICE").is_ok_and(|v| !v.is_empty() && v != "0")
@@ -181,7 +198,19 @@ impl Engine {
         let plugin: &'static Plugin = pjrt::load_plugin(plugin_path)?;
         let client = Client::new(plugin, options)?;
         let platform = client.platform_name()?.to_lowercase();
+        let stablehlo_versions = plugin
+            .version_attribute("stablehlo_current_version")
+            .zip(plugin.version_attribute("stablehlo_minimum_version"));
+        let text = match std::env::var("TPUC_MODULE_FORMAT").as_deref() {
+            Ok("text") => true,
+            Ok("bytecode") => false,
+            _ => stablehlo_versions
+                .as_ref()
+                .is_some_and(|(current, _)| current.as_slice() < BYTECODE_TESTED_FROM.as_slice()),
+        };
         Ok(Engine {
+            text_modules: std::sync::atomic::AtomicBool::new(text),
+            stablehlo_versions,
             // TPUC_DISCRETE_DEVICE=1 treats the CPU plugin as a device with memory of its own
             // (inputs uploaded, outputs copied back, resident buffers as copies): the path of
             // GPUs and TPUs, tested where there are none.
@@ -195,6 +224,41 @@ impl Engine {
             platform,
             cpu: host_cpu_fingerprint(),
         })
+    }
+
+    /// `(current, minimum)` StableHLO versions the plugin accepts, as it reports them.
+    pub fn stablehlo_versions(&self) -> Option<&(Vec<i64>, Vec<i64>)> {
+        self.stablehlo_versions.as_ref()
+    }
+
+    /// Whether modules are sent as MLIR text rather than bytecode.
+    pub fn sends_text(&self) -> bool {
+        self.text_modules.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Compiles `lowered` with the plugin: as MLIR bytecode, or as text for a plugin older than
+    /// the bytecode was tested with (`TPUC_MODULE_FORMAT=text|bytecode` decides instead). A
+    /// plugin that cannot read the bytecode gets the text, from then on.
+    fn compile_module(
+        &self,
+        lowered: &Lowered,
+        options: &CompileOptions,
+    ) -> Result<LoadedExecutable, CompileError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !self.text_modules.load(Relaxed) {
+            match self.client.compile_bytes(&lowered.bytecode, options) {
+                Err(e) if reads_as_bytecode_rejection(&e.to_string()) => {
+                    tracing::warn!(
+                        "the plugin cannot read tpuc's MLIR bytecode, sending text: {e}"
+                    );
+                    self.text_modules.store(true, Relaxed);
+                }
+                other => return Ok(other?),
+            }
+        }
+        Ok(self
+            .client
+            .compile_bytes(lowered.text()?.as_bytes(), options)?)
     }
 
     pub fn client(&self) -> &Client {
@@ -305,7 +369,7 @@ impl Engine {
                 match disk.as_ref().and_then(|d| self.load(d, &key, &module_hash)) {
                     Some(exe) => (self.cache.insert(key, exe), CacheOutcome::Disk),
                     None => {
-                        let exe = self.client.compile_bytes(&lowered.bytecode, &options)?;
+                        let exe = self.compile_module(&lowered, &options)?;
                         if let Some(d) = &disk {
                             self.store(d, &key, &exe, &lowered);
                         }

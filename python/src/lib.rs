@@ -493,6 +493,23 @@ impl Runtime {
         self.engine.client().platform_version().map_err(pjrt_err)
     }
 
+    /// `((major, minor, patch) current, (...) minimum)` StableHLO versions the plugin accepts, or
+    /// None where it does not say.
+    #[getter]
+    fn stablehlo_versions(&self) -> Option<(Vec<i64>, Vec<i64>)> {
+        self.engine.stablehlo_versions().cloned()
+    }
+
+    /// How modules go to the plugin: `"bytecode"` or `"text"` (MLIR).
+    #[getter]
+    fn module_format(&self) -> &'static str {
+        if self.engine.sends_text() {
+            "text"
+        } else {
+            "bytecode"
+        }
+    }
+
     /// Whether device memory is host memory (the CPU plugin).
     #[getter]
     fn host_zero_copy(&self) -> bool {

@@ -41,6 +41,9 @@ def _doctor(args) -> int:
         print(f"plugin: failed to start: {e}")
         return 1
     print(f"platform: {rt.platform} {rt.platform_version} (PJRT API {rt.api_version[0]}.{rt.api_version[1]})")
+    if rt.stablehlo_versions is not None:
+        current, minimum = (".".join(map(str, v)) for v in rt.stablehlo_versions)
+        print(f"StableHLO: {minimum} to {current} accepted; modules sent as MLIR {rt.module_format}")
     print(f"devices: {rt.device_count}")
     print(f"cache dir: {options_mod.parse({}).cache_dir}")
     print(f"lowering rules: {len(_native.supported_ops())} ATen ops")

@@ -187,6 +187,7 @@ impl_args! {
     PJRT_Error_GetCode_Args => PJRT_Error_GetCode_Args_STRUCT_SIZE,
     PJRT_NamedValue => PJRT_NamedValue_STRUCT_SIZE,
     PJRT_Plugin_Initialize_Args => PJRT_Plugin_Initialize_Args_STRUCT_SIZE,
+    PJRT_Plugin_Attributes_Args => PJRT_Plugin_Attributes_Args_STRUCT_SIZE,
     PJRT_Event_Destroy_Args => PJRT_Event_Destroy_Args_STRUCT_SIZE,
     PJRT_Event_Await_Args => PJRT_Event_Await_Args_STRUCT_SIZE,
     PJRT_Event_Error_Args => PJRT_Event_Error_Args_STRUCT_SIZE,

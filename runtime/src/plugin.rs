@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
 use super::api::{pjrt_call, Api, Args};
+use super::client::OptionValue;
 use super::{sys, PjrtError};
 
 /// A loaded PJRT plugin. Lives for the rest of the process: see [`load_plugin`].
@@ -109,6 +110,67 @@ impl Plugin {
     /// The canonical path the plugin was loaded from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The plugin's attributes (`PJRT_Plugin_Attributes`): `xla_version`,
+    /// `stablehlo_current_version` and `stablehlo_minimum_version` (each `[major, minor, patch]`)
+    /// and whatever else it reports. Empty for plugins without the call.
+    pub fn attributes(&self) -> Result<Vec<(String, OptionValue)>, PjrtError> {
+        let mut args = sys::PJRT_Plugin_Attributes_Args::new();
+        // SAFETY: `args` is initialised; the plugin fills in a pointer to its own array.
+        match unsafe { pjrt_call!(&self.api, PJRT_Plugin_Attributes, &mut args) } {
+            Ok(()) => {}
+            Err(PjrtError::Missing { .. }) => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        }
+        if args.attributes.is_null() {
+            return Ok(Vec::new());
+        }
+        // SAFETY: the plugin owns `num_attributes` named values there for its lifetime (the
+        // plugin is never unloaded); each string and list lies where its value points.
+        let values = unsafe { std::slice::from_raw_parts(args.attributes, args.num_attributes) };
+        Ok(values
+            .iter()
+            .filter_map(|nv| unsafe {
+                let text = |p: *const std::ffi::c_char, n: usize| {
+                    String::from_utf8_lossy(std::slice::from_raw_parts(p.cast::<u8>(), n))
+                        .into_owned()
+                };
+                let name = text(nv.name, nv.name_size);
+                let value = match nv.type_ {
+                    sys::PJRT_NamedValue_kString => {
+                        OptionValue::Str(text(nv.__bindgen_anon_1.string_value, nv.value_size))
+                    }
+                    sys::PJRT_NamedValue_kInt64 => {
+                        OptionValue::Int64(nv.__bindgen_anon_1.int64_value)
+                    }
+                    sys::PJRT_NamedValue_kInt64List => OptionValue::Int64List(
+                        std::slice::from_raw_parts(
+                            nv.__bindgen_anon_1.int64_array_value,
+                            nv.value_size,
+                        )
+                        .to_vec(),
+                    ),
+                    sys::PJRT_NamedValue_kFloat => {
+                        OptionValue::Float(nv.__bindgen_anon_1.float_value)
+                    }
+                    sys::PJRT_NamedValue_kBool => OptionValue::Bool(nv.__bindgen_anon_1.bool_value),
+                    _ => return None, // a type this header does not know
+                };
+                Some((name, value))
+            })
+            .collect())
+    }
+
+    /// `[major, minor, patch]` of attribute `name` (the StableHLO versions), if reported.
+    pub fn version_attribute(&self, name: &str) -> Option<Vec<i64>> {
+        self.attributes()
+            .ok()?
+            .into_iter()
+            .find_map(|(n, v)| match v {
+                OptionValue::Int64List(list) if n == name => Some(list),
+                _ => None,
+            })
     }
 
     /// BLAKE3 hash of the plugin file, for cache keys: an executable serialized

@@ -131,6 +131,21 @@ fn cpu_device_count_option() {
 }
 
 #[test]
+fn plugin_reports_its_stablehlo_versions() {
+    let current = plugin()
+        .version_attribute("stablehlo_current_version")
+        .expect("the CPU plugin reports stablehlo_current_version");
+    let minimum = plugin()
+        .version_attribute("stablehlo_minimum_version")
+        .expect("the CPU plugin reports stablehlo_minimum_version");
+    assert_eq!((current.len(), minimum.len()), (3, 3));
+    assert!(
+        minimum <= current && current >= vec![1, 0, 0],
+        "{minimum:?} {current:?}"
+    );
+}
+
+#[test]
 fn compile_and_execute_copied_inputs() {
     let c = client();
     let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
