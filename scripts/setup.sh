@@ -5,8 +5,10 @@
 #
 #   scripts/setup.sh [--plugin NAME]...   also install an accelerator PJRT plugin from PyPI:
 #       cuda (jax-cuda13-pjrt: the CUDA 13 libraries torch 2.15 brings serve it), cuda12,
-#       rocm (jax-rocm7-pjrt), tpu (libtpu). Each is picked by options={"plugin": NAME} or found
-#       by detection where its hardware is present (README "Plugins").
+#       rocm (jax-rocm7-pjrt), tpu (libtpu); or a newer XLA CPU build: cpu-lammps
+#       (lammps-jax-pjrt-cpu), cpu-fastatomstruct (fastatomstruct-xla-cpu). An accelerator is
+#       picked by options={"plugin": NAME} or by detection where its hardware is present; a CPU
+#       build by its wheel's name, options={"plugin": "lammps-jax-pjrt-cpu"} (README "Plugins").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +18,8 @@ declare -A PLUGIN_WHEELS=(
     [cuda12]="jax-cuda12-pjrt==0.12.0.1"
     [rocm]="jax-rocm7-pjrt==0.12.0"
     [tpu]="libtpu==0.0.51"
+    [cpu-lammps]="lammps-jax-pjrt-cpu==0.11.2"
+    [cpu-fastatomstruct]="fastatomstruct-xla-cpu==2026.6.23"
 )
 EXTRA_PLUGINS=()
 while (($#)); do

@@ -91,6 +91,12 @@ def test_doctor_reports_the_plugin_of_tpuc_pjrt_plugin(tmp_path):
 _REAL_PLUGINS = {
     "cuda": ("jax-cuda13-pjrt==0.12.0.1", "jax_plugins/xla_cuda13/xla_cuda_plugin.so", "GPU"),
     "tpu": ("libtpu==0.0.51", "libtpu/libtpu.so", "TPU"),
+    "cpu-lammps": ("lammps-jax-pjrt-cpu==0.11.2", "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so", None),
+    "cpu-fastatomstruct": (
+        "fastatomstruct-xla-cpu==2026.6.23",
+        "fastatomstruct_xla_cpu/libpjrt_cpu.so",
+        None,
+    ),
 }
 _CHILD = """
 import sys, time, torch, tpuc
@@ -131,7 +137,7 @@ def _real_plugin(family: str) -> Path:
     return target
 
 
-@pytest.mark.parametrize("family", sorted(_REAL_PLUGINS))
+@pytest.mark.parametrize("family", ["cuda", "tpu"])
 @pytest.mark.parametrize("forced", [False, True], ids=["checked", "loaded"])
 def test_real_accelerator_plugin_without_its_hardware_fails_fast(family, forced):
     # "checked": tpuc's own check names the missing device before loading anything; "loaded"
@@ -174,3 +180,29 @@ def test_modules_as_text_compile_and_match():
     out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "text"
+
+
+_NEWER_CPU_CHILD = """
+import sys, torch, tpuc
+from tpuc import runtime
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(), torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 10))
+x = torch.randn(2, 3, 16, 16)
+with torch.no_grad():
+    out = torch.compile(m, backend="tpu", options={"plugin": sys.argv[1], "fallback": "error"})(x)
+    torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+rt = runtime.get_runtime(sys.argv[1])
+print("api", rt.api_version, "stablehlo", rt.stablehlo_versions, rt.module_format)
+"""
+
+
+@pytest.mark.parametrize("name", ["cpu-lammps", "cpu-fastatomstruct"])
+def test_newer_xla_cpu_plugins_start_and_match_eager(name):
+    # Newer XLA CPU builds than the default (PJRT API 0.115 and 0.106, the header tpuc is built
+    # against is 0.81): client options of the CPU family, tpuc's bytecode, results equal eager.
+    plugin = _real_plugin(name)
+    out = subprocess.run(
+        [sys.executable, "-c", _NEWER_CPU_CHILD, str(plugin)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "bytecode" in out.stdout, out.stdout

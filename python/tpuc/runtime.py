@@ -14,6 +14,14 @@ from . import _native
 _lock = threading.Lock()
 _runtimes: dict[tuple, _native.Runtime] = {}
 
+# Other CPU plugins on PyPI (newer XLA builds), chosen by their wheel's name as the plugin:
+# options={"plugin": "lammps-jax-pjrt-cpu"}. tpuc's bytecode and the zoo were checked on each
+# (bench/results/plugins.md).
+_OTHER_CPU_WHEELS = {
+    "lammps-jax-pjrt-cpu": "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so",
+    "fastatomstruct-xla-cpu": "fastatomstruct_xla_cpu/libpjrt_cpu.so",
+}
+
 # pip distribution -> the plugin file inside it.
 _PLUGIN_WHEELS = {
     "cpu": [("xla-cpu-pjrt", "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so")],
@@ -90,12 +98,24 @@ def plugin_family(path: Path, given: str | None = None) -> str:
 
 
 def resolve_plugin(plugin: str | None) -> Path:
-    """The plugin file for an option value (`cpu`, `cuda`, `rocm`, `tpu`, a path, or None =
-    detect: a family is only picked where its hardware is present)."""
+    """The plugin file for an option value (`cpu`, `cuda`, `rocm`, `tpu`, a plugin wheel's name,
+    a path, or None = detect: a family is only picked where its hardware is present)."""
     if plugin is None:
         plugin = next(
             (k for k in ("tpu", "cuda", "rocm") if hardware_present(k) and _installed_plugin(k)), "cpu"
         )
+    wheel = next(((d, rel) for wheels in _PLUGIN_WHEELS.values() for d, rel in wheels if d == plugin), None)
+    wheel = wheel or ((plugin, _OTHER_CPU_WHEELS[plugin]) if plugin in _OTHER_CPU_WHEELS else None)
+    if wheel is not None:
+        try:
+            path = Path(importlib.metadata.distribution(wheel[0]).locate_file(wheel[1]))
+        except importlib.metadata.PackageNotFoundError:
+            path = None
+        if path is None or not path.is_file():
+            raise ValueError(
+                f"tpuc: the PJRT plugin wheel {plugin} is not installed (pip install --no-deps {plugin})"
+            )
+        return path
     if plugin in _PLUGIN_WHEELS:
         path = _installed_plugin(plugin)
         if path is None:
