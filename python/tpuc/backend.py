@@ -793,8 +793,10 @@ def compile_graph(
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set."""
     checks = _hoist_linalg_checks(gm)
-    as_is = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # what PyTorch runs, for ties
-    n_ties = ties.add_tie_checks(gm)
+    n_ties = 0
+    if ties.checked_nodes(gm):
+        as_is = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # what PyTorch runs, for ties
+        n_ties = ties.add_tie_checks(gm)
     inner = _compile_hook(gm, opts, name, traces, maxima, shard)
     if n_ties:
         inner = ties.TieChecked(inner, n_ties, as_is.forward, name)

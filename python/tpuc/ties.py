@@ -99,12 +99,9 @@ def _fake_mode(gm: torch.fx.GraphModule):
     return torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
 
 
-def add_tie_checks(gm: torch.fx.GraphModule) -> int:
-    """Rewrites `gm` (in place) so that it also returns, per topk or kthvalue whose indices are
-    read, a bool: whether the values it selected could tie (topk: it selects one value more and
-    compares neighbours; kthvalue: another element equals the one selected). Returns the number
-    of outputs added (0: `gm` is unchanged)."""
-    nodes = [
+def checked_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The topk and kthvalue nodes of `gm` whose indices are read and could tie."""
+    return [
         n
         for n in gm.graph.nodes
         if n.op == "call_function"
@@ -114,6 +111,14 @@ def add_tie_checks(gm: torch.fx.GraphModule) -> int:
         and _static_size(n) is not None
         and (n.target is _KTHVALUE or min(_topk_args(n)[1] + 1, _static_size(n)) > 1)
     ]
+
+
+def add_tie_checks(gm: torch.fx.GraphModule) -> int:
+    """Rewrites `gm` (in place) so that it also returns, per topk or kthvalue whose indices are
+    read, a bool: whether the values it selected could tie (topk: it selects one value more and
+    compares neighbours; kthvalue: another element equals the one selected). Returns the number
+    of outputs added (0: `gm` is unchanged)."""
+    nodes = checked_nodes(gm)
     if not nodes:
         return 0
     fake_mode = _fake_mode(gm)
