@@ -236,6 +236,22 @@ def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
+def _latency_rows(plugins: list[dict], names: list[str], stat: str) -> list[str]:
+    """One table row per model: `tpuc / eager (ratio)` ms of statistic `stat` per plugin."""
+    rows = []
+    for i, name in enumerate(names):
+        cells = []
+        for p in plugins:
+            r = p["results"][i]
+            tpuc, eager = r.get(f"tpuc_{stat}_ms"), r.get(f"eager_{stat}_ms")
+            if tpuc:
+                cells.append(f"{tpuc:.2f} / {eager:.2f} ({tpuc / eager:.2f})")
+            else:
+                cells.append("FAIL" if not r.get("passed") else "-")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def markdown(report: dict) -> str:
     plugins = report["plugins"]
     lines = [
@@ -287,18 +303,7 @@ def markdown(report: dict) -> str:
         "|---|" + "---|" * len(plugins),
     ]
     names = [r["model"] for r in plugins[0]["results"]] if plugins else []
-    for i, name in enumerate(names):
-        cells = []
-        for p in plugins:
-            r = p["results"][i]
-            if r.get("tpuc_median_ms"):
-                cells.append(
-                    f"{r['tpuc_median_ms']:.2f} / {r['eager_median_ms']:.2f} "
-                    f"({r['tpuc_median_ms'] / r['eager_median_ms']:.2f})"
-                )
-            else:
-                cells.append("FAIL" if not r.get("passed") else "-")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += _latency_rows(plugins, names, "median")
     lines += [
         "",
         "Minimum latency (ms) of the same calls, tpuc / eager (ratio): less sensitive to other load.",
@@ -306,17 +311,7 @@ def markdown(report: dict) -> str:
         "| model | " + " | ".join(p["wheel"] for p in plugins) + " |",
         "|---|" + "---|" * len(plugins),
     ]
-    for i, name in enumerate(names):
-        cells = []
-        for p in plugins:
-            r = p["results"][i]
-            if r.get("tpuc_min_ms"):
-                cells.append(
-                    f"{r['tpuc_min_ms']:.2f} / {r['eager_min_ms']:.2f} ({r['tpuc_min_ms'] / r['eager_min_ms']:.2f})"
-                )
-            else:
-                cells.append("FAIL" if not r.get("passed") else "-")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += _latency_rows(plugins, names, "min")
     lines += [
         "",
         "First call (Dynamo + AOTAutograd + lowering + the plugin's XLA compile + one run), seconds:",
