@@ -313,3 +313,17 @@ def test_special_functions_and_inverse_trig():
         )
 
     check(f, x, u, rtol=2e-5, atol=1e-5, fallback="error")
+
+
+def test_cummax_cummin_over_lengths_that_are_not_powers_of_two():
+    # XLA's CPU plugin miscompiled a scan over (value, index) pairs of such lengths (a compile
+    # error); tpuc scans a power-of-two length and slices.
+    for n in (17, 33, 40):
+        x = torch.randint(0, 4, (3, n)).float()
+        x[1, n // 2] = float("nan")
+        check(
+            lambda x: (torch.cummax(x, 1), torch.cummin(x, 0), torch.cummax(x, 1)[1]),
+            x,
+            equal_nan=True,
+            fallback="error",
+        )

@@ -349,6 +349,55 @@ pub fn scan<'c, 'b>(
     d: usize,
     region: Region<'c>,
 ) -> R<Vec<T<'c, 'b>>> {
+    let n = operands[0].shape[d];
+    if operands.len() > 1 && n > 16 && !(n as u64).is_power_of_two() {
+        // XLA's CPU plugin miscompiles a scan over several operands whose length is not a power
+        // of two ("The shape doesn't match when replacing 'reduce-window'", a compile error):
+        // scan a power-of-two length instead. Elements after the n-th cannot change the first
+        // n results of a prefix scan, so the padding only needs the right types.
+        let full = (n as u64).next_power_of_two() as i64;
+        let padded: Vec<T<'c, 'b>> = operands
+            .iter()
+            .zip(inits)
+            .map(|(t, init)| {
+                let mut hi = vec![0; t.rank()];
+                hi[d] = full - n;
+                let mut shape = t.shape.clone();
+                shape[d] = full;
+                e.op(
+                    "stablehlo.pad",
+                    &[t, init],
+                    &[
+                        ("edge_padding_low", array_i64(&vec![0; t.rank()])),
+                        ("edge_padding_high", array_i64(&hi)),
+                        ("interior_padding", array_i64(&vec![0; t.rank()])),
+                    ],
+                    &shape,
+                    t.dtype,
+                )
+            })
+            .collect::<R<_>>()?;
+        let refs: Vec<&T<'c, 'b>> = padded.iter().collect();
+        let scanned = scan_window(e, &refs, inits, d, region)?;
+        let start = vec![0; operands[0].rank()];
+        let strides = vec![1; operands[0].rank()];
+        return scanned
+            .iter()
+            .zip(operands)
+            .map(|(t, o)| e.slice(t, &start, &o.shape, &strides))
+            .collect();
+    }
+    scan_window(e, operands, inits, d, region)
+}
+
+/// [`scan`] as one `reduce_window` whose window spans the whole dim.
+fn scan_window<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    operands: &[&T<'c, 'b>],
+    inits: &[&T<'c, 'b>],
+    d: usize,
+    region: Region<'c>,
+) -> R<Vec<T<'c, 'b>>> {
     let x = operands[0];
     let r = x.rank();
     let n = x.shape[d];
