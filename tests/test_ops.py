@@ -327,3 +327,14 @@ def test_cummax_cummin_over_lengths_that_are_not_powers_of_two():
             equal_nan=True,
             fallback="error",
         )
+
+
+def test_signed_zeros_of_sign_and_adding_zero():
+    # torch.sign(-0.0) is +0.0 and -0.0 + 0 is +0.0: seen through 1/x (inf vs -inf).
+    x = torch.tensor([-0.0, 0.0, -2.5, 3.0, float("nan")])
+    check(
+        lambda x: (1 / torch.sign(x), 1 / (x + 0), 1 / (0.0 + x), 1 / (x + 0.0), 1 / (x - 0.0)),
+        x,
+        equal_nan=True,
+        fallback="error",
+    )

@@ -178,11 +178,28 @@ fn scaled_by_alpha<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, b: T<'c, 'b>, out: DType) ->
     }
 }
 
+/// Whether operand `i` is a Python scalar +0 (or integer 0).
+fn literal_plus_zero(cx: &NodeCx<'_, '_, '_>, i: usize, name: &str) -> bool {
+    !matches!(cx.arg(i, name), Some(Arg::Value(_)) | None)
+        && cx.scalar(i, name).is_ok_and(|s| match s {
+            Scalar::Float(f) => f == 0.0 && f.is_sign_positive(),
+            s => s.as_f64() == 0.0,
+        })
+}
+
 fn add<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let (a, b) = operands(cx)?;
     let out = cx.out_dtype()?;
     let b = scaled_by_alpha(cx, cx.e.convert(&b, out)?, out)?;
-    Ok(vec![cx.e.binary("stablehlo.add", &a, &b, out)?])
+    let sum = cx.e.binary("stablehlo.add", &a, &b, out)?;
+    if out.is_float() && (literal_plus_zero(cx, 0, "self") || literal_plus_zero(cx, 1, "other")) {
+        // `x + 0` is +0 where x is -0, but XLA folds the add away and returns x: a sum that is
+        // zero is made +0 (the only zero that adding +0 can give).
+        let zero = cx.e.splat(Scalar::Int(0), &[], out)?;
+        let is_zero = cx.e.compare(&sum, &zero, "EQ")?;
+        return Ok(vec![cx.e.select(&is_zero, &zero, &sum, out)?]);
+    }
+    Ok(vec![sum])
 }
 
 fn sub<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
@@ -380,9 +397,10 @@ fn sign<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     if !out.is_float() {
         return Ok(vec![r]);
     }
-    // torch.sign(NaN) is 0; StableHLO's sign keeps the NaN.
+    // torch.sign(NaN) and torch.sign(-0.0) are +0; StableHLO's sign keeps the NaN and the -0.
     let zero = cx.e.splat(Scalar::Int(0), &[], out)?;
-    Ok(vec![cx.e.select(&cx.e.isnan(&r)?, &zero, &r, out)?])
+    let to_zero = cx.e.or(&cx.e.isnan(&r)?, &cx.e.compare(&r, &zero, "EQ")?)?;
+    Ok(vec![cx.e.select(&to_zero, &zero, &r, out)?])
 }
 fn floor<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     if !cx.out_dtype()?.is_float() {
