@@ -118,11 +118,12 @@ def _slow_graph():
     """A graph whose execution takes long enough to watch another thread run beside it."""
 
     def fn(x, w):
-        for _ in range(16):
+        for _ in range(48):
             x = torch.tanh(x @ w)
         return x
 
-    # ~8 GFLOP: tens of milliseconds even on a fast many-core CI host (384/12 took 13 ms there).
+    # ~25 GFLOP: tens of milliseconds even on a fast many-core CI host (384/12 took 13 ms there;
+    # 16 layers of this took 27 ms on an idle 2-core machine, too short to observe).
     n = 640
     x, w = torch.randn(n, n), torch.randn(n, n) / n**0.5
     return compiled(fn), x, w
