@@ -198,9 +198,7 @@ impl Engine {
         let plugin: &'static Plugin = pjrt::load_plugin(plugin_path)?;
         let client = Client::new(plugin, options)?;
         let platform = client.platform_name()?.to_lowercase();
-        let stablehlo_versions = plugin
-            .version_attribute("stablehlo_current_version")
-            .zip(plugin.version_attribute("stablehlo_minimum_version"));
+        let stablehlo_versions = plugin.stablehlo_versions();
         let text = match std::env::var("TPUC_MODULE_FORMAT").as_deref() {
             Ok("text") => true,
             Ok("bytecode") => false,

@@ -162,15 +162,17 @@ impl Plugin {
             .collect())
     }
 
-    /// `[major, minor, patch]` of attribute `name` (the StableHLO versions), if reported.
-    pub fn version_attribute(&self, name: &str) -> Option<Vec<i64>> {
-        self.attributes()
-            .ok()?
-            .into_iter()
-            .find_map(|(n, v)| match v {
-                OptionValue::Int64List(list) if n == name => Some(list),
+    /// `(current, minimum)` StableHLO versions (`[major, minor, patch]`) the plugin accepts, if
+    /// it reports both (one `PJRT_Plugin_Attributes` call).
+    pub fn stablehlo_versions(&self) -> Option<(Vec<i64>, Vec<i64>)> {
+        let attributes = self.attributes().ok()?;
+        let version = |name: &str| {
+            attributes.iter().find_map(|(n, v)| match v {
+                OptionValue::Int64List(list) if n == name => Some(list.clone()),
                 _ => None,
             })
+        };
+        version("stablehlo_current_version").zip(version("stablehlo_minimum_version"))
     }
 
     /// BLAKE3 hash of the plugin file, for cache keys: an executable serialized

@@ -132,12 +132,9 @@ fn cpu_device_count_option() {
 
 #[test]
 fn plugin_reports_its_stablehlo_versions() {
-    let current = plugin()
-        .version_attribute("stablehlo_current_version")
-        .expect("the CPU plugin reports stablehlo_current_version");
-    let minimum = plugin()
-        .version_attribute("stablehlo_minimum_version")
-        .expect("the CPU plugin reports stablehlo_minimum_version");
+    let (current, minimum) = plugin()
+        .stablehlo_versions()
+        .expect("the CPU plugin reports stablehlo_current_version and stablehlo_minimum_version");
     assert_eq!((current.len(), minimum.len()), (3, 3));
     assert!(
         minimum <= current && current >= vec![1, 0, 0],

@@ -1083,6 +1083,25 @@ impl<'c, 'b> Emitter<'c, 'b> {
         )
     }
 
+    /// `t` padded with `fill` (a 0-d tensor) at the high end of dim `dim` up to size `to`.
+    pub fn pad_end(&self, t: &T<'c, 'b>, fill: &T<'c, 'b>, dim: usize, to: i64) -> R<T<'c, 'b>> {
+        let mut hi = vec![0; t.rank()];
+        hi[dim] = to - t.shape[dim];
+        let mut shape = t.shape.clone();
+        shape[dim] = to;
+        self.op(
+            "stablehlo.pad",
+            &[t, fill],
+            &[
+                ("edge_padding_low", array_i64(&vec![0; t.rank()])),
+                ("edge_padding_high", array_i64(&hi)),
+                ("interior_padding", array_i64(&vec![0; t.rank()])),
+            ],
+            &shape,
+            t.dtype,
+        )
+    }
+
     pub fn slice(
         &self,
         t: &T<'c, 'b>,

@@ -249,21 +249,7 @@ fn fft_c2r<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         e.slice(&xt, &vec![0; r], &lim, &vec![1; r])?
     } else if have < need {
         let zero = e.splat(Scalar::Int(0), &[], xt.dtype)?;
-        let mut hi = vec![0; r];
-        hi[r - 1] = need - have;
-        let mut s = xt.shape.clone();
-        s[r - 1] = need;
-        e.op(
-            "stablehlo.pad",
-            &[&xt, &zero],
-            &[
-                ("edge_padding_low", array_i64(&vec![0; r])),
-                ("edge_padding_high", array_i64(&hi)),
-                ("interior_padding", array_i64(&vec![0; r])),
-            ],
-            &s,
-            xt.dtype,
-        )?
+        e.pad_end(&xt, &zero, r - 1, need)?
     } else {
         xt
     };

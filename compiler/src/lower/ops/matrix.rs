@@ -774,23 +774,7 @@ fn full_q<'c, 'b>(e: &Emitter<'c, 'b>, a: &T<'c, 'b>, tau: &T<'c, 'b>) -> R<T<'c
     let (m, k) = (rows(a), cols(a));
     let nb = batch(a).len();
     let zero = e.splat(Scalar::Int(0), &[], a.dtype)?;
-    let pad = |t: &T<'c, 'b>, dim: usize, to: i64| -> R<T<'c, 'b>> {
-        let mut hi = vec![0; t.rank()];
-        hi[dim] = to - t.shape[dim];
-        let mut shape = t.shape.clone();
-        shape[dim] = to;
-        e.op(
-            "stablehlo.pad",
-            &[t, &zero],
-            &[
-                ("edge_padding_low", array_i64(&vec![0; t.rank()])),
-                ("edge_padding_high", array_i64(&hi)),
-                ("interior_padding", array_i64(&vec![0; t.rank()])),
-            ],
-            &shape,
-            t.dtype,
-        )
-    };
+    let pad = |t: &T<'c, 'b>, dim: usize, to: i64| e.pad_end(t, &zero, dim, to);
     let (a2, t2) = if k < m {
         (pad(a, nb + 1, m)?, pad(tau, nb, m)?)
     } else if k > m {

@@ -359,23 +359,7 @@ pub fn scan<'c, 'b>(
         let padded: Vec<T<'c, 'b>> = operands
             .iter()
             .zip(inits)
-            .map(|(t, init)| {
-                let mut hi = vec![0; t.rank()];
-                hi[d] = full - n;
-                let mut shape = t.shape.clone();
-                shape[d] = full;
-                e.op(
-                    "stablehlo.pad",
-                    &[t, init],
-                    &[
-                        ("edge_padding_low", array_i64(&vec![0; t.rank()])),
-                        ("edge_padding_high", array_i64(&hi)),
-                        ("interior_padding", array_i64(&vec![0; t.rank()])),
-                    ],
-                    &shape,
-                    t.dtype,
-                )
-            })
+            .map(|(t, init)| e.pad_end(t, init, d, full))
             .collect::<R<_>>()?;
         let refs: Vec<&T<'c, 'b>> = padded.iter().collect();
         let scanned = scan_window(e, &refs, inits, d, region)?;
