@@ -23,7 +23,18 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, buckets, callprof, counters, dump, fx_export, precompiler, runtime, ties
+from . import (
+    _native,
+    buckets,
+    callprof,
+    counters,
+    dump,
+    fx_export,
+    precompiler,
+    residency,
+    runtime,
+    ties,
+)
 from . import options as options_mod
 from . import sharding as sharding_mod
 
@@ -146,44 +157,24 @@ def record_compile(exe) -> None:
         counters.add(cache_hits_memory=1, lower_seconds=exe.lower_seconds)
 
 
-def keeps_resident(rt, mode: str) -> tuple[bool, bool]:
-    """(whether inputs may stay resident, whether a resident buffer may be a copy) for option
-    `residency` on runtime `rt`. A copy is only current while nothing wrote the tensor's memory
-    behind PyTorch's version counter (`p.data.mul_`, FSDP2 filling its unsharded parameters), so
-    by default ("auto") only buffers that are the memory itself stay resident: on the CPU
-    plugin, 64-byte-aligned tensors; on discrete devices nothing (uploaded every call).
-    "versioned" keeps copies too (the caller promises versioned writes); "off" keeps nothing."""
-    if mode == "off":
-        return False, False
-    if mode == "versioned":
-        return True, True
-    return rt.host_zero_copy, False
-
-
 def _residency(rt, mode: str = "auto"):
     """`device_arg(slot, t)`: the resident buffer of input tensor `t` at a position whose
     `_native.Slot` is `slot`, uploading it the second time the same storage comes back (or after
     it changed), else None. Holds the runtime, not the graph (call plans keep it).
 
-    A resident buffer is reused only while `t` is the same tensor with the same `_version`, the
-    same address and, for a copy, the same storage: `.data =`, `module.to(dtype)`, swap_tensors
-    and FSDP's storage resizes change the memory without bumping the version. Which buffers may
-    stay resident at all is `keeps_resident`'s rule: a buffer that is the tensor's memory reads
+    A resident buffer is reused while `residency.still_resident`; which buffers may stay resident
+    at all is `residency.keeps_resident`'s rule: a buffer that is the tensor's memory reads
     whatever wrote it; a copy misses writes PyTorch does not version."""
-    enabled, copies = keeps_resident(rt, mode)
+    enabled, copies = residency.keeps_resident(rt, mode)
     align = rt.host_align if rt.host_zero_copy and not copies else 1
 
+    def never(slot: _native.Slot, t: torch.Tensor):
+        return None
+
     def device_arg(slot: _native.Slot, t: torch.Tensor):
-        if not enabled:
-            return None
         ptr = t.data_ptr()
         storage = t.untyped_storage()
-        if (
-            slot.tensor is t
-            and slot.version == t._version
-            and slot.ptr == ptr
-            and (slot.aliased or slot.storage is storage)
-        ):
+        if residency.still_resident(slot, t, ptr, storage):
             return slot.buffer
         slot.tensor = slot.buffer = slot.storage = None
         if ptr % align:
@@ -201,7 +192,7 @@ def _residency(rt, mode: str = "auto"):
         slot.ref = weakref.ref(storage)
         return None
 
-    return device_arg
+    return device_arg if enabled else never
 
 
 class CompiledGraph:
@@ -254,7 +245,7 @@ class CompiledGraph:
                 self.inputs,
                 self.output_kinds,
                 self.runtime,
-                keeps_resident(self.runtime, opts.residency),
+                residency.keeps_resident(self.runtime, opts.residency),
             )
             self.maxima = {}
         self.bucketing = self.symbolic and bool(self.maxima)
@@ -794,9 +785,10 @@ def compile_graph(
     "forward" | "backward") when a mesh is set."""
     checks = _hoist_linalg_checks(gm)
     n_ties = 0
-    if ties.checked_nodes(gm):
+    tie_nodes = ties.checked_nodes(gm)
+    if tie_nodes:
         as_is = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # what PyTorch runs, for ties
-        n_ties = ties.add_tie_checks(gm)
+        n_ties = ties.add_tie_checks(gm, tie_nodes)
     inner = _compile_hook(gm, opts, name, traces, maxima, shard)
     if n_ties:
         inner = ties.TieChecked(inner, n_ties, as_is.forward, name)

@@ -41,15 +41,17 @@ _HARDWARE = {
 }
 
 
+def _wheel_file(dist: str, rel: str) -> Path | None:
+    """The file `rel` of installed distribution `dist`, or None."""
+    try:
+        path = Path(importlib.metadata.distribution(dist).locate_file(rel))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
 def _installed_plugin(kind: str) -> Path | None:
-    for dist, rel in _PLUGIN_WHEELS[kind]:
-        try:
-            path = Path(importlib.metadata.distribution(dist).locate_file(rel))
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        if path.is_file():
-            return path
-    return None
+    return next((p for dist, rel in _PLUGIN_WHEELS[kind] if (p := _wheel_file(dist, rel))), None)
 
 
 def installed_plugins() -> dict[str, Path]:
@@ -83,8 +85,9 @@ def plugin_family(path: Path, given: str | None = None) -> str:
     what must never happen."""
     if given in _PLUGIN_WHEELS:
         return given
-    if given is not None and plugin_family(Path(given)) != "unknown":
-        return plugin_family(Path(given))
+    named = plugin_family(Path(given)) if given is not None else "unknown"
+    if named != "unknown":
+        return named
     name = path.name.lower()
     for kind, wheels in _PLUGIN_WHEELS.items():
         if any(Path(rel).name == path.name for _dist, rel in wheels):
@@ -107,11 +110,8 @@ def resolve_plugin(plugin: str | None) -> Path:
     wheel = next(((d, rel) for wheels in _PLUGIN_WHEELS.values() for d, rel in wheels if d == plugin), None)
     wheel = wheel or ((plugin, _OTHER_CPU_WHEELS[plugin]) if plugin in _OTHER_CPU_WHEELS else None)
     if wheel is not None:
-        try:
-            path = Path(importlib.metadata.distribution(wheel[0]).locate_file(wheel[1]))
-        except importlib.metadata.PackageNotFoundError:
-            path = None
-        if path is None or not path.is_file():
+        path = _wheel_file(*wheel)
+        if path is None:
             raise ValueError(
                 f"tpuc: the PJRT plugin wheel {plugin} is not installed (pip install --no-deps {plugin})"
             )

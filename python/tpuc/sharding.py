@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import counters
+from . import counters, residency
 
 ROLES = ("parameter", "buffer", "data", "other")
 
@@ -181,7 +181,7 @@ class ShardedGraph:
     ):
         self.ctx = ctx
         # (whether inputs may stay resident, whether resident pieces may be copies): see
-        # backend.keeps_resident.
+        # residency.keeps_resident.
         self.residency = residency
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         num_placeholders = len(placeholders)
@@ -285,21 +285,14 @@ class ShardedGraph:
     def _resident(self, i: int, t: torch.Tensor, layout, host_array):
         """Per-device buffers of input `i` kept on the devices while the same tensor comes back
         with the same memory and version (parameters), cached the second time its storage is
-        seen, under the rules of unsharded graphs (`backend._residency`): where device memory is
-        host memory, only pieces that are the tensor's own memory stay resident."""
+        seen, under the rules of unsharded graphs (`residency`): where device memory is host
+        memory, only pieces that are the tensor's own memory stay resident."""
         enabled, copies = self.residency
         if not enabled:
             return None
         slot = self.slots.get(i)
         ptr, storage = t.data_ptr(), t.untyped_storage()
-        if (
-            slot is not None
-            and slot.tensor is t
-            and slot.version == t._version
-            and slot.ptr == ptr
-            and slot.layout == layout
-            and (slot.aliased or slot.storage is storage)
-        ):
+        if slot is not None and slot.layout == layout and residency.still_resident(slot, t, ptr, storage):
             return slot
         if slot is not None and slot.ref is not None and slot.ref() is storage:
             if slot.copied:

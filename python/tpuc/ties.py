@@ -33,28 +33,35 @@ _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
 
-def _topk_args(n: torch.fx.Node) -> tuple:
-    """(input, k, dim, largest, sorted) of an `aten.topk` node, defaults filled in."""
-    names = ("self", "k", "dim", "largest", "sorted")
-    defaults = (None, None, -1, True, True)
+def _args(n: torch.fx.Node, names: tuple, defaults: tuple) -> tuple:
+    """`n`'s arguments in schema order (`names`), keywords and `defaults` filled in."""
     rest = zip(names[len(n.args) :], defaults[len(n.args) :], strict=True)
     return (*n.args, *(n.kwargs.get(name, d) for name, d in rest))
+
+
+def _topk_args(n: torch.fx.Node) -> tuple:
+    """(input, k, dim, largest, sorted) of an `aten.topk` node."""
+    return _args(n, ("self", "k", "dim", "largest", "sorted"), (None, None, -1, True, True))
 
 
 def _kthvalue_args(n: torch.fx.Node) -> tuple:
-    """(input, k, dim, keepdim) of an `aten.kthvalue` node, defaults filled in."""
-    names, defaults = ("self", "k", "dim", "keepdim"), (None, None, -1, False)
-    rest = zip(names[len(n.args) :], defaults[len(n.args) :], strict=True)
-    return (*n.args, *(n.kwargs.get(name, d) for name, d in rest))
+    """(input, k, dim, keepdim) of an `aten.kthvalue` node."""
+    return _args(n, ("self", "k", "dim", "keepdim"), (None, None, -1, False))
+
+
+def _dim_size(x, dim: int):
+    """The size of `x`'s dim `dim` (1 for a 0-d tensor): an int, a SymInt, or None when `x`
+    has no tensor metadata."""
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    return val.shape[dim] if val.dim() else 1
 
 
 def _static_size(n: torch.fx.Node) -> int | None:
     """Size of a topk's or kthvalue's dim when static, else None."""
     x, _k, dim = _topk_args(n)[:3] if n.target is _TOPK else _kthvalue_args(n)[:3]
-    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor):
-        return None
-    size = val.shape[dim] if val.dim() else 1
+    size = _dim_size(x, dim)
     return size if isinstance(size, int) else None
 
 
@@ -88,9 +95,8 @@ def pytorch_order(n: torch.fx.Node) -> bool:
         x, dim, stable = _sort_args(n)
         if stable or not _indices_read(n):
             return False
-        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-        size = val.shape[dim] if isinstance(val, torch.Tensor) and val.dim() else 1
-        return not isinstance(size, int) or size > 16
+        size = _dim_size(x, dim)
+        return size is not None and (not isinstance(size, int) or size > 16)
     return False
 
 
@@ -113,12 +119,11 @@ def checked_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     ]
 
 
-def add_tie_checks(gm: torch.fx.GraphModule) -> int:
+def add_tie_checks(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> int:
     """Rewrites `gm` (in place) so that it also returns, per topk or kthvalue whose indices are
     read, a bool: whether the values it selected could tie (topk: it selects one value more and
     compares neighbours; kthvalue: another element equals the one selected). Returns the number
-    of outputs added (0: `gm` is unchanged)."""
-    nodes = checked_nodes(gm)
+    of outputs added (0: `gm` is unchanged). `nodes`: `checked_nodes(gm)`."""
     if not nodes:
         return 0
     fake_mode = _fake_mode(gm)
