@@ -58,16 +58,7 @@ def worker(
                     rng = random.Random(seed)
                     sizes = (rng.randint(2, 16), rng.randint(2, 16))
                     outcome = run_dynamic(program, sizes, include_known=include_known)
-                record = {
-                    "seed": seed,
-                    "mode": mode,
-                    "kind": outcome.kind,
-                    "type": outcome.error_type,
-                    "detail": outcome.detail,
-                    "seconds": round(time.perf_counter() - t0, 3),
-                    "nodes": len(program.nodes),
-                }
-                print(json.dumps(record), flush=True)
+                print(json.dumps(_record(seed, mode, outcome, t0, nodes=len(program.nodes))), flush=True)
         if family in ("stateful", "mixed"):
             from fuzz.stateful import failure_blame, generate_stateful, mode_of, program_kinds, run_stateful
 
@@ -77,19 +68,24 @@ def worker(
             mode = mode_of(program)
             print(json.dumps({"begin": seed, "mode": mode}), flush=True)
             outcome = run_stateful(program)
-            record = {
-                "seed": seed,
-                "mode": mode,
-                "kind": outcome.kind,
-                "type": outcome.error_type,
-                "detail": outcome.detail,
-                "seconds": round(time.perf_counter() - t0, 3),
-                "kinds": program_kinds(program),
-            }
+            record = _record(seed, mode, outcome, t0, kinds=program_kinds(program))
             if outcome.kind in BAD or outcome.kind == "torch":
                 record["blame"] = failure_blame(program, outcome)
             print(json.dumps(record), flush=True)
         print(json.dumps({"end": seed}), flush=True)
+
+
+def _record(seed: int, mode: str, outcome, t0: float, **extra) -> dict:
+    """One program's JSON line: seed, mode, outcome and the seconds since `t0`."""
+    return {
+        "seed": seed,
+        "mode": mode,
+        "kind": outcome.kind,
+        "type": outcome.error_type,
+        "detail": outcome.detail,
+        "seconds": round(time.perf_counter() - t0, 3),
+        **extra,
+    }
 
 
 def _git_commit() -> str:
