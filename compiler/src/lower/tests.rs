@@ -4214,3 +4214,62 @@ fn num_composites_share_a_decomposition_and_match() {
     let w: Vec<f64> = want[0].f32().iter().map(|&x| x as f64).collect();
     assert_close(got[0].f32(), &w, 0.0);
 }
+
+/// convolution(x, w, b, stride, padding) with the given shapes, no dilation or groups.
+fn conv_graph_of(xs: [i64; 4], ws: [i64; 4], stride: i64, pad: i64) -> Graph {
+    let oh = (xs[2] + 2 * pad - ws[2]) / stride + 1;
+    let ow = (xs[3] + 2 * pad - ws[3]) / stride + 1;
+    op(
+        &[("x", &xs, "float32"), ("w", &ws, "float32"), ("b", &[ws[0]], "float32")],
+        "aten.convolution.default",
+        json!([
+            n("x"),
+            n("w"),
+            n("b"),
+            [stride, stride],
+            [pad, pad],
+            [1, 1],
+            false,
+            [0, 0],
+            1
+        ]),
+        nokw(),
+        f32t(&[xs[0], ws[0], oh, ow]),
+    )
+}
+
+/// Runs `conv_graph_of` on ramps against the direct f64 convolution.
+fn check_conv(xs: [usize; 4], ws: [usize; 4], stride: usize, pad: usize) {
+    let x = ramp(xs.iter().product(), 0.01, -1.0);
+    let w: Vec<f32> = (0..ws.iter().product::<usize>())
+        .map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.1)
+        .collect();
+    let b: Vec<f32> = (0..ws[0]).map(|i| i as f32 * 0.25 - 1.0).collect();
+    let want = conv2d_ref(&x, xs, &w, ws, &b, stride, pad, 1);
+    let g = conv_graph_of(
+        xs.map(|d| d as i64),
+        ws.map(|d| d as i64),
+        stride as i64,
+        pad as i64,
+    );
+    let out = run(&g, &[Buf::F32(x), Buf::F32(w), Buf::F32(b)]);
+    assert_close(out[0].f32(), &want, 1e-4);
+}
+
+#[test]
+fn num_convolution_pointwise_as_product() {
+    // 1x1 kernels are one matrix product (`pointwise_dot`): batch 1 and 2, stride 1 and 2.
+    check_conv([1, 3, 5, 5], [4, 3, 1, 1], 1, 0);
+    check_conv([2, 3, 5, 5], [4, 3, 1, 1], 2, 0);
+    check_conv([2, 3, 6, 4], [5, 3, 1, 1], 2, 0);
+}
+
+#[test]
+fn num_convolution_few_positions_as_patch_product() {
+    // Batch x positions <= 2 x output channels: the patches times the kernel (`tap_dots`).
+    check_conv([1, 3, 4, 4], [16, 3, 3, 3], 1, 1);
+    check_conv([2, 3, 4, 4], [16, 3, 3, 3], 1, 1);
+    check_conv([2, 3, 5, 5], [16, 3, 3, 3], 2, 1);
+    // and a case just past the threshold, left to XLA's convolution
+    check_conv([2, 3, 5, 5], [8, 3, 3, 3], 1, 1);
+}

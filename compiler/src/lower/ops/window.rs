@@ -5,6 +5,7 @@ use crate::lower::{Scalar, R, T};
 
 /// Kernel, stride, padding and dilation of a sliding window, each per spatial dim (the
 /// trailing dims of the tensor it slides over).
+#[derive(Clone)]
 pub struct Window {
     pub kernel: Vec<i64>,
     pub stride: Vec<i64>,
