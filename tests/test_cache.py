@@ -178,6 +178,20 @@ def test_second_process_loads_from_disk(tmp_path):
     assert _native.cache_verify(str(d)) == (len(entries(d)), [])
 
 
+def test_xla_flags_are_part_of_the_key(tmp_path):
+    """XLA reads XLA_FLAGS once per process and they change the code it emits: a process with
+    other flags compiles afresh instead of loading the other flags' executables."""
+    d = tmp_path / "cache"
+    plain = spawn_model(d, "--batch", "4")
+    flagged = spawn_model(d, "--batch", "4", XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+    assert flagged["stats"]["xla_compiles"] > 0
+    assert flagged["stats"]["cache_hits_disk"] == 0
+    assert not set(keys_of(flagged)) & set(keys_of(plain))
+    again = spawn_model(d, "--batch", "4", XLA_FLAGS="--xla_cpu_enable_fast_math=false")
+    assert again["stats"]["xla_compiles"] == 0
+    assert keys_of(again) == keys_of(flagged)
+
+
 def test_sixteen_concurrent_processes(tmp_path, zygote):
     """16 processes at once into one folder: 8 race on one key (mlp, batch 4), 8 write one key
     each (batches 5..12)."""

@@ -86,6 +86,9 @@ pub struct Engine {
     /// The StableHLO versions the plugin reports (`[major, minor, patch]`), if it does.
     stablehlo_versions: Option<(Vec<i64>, Vec<i64>)>,
     cpu: String,
+    /// `XLA_FLAGS` when the plugin was loaded: XLA reads them once per process, and they change
+    /// the code it emits (fast math, library fusions), so they are part of every cache key.
+    xla_flags: String,
 }
 
 /// The oldest StableHLO (as a plugin reports its current version) that tpuc's bytecode was
@@ -221,6 +224,7 @@ impl Engine {
             disks: Mutex::new(HashMap::new()),
             platform,
             cpu: host_cpu_fingerprint(),
+            xla_flags: std::env::var("XLA_FLAGS").unwrap_or_default(),
         })
     }
 
@@ -357,6 +361,7 @@ impl Engine {
             .part("compile_options", &options.encode())
             .part("plugin", &self.client.plugin().identity())
             .part("cpu", self.cpu.as_bytes())
+            .part("xla_flags", self.xla_flags.as_bytes())
             .finish();
         let t1 = Instant::now();
         let (exe, outcome) = match self.cache.get(&key) {

@@ -4220,7 +4220,11 @@ fn conv_graph_of(xs: [i64; 4], ws: [i64; 4], stride: i64, pad: i64) -> Graph {
     let oh = (xs[2] + 2 * pad - ws[2]) / stride + 1;
     let ow = (xs[3] + 2 * pad - ws[3]) / stride + 1;
     op(
-        &[("x", &xs, "float32"), ("w", &ws, "float32"), ("b", &[ws[0]], "float32")],
+        &[
+            ("x", &xs, "float32"),
+            ("w", &ws, "float32"),
+            ("b", &[ws[0]], "float32"),
+        ],
         "aten.convolution.default",
         json!([
             n("x"),
