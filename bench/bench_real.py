@@ -18,7 +18,7 @@ backend. tpuc runs on the plugin given by --plugin (a wheel name or a path; defa
 default), so one invocation per plugin compares plugins against the same Inductor.
 
     .venv/bin/python bench/bench_real.py [--cases gpt2_1x128 ...] [--iters N] [--plugin NAME]
-                                         [--out bench/results] [--tag NAME]
+                                         [--out bench/results] [--tag NAME] [--append]
 
 Writes OUT/real[-TAG].json and OUT/real[-TAG].md.
 """
@@ -388,6 +388,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--tag", default=None, help="suffix of the result files")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the cases already in the result file (run others, or again)",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -411,6 +416,10 @@ def main(argv=None) -> int:
     }
     name = "real" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.append and (args.out / f"{name}.json").is_file():
+        previous = json.loads((args.out / f"{name}.json").read_text())
+        report["cases"] = previous["cases"]
+        report["info"]["load_start"] = previous["info"]["load_start"]
     with tempfile.TemporaryDirectory(prefix="tpuc-bench-real-") as tmp:
         for case in args.cases:
             r = _run_child(case, args, Path(tmp))

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Sets up everything tpuc needs on a fresh Debian 12 machine, skipping what is already there:
 # the LLVM/MLIR 22 packages, the Python environment (.venv) with torch 2.15 and the CPU PJRT
-# plugin, the test tools, and the build of the Rust extension (installed into .venv).
+# plugins (lammps-jax-pjrt-cpu, the default: a newer XLA build, measured faster; xla-cpu-pjrt,
+# the fallback pip brings with tpuc), the test tools, and the build of the Rust extension.
 #
 #   scripts/setup.sh [--plugin NAME]...   also install an accelerator PJRT plugin from PyPI:
 #       cuda (jax-cuda13-pjrt: the CUDA 13 libraries torch 2.15 brings serve it), cuda12,
-#       rocm (jax-rocm7-pjrt), tpu (libtpu); or a newer XLA CPU build: cpu-lammps
-#       (lammps-jax-pjrt-cpu), cpu-fastatomstruct (fastatomstruct-xla-cpu). An accelerator is
-#       picked by options={"plugin": NAME} or by detection where its hardware is present; a CPU
-#       build by its wheel's name, options={"plugin": "lammps-jax-pjrt-cpu"} (README "Plugins").
+#       rocm (jax-rocm7-pjrt), tpu (libtpu); or another XLA CPU build: cpu-fastatomstruct
+#       (fastatomstruct-xla-cpu). An accelerator is picked by options={"plugin": NAME} or by
+#       detection where its hardware is present; a CPU build by its wheel's name,
+#       options={"plugin": "xla-cpu-pjrt"} (README "Plugins").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,7 +22,8 @@ declare -A PLUGIN_WHEELS=(
     [cpu-lammps]="lammps-jax-pjrt-cpu==0.11.2"
     [cpu-fastatomstruct]="fastatomstruct-xla-cpu==2026.6.23"
 )
-EXTRA_PLUGINS=()
+# The default CPU plugin, always installed.
+EXTRA_PLUGINS=(cpu-lammps)
 while (($#)); do
     case "$1" in
     --plugin)

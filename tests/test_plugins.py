@@ -92,6 +92,7 @@ _REAL_PLUGINS = {
     "cuda": ("jax-cuda13-pjrt==0.12.0.1", "jax_plugins/xla_cuda13/xla_cuda_plugin.so", "GPU"),
     "tpu": ("libtpu==0.0.51", "libtpu/libtpu.so", "TPU"),
     "cpu-lammps": ("lammps-jax-pjrt-cpu==0.11.2", "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so", None),
+    "cpu-xla": ("xla-cpu-pjrt==0.0.1", "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so", None),
     "cpu-fastatomstruct": (
         "fastatomstruct-xla-cpu==2026.6.23",
         "fastatomstruct_xla_cpu/libpjrt_cpu.so",
@@ -182,7 +183,7 @@ def test_modules_as_text_compile_and_match():
     assert out.stdout.split()[-1] == "text"
 
 
-_NEWER_CPU_CHILD = """
+_CPU_PLUGIN_CHILD = """
 import sys, torch, tpuc
 from tpuc import runtime
 torch.manual_seed(0)
@@ -196,13 +197,14 @@ print("api", rt.api_version, "stablehlo", rt.stablehlo_versions, rt.module_forma
 """
 
 
-@pytest.mark.parametrize("name", ["cpu-lammps", "cpu-fastatomstruct"])
-def test_newer_xla_cpu_plugins_start_and_match_eager(name):
-    # Newer XLA CPU builds than the default (PJRT API 0.115 and 0.106, the header tpuc is built
-    # against is 0.81): client options of the CPU family, tpuc's bytecode, results equal eager.
+@pytest.mark.parametrize("name", ["cpu-lammps", "cpu-xla", "cpu-fastatomstruct"])
+def test_every_xla_cpu_plugin_starts_and_matches_eager(name):
+    # The default (lammps-jax-pjrt-cpu, PJRT API 0.115), the fallback pip brings (xla-cpu-pjrt,
+    # 0.81, the header tpuc is built against) and another build (0.106): client options of the CPU
+    # family, tpuc's bytecode, results equal eager.
     plugin = _real_plugin(name)
     out = subprocess.run(
-        [sys.executable, "-c", _NEWER_CPU_CHILD, str(plugin)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _CPU_PLUGIN_CHILD, str(plugin)], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "bytecode" in out.stdout, out.stdout

@@ -14,17 +14,22 @@ from . import _native
 _lock = threading.Lock()
 _runtimes: dict[tuple, _native.Runtime] = {}
 
-# Other CPU plugins on PyPI (newer XLA builds), chosen by their wheel's name as the plugin:
-# options={"plugin": "lammps-jax-pjrt-cpu"}. tpuc's bytecode and the zoo were checked on each
+# Another CPU plugin on PyPI (a newer XLA build), chosen by its wheel's name as the plugin:
+# options={"plugin": "fastatomstruct-xla-cpu"}. tpuc's bytecode and the zoo were checked on it
 # (bench/results/plugins.md).
 _OTHER_CPU_WHEELS = {
-    "lammps-jax-pjrt-cpu": "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so",
     "fastatomstruct-xla-cpu": "fastatomstruct_xla_cpu/libpjrt_cpu.so",
 }
 
-# pip distribution -> the plugin file inside it.
+# pip distribution -> the plugin file inside it; a family's first installed wheel is its plugin.
+# The CPU's default is the newest XLA build on PyPI when installed (scripts/setup.sh installs it;
+# pip: the `fast-cpu` extra): GPT-2 124M ran in half the time of the older build, which stays a
+# dependency as the fallback (README "Plugins", bench/results/real-*.md).
 _PLUGIN_WHEELS = {
-    "cpu": [("xla-cpu-pjrt", "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so")],
+    "cpu": [
+        ("lammps-jax-pjrt-cpu", "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so"),
+        ("xla-cpu-pjrt", "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so"),
+    ],
     "cuda": [
         ("jax-cuda12-pjrt", "jax_plugins/xla_cuda12/xla_cuda_plugin.so"),
         ("jax-cuda13-pjrt", "jax_plugins/xla_cuda13/xla_cuda_plugin.so"),
