@@ -320,7 +320,12 @@ def test_eviction_under_cap_with_orphan_files(tmp_path, zygote):
     lookalike = d / "notes.tpuc"  # named like an entry, but not a key
     lookalike.write_bytes(b"not an entry")
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in (orphan, lookalike)}
-    cap = 18000  # room for two mlp entries (about 7 KB each), not three
+    # Room for two mlp entries, not three: an entry's size depends on the plugin (about 7 KB on
+    # xla-cpu-pjrt, 9 KB on lammps-jax-pjrt-cpu), so it is measured first.
+    probe = tmp_path / "probe"
+    zygote.model(probe, "--sizes", "2")
+    (size,) = entries(probe).values()
+    cap = size * 5 // 2
 
     report = zygote.model(d, "--sizes", "2,3,4,5", TPUC_CACHE_MAX_SIZE=str(cap))
     keys = keys_of(report)
