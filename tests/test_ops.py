@@ -289,6 +289,38 @@ def test_convolutions_with_few_output_positions_as_tap_products(tmp_path):
     check(lambda x, w: F.conv2d(x, w, padding=1), x2.half(), w3.half(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pointwise_and_patch_product_convolutions_forward_and_backward(tmp_path, batch):
+    # 1x1 convolutions (any stride) are matrix products in NCHW forward and backward; a
+    # convolution with batch x positions <= 2 x output channels multiplies the kernel by its
+    # patches. Checked against eager with gradients for input and weight, odd sizes included.
+    torch.manual_seed(0)
+    x = torch.randn(batch, 6, 7, 5, requires_grad=True)
+    w1 = torch.randn(8, 6, 1, 1, requires_grad=True)
+    w3 = torch.randn(64, 6, 3, 3, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+
+    def f(x, w1, w3, b):
+        y = F.conv2d(x, w1, b) + F.conv2d(x, w1, b, stride=2).sum() + F.conv2d(x, w3, padding=1).mean(1, True)
+        return y.sin().sum()
+
+    def step(x, w1, w3, b):
+        return torch.autograd.grad(f(x, w1, w3, b), (x, w1, w3, b))
+
+    expected = step(x, w1, w3, b)
+    actual = torch.compile(step, backend="tpu", options={"dump_dir": str(tmp_path)})(x, w1, w3, b)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    convs = [
+        ln
+        for m in tmp_path.glob("*/stablehlo.mlir")
+        for ln in m.read_text().splitlines()
+        if "convolution" in ln
+    ]
+    # Only the 3x3 kernel's backward stays XLA's convolution (its gradients).
+    assert convs and all("3x3xf32" in ln for ln in convs), convs
+
+
 def test_special_functions_and_inverse_trig():
     x = torch.linspace(-4.75, 9.5, 41)
     u = torch.linspace(-0.999, 0.999, 41)

@@ -250,18 +250,12 @@ fn pointwise_dot<'c, 'b>(
     out: &[i64],
 ) -> R<T<'c, 'b>> {
     let e = cx.e;
-    let rank = x.rank();
     let (n, c, o) = (x.shape[0], x.shape[1], w.shape[0]);
-    let mut steps = vec![1, 1];
-    steps.extend_from_slice(stride);
-    let mut limit = x.shape.clone();
-    for k in 2..rank {
-        // The last input position the strided window reads, plus one.
-        limit[k] = (out[k] - 1) * steps[k] + 1;
-    }
-    let xs = e.slice(x, &vec![0; rank], &limit, &steps)?;
     let positions: i64 = out[2..].iter().product();
-    let flat_x = e.reshape(&xs, &[n, c, positions])?;
+    let flat_x = e.reshape(
+        &strided_positions(cx, x, stride, &out[2..])?,
+        &[n, c, positions],
+    )?;
     let flat_w = e.reshape(w, &[o, c])?;
     // [O, N, positions] (dot_general puts the weights' free dim first), then NCHW.
     let product = e.dot_general(
@@ -278,6 +272,110 @@ fn pointwise_dot<'c, 'b>(
         e.transpose(&product, &[1, 0, 2])?
     };
     e.reshape(&nco, out)
+}
+
+/// The input positions a pointwise convolution with `stride` reads for output spatial size
+/// `out_sp`: a strided slice of `x` (all of it at stride 1).
+fn strided_positions<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    stride: &[i64],
+    out_sp: &[i64],
+) -> R<T<'c, 'b>> {
+    let rank = x.rank();
+    let mut steps = vec![1, 1];
+    steps.extend_from_slice(stride);
+    let mut limit = x.shape.clone();
+    for k in 2..rank {
+        // The last input position the strided window reads, plus one.
+        limit[k] = (out_sp[k - 2] - 1) * steps[k] + 1;
+    }
+    cx.e.slice(x, &vec![0; rank], &limit, &steps)
+}
+
+/// The input gradient of a pointwise convolution: the weights transposed times the output
+/// gradient (`[C, O] x [N, O, positions]`), NCHW throughout, then spread back to the strided
+/// input positions with zeros between (an interior pad). Operands in the accumulation dtype;
+/// `in_shape` is the input's shape. Like the forward (`pointwise_dot`), this keeps XLA's CPU
+/// backend from copying the kernel and both activations to NHWC/HWIO on every step.
+fn pointwise_input_grad<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    g: &T<'c, 'b>,
+    w: &T<'c, 'b>,
+    stride: &[i64],
+    in_shape: &[i64],
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let (n, o, c) = (g.shape[0], g.shape[1], w.shape[1]);
+    let positions: i64 = g.shape[2..].iter().product();
+    let flat_g = e.reshape(g, &[n, o, positions])?;
+    let flat_w = e.reshape(w, &[o, c])?;
+    let product = e.dot_general(
+        &flat_w,
+        &flat_g,
+        (&[], &[]),
+        (&[0], &[1]),
+        &[c, n, positions],
+        g.dtype,
+    )?;
+    let ncp = if n == 1 {
+        e.reshape(&product, &[n, c, positions])?
+    } else {
+        e.transpose(&product, &[1, 0, 2])?
+    };
+    let mut strided_shape = vec![n, c];
+    strided_shape.extend_from_slice(&g.shape[2..]);
+    let strided = e.reshape(&ncp, &strided_shape)?;
+    if stride.iter().all(|&s| s == 1) && strided_shape == in_shape {
+        return Ok(strided);
+    }
+    let rank = in_shape.len();
+    let (mut interior, mut high) = (vec![0; rank], vec![0; rank]);
+    for k in 2..rank {
+        interior[k] = stride[k - 2] - 1;
+        high[k] = in_shape[k] - ((strided_shape[k] - 1) * stride[k - 2] + 1);
+    }
+    let zero = e.splat(Scalar::Float(0.0), &[], g.dtype)?;
+    e.op(
+        "stablehlo.pad",
+        &[&strided, &zero],
+        &[
+            ("edge_padding_low", array_i64(&vec![0; rank])),
+            ("edge_padding_high", array_i64(&high)),
+            ("interior_padding", array_i64(&interior)),
+        ],
+        in_shape,
+        g.dtype,
+    )
+}
+
+/// The weight gradient of a pointwise convolution: the output gradient times the strided
+/// input, contracting batch and positions (`[N, O, P] x [N, C, P] -> [O, C]`). Operands in the
+/// accumulation dtype; `w_shape` is the weight's shape.
+fn pointwise_weight_grad<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    g: &T<'c, 'b>,
+    x: &T<'c, 'b>,
+    stride: &[i64],
+    w_shape: &[i64],
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let (n, o, c) = (g.shape[0], g.shape[1], x.shape[1]);
+    let positions: i64 = g.shape[2..].iter().product();
+    let flat_g = e.reshape(g, &[n, o, positions])?;
+    let flat_x = e.reshape(
+        &strided_positions(cx, x, stride, &g.shape[2..])?,
+        &[n, c, positions],
+    )?;
+    let product = e.dot_general(
+        &flat_g,
+        &flat_x,
+        (&[], &[]),
+        (&[0, 2], &[0, 2]),
+        &[o, c],
+        g.dtype,
+    )?;
+    e.reshape(&product, w_shape)
 }
 
 /// Most kernel taps for which a depthwise convolution is lowered as a sum over its taps.
@@ -737,82 +835,104 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 
     if mask.first().copied().unwrap_or(true) {
         let (shape, out) = cx.out(0)?;
-        let wc = e.convert(&w, dtype)?;
-        // [O, I/g, k..] -> [O/g, I, k..] with the group index leading the input features.
-        let (o, ig) = (w.shape[0], w.shape[1]);
-        let k = if groups > 1 {
-            let mut s5 = vec![groups, o / groups, ig];
-            s5.extend_from_slice(&kernel);
-            let mut perm: Vec<i64> = vec![1, 0, 2];
-            perm.extend((3..3 + nsp as i64).collect::<Vec<_>>());
-            let t = e.transpose(&e.reshape(&wc, &s5)?, &perm)?;
-            let mut s4 = vec![o / groups, groups * ig];
-            s4.extend_from_slice(&kernel);
-            e.reshape(&t, &s4)?
+        if is_pointwise(&w.shape, &padding, groups) {
+            let r = pointwise_input_grad(
+                cx,
+                &e.convert(&g, acc)?,
+                &e.convert(&w, acc)?,
+                &stride,
+                &shape,
+            )?;
+            results.push(e.convert(&r, out)?);
         } else {
-            wc
-        };
-        let rev: Vec<i64> = (2..2 + nsp as i64).collect();
-        let k = e.op(
-            "stablehlo.reverse",
-            &[&k],
-            &[("dimensions", array_i64(&rev))],
-            &k.shape.clone(),
-            k.dtype,
-        )?;
-        let pads: Vec<(i64, i64)> = (0..nsp)
-            .map(|i| {
-                let span = dilation[i] * (kernel[i] - 1);
-                (
-                    span - padding[i],
-                    in_sp[i] - (out_sp[i] - 1) * stride[i] - 1 + padding[i],
-                )
-            })
-            .collect();
-        let r = conv_general(
-            cx,
-            &gc,
-            &k,
-            format!("#stablehlo.conv<[b, f, {sp}]x[i, o, {sp}]->[b, f, {sp}]>"),
-            &vec![1; nsp],
-            &pads,
-            &stride,
-            &dilation,
-            groups,
-            1,
-            &shape,
-            acc,
-        )?;
-        results.push(e.convert(&r, out)?);
+            let wc = e.convert(&w, dtype)?;
+            // [O, I/g, k..] -> [O/g, I, k..] with the group index leading the input features.
+            let (o, ig) = (w.shape[0], w.shape[1]);
+            let k = if groups > 1 {
+                let mut s5 = vec![groups, o / groups, ig];
+                s5.extend_from_slice(&kernel);
+                let mut perm: Vec<i64> = vec![1, 0, 2];
+                perm.extend((3..3 + nsp as i64).collect::<Vec<_>>());
+                let t = e.transpose(&e.reshape(&wc, &s5)?, &perm)?;
+                let mut s4 = vec![o / groups, groups * ig];
+                s4.extend_from_slice(&kernel);
+                e.reshape(&t, &s4)?
+            } else {
+                wc
+            };
+            let rev: Vec<i64> = (2..2 + nsp as i64).collect();
+            let k = e.op(
+                "stablehlo.reverse",
+                &[&k],
+                &[("dimensions", array_i64(&rev))],
+                &k.shape.clone(),
+                k.dtype,
+            )?;
+            let pads: Vec<(i64, i64)> = (0..nsp)
+                .map(|i| {
+                    let span = dilation[i] * (kernel[i] - 1);
+                    (
+                        span - padding[i],
+                        in_sp[i] - (out_sp[i] - 1) * stride[i] - 1 + padding[i],
+                    )
+                })
+                .collect();
+            let r = conv_general(
+                cx,
+                &gc,
+                &k,
+                format!("#stablehlo.conv<[b, f, {sp}]x[i, o, {sp}]->[b, f, {sp}]>"),
+                &vec![1; nsp],
+                &pads,
+                &stride,
+                &dilation,
+                groups,
+                1,
+                &shape,
+                acc,
+            )?;
+            results.push(e.convert(&r, out)?);
+        }
     } else {
         results.push(placeholder()?);
     }
 
     if mask.get(1).copied().unwrap_or(true) {
         let (shape, out) = cx.out(1)?;
-        let xc = e.convert(&x, dtype)?;
-        let pads: Vec<(i64, i64)> = (0..nsp)
-            .map(|i| {
-                let from_lhs = (out_sp[i] - 1) * stride[i] + 1 - in_sp[i];
-                let from_rhs = dilation[i] * (kernel[i] - 1) - padding[i];
-                (padding[i], from_lhs + from_rhs)
-            })
-            .collect();
-        let r = conv_general(
-            cx,
-            &xc,
-            &gc,
-            format!("#stablehlo.conv<[f, b, {sp}]x[i, o, {sp}]->[f, b, {sp}]>"),
-            &dilation,
-            &pads,
-            &vec![1; nsp],
-            &stride,
-            1,
-            groups,
-            &shape,
-            acc,
-        )?;
-        results.push(e.convert(&r, out)?);
+        if is_pointwise(&w.shape, &padding, groups) {
+            let r = pointwise_weight_grad(
+                cx,
+                &e.convert(&g, acc)?,
+                &e.convert(&x, acc)?,
+                &stride,
+                &shape,
+            )?;
+            results.push(e.convert(&r, out)?);
+        } else {
+            let xc = e.convert(&x, dtype)?;
+            let pads: Vec<(i64, i64)> = (0..nsp)
+                .map(|i| {
+                    let from_lhs = (out_sp[i] - 1) * stride[i] + 1 - in_sp[i];
+                    let from_rhs = dilation[i] * (kernel[i] - 1) - padding[i];
+                    (padding[i], from_lhs + from_rhs)
+                })
+                .collect();
+            let r = conv_general(
+                cx,
+                &xc,
+                &gc,
+                format!("#stablehlo.conv<[f, b, {sp}]x[i, o, {sp}]->[f, b, {sp}]>"),
+                &dilation,
+                &pads,
+                &vec![1; nsp],
+                &stride,
+                1,
+                groups,
+                &shape,
+                acc,
+            )?;
+            results.push(e.convert(&r, out)?);
+        }
     } else {
         results.push(placeholder()?);
     }
