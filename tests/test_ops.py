@@ -293,7 +293,8 @@ def test_convolutions_with_few_output_positions_as_tap_products(tmp_path):
 def test_pointwise_and_patch_product_convolutions_forward_and_backward(tmp_path, batch):
     # 1x1 convolutions (any stride) are matrix products in NCHW forward and backward; a
     # convolution with batch x positions <= 2 x output channels multiplies the kernel by its
-    # patches. Checked against eager with gradients for input and weight, odd sizes included.
+    # patches, and its weight gradient (<= 8x) is the output gradient times the patches.
+    # Checked against eager with gradients for input and weight, odd sizes included.
     torch.manual_seed(0)
     x = torch.randn(batch, 6, 7, 5, requires_grad=True)
     w1 = torch.randn(8, 6, 1, 1, requires_grad=True)
@@ -302,7 +303,9 @@ def test_pointwise_and_patch_product_convolutions_forward_and_backward(tmp_path,
 
     def f(x, w1, w3, b):
         y = F.conv2d(x, w1, b) + F.conv2d(x, w1, b, stride=2).sum() + F.conv2d(x, w3, padding=1).mean(1, True)
-        return y.sin().sum()
+        # stride and dilation: the weight gradient's patches (batch x positions <= 8 x channels)
+        z = F.conv2d(x, w3, stride=2, padding=2, dilation=2)
+        return y.sin().sum() + z.cos().sum()
 
     def step(x, w1, w3, b):
         return torch.autograd.grad(f(x, w1, w3, b), (x, w1, w3, b))
