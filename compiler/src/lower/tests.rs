@@ -4274,6 +4274,8 @@ fn num_convolution_few_positions_as_patch_product() {
     check_conv([1, 3, 4, 4], [16, 3, 3, 3], 1, 1);
     check_conv([2, 3, 4, 4], [16, 3, 3, 3], 1, 1);
     check_conv([2, 3, 5, 5], [16, 3, 3, 3], 2, 1);
-    // and a case just past the threshold, left to XLA's convolution
+    // Small patches whatever the channels (`small_patches`).
     check_conv([2, 3, 5, 5], [8, 3, 3, 3], 1, 1);
+    // Neither: XLA's convolution.
+    check_conv([2, 16, 48, 48], [4, 16, 3, 3], 1, 1);
 }

@@ -188,7 +188,9 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             &stride,
             &shape,
         )?
-    } else if is_depthwise(&x.shape, &w.shape, groups) || (groups == 1 && few_positions(&shape)) {
+    } else if is_depthwise(&x.shape, &w.shape, groups)
+        || (groups == 1 && (few_positions(&shape) || small_patches(&x.shape, &w.shape, &shape)))
+    {
         let geometry = Window {
             kernel: w.shape[2..].to_vec(),
             stride,
@@ -407,6 +409,17 @@ const TAP_DOTS_MAX_POSITIONS: i64 = 4;
 fn few_positions(shape: &[i64]) -> bool {
     let positions: i64 = shape[2..].iter().product();
     positions <= TAP_DOTS_MAX_POSITIONS || shape[0] * positions <= 2 * shape[1]
+}
+
+/// Most elements of a convolution's patches (input channels x taps x batch x positions) for
+/// which it is lowered as the kernel times its patches whatever its output channels: small
+/// convolutions, where XLA's CPU convolution costs more in its layout copies than the work
+/// (a 3-to-8-channel 3x3 convolution over 16x16 at batch 8).
+const SMALL_PATCHES: i64 = 1 << 18;
+
+fn small_patches(x: &[i64], w: &[i64], out: &[i64]) -> bool {
+    x[1] * w[2..].iter().product::<i64>() * out[0] * out[2..].iter().product::<i64>()
+        <= SMALL_PATCHES
 }
 
 /// A convolution's input and the window's geometry, for the lowerings that go tap by tap. Each
