@@ -73,9 +73,29 @@ def assert_close_scaled(actual, expected, what, rel=1e-4):
     assert err <= rel * scale + 1e-7, f"{what}: max abs error {err:.3g}, scale {scale:.3g}"
 
 
+def assert_close_to_eager_or_float64(actual, expected, exact, what):
+    """A gradient (or parameter) within `assert_close_scaled` of eager's, or, where eager's own float32 rounding
+    is that far from the float64 gradient `exact`, no more than 8x as far from it as eager is: a
+    different summation order is not held to eager's rounding errors, while a wrong lowering (off
+    by the gradient's own size) still fails. Measured: ResNet-18's second step (batch-norm
+    statistics of a batch of 4, an ill-conditioned gradient): eager float32 is 2e-4 off float64 on
+    bn1's bias (scale 0.056); tpuc on the default plugin 1.1e-3, whose XNNPACK/YNNPACK matmuls sum
+    in longer chains (a [64, 8192] x [8192, 64] product: 1.5e-4 off float64, eager 0.9e-4,
+    the plugin with those fusions off 1.1e-4)."""
+    try:
+        assert_close_scaled(actual, expected, what)
+    except AssertionError:
+        err = (actual.double() - exact).abs().max().item()
+        eager_err = (expected.double() - exact).abs().max().item()
+        assert err <= 8 * eager_err, f"{what}: {err:.3g} from float64, eager float32 {eager_err:.3g}"
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_zoo_training_step_matches_eager(name):
     eager, inputs = _setup(name)
+    exact = copy.deepcopy(eager).double()
+    exact_inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    opt_x = torch.optim.SGD(exact.parameters(), lr=1e-3, momentum=0.9)
     model = copy.deepcopy(eager)
     compiled = torch.compile(model, backend="tpu", dynamic=False, options={"fallback": "error"})
     opt_e = torch.optim.SGD(eager.parameters(), lr=1e-3, momentum=0.9)
@@ -86,22 +106,26 @@ def test_zoo_training_step_matches_eager(name):
         loss_e.backward()
         loss_c = compiled(*inputs)
         loss_c.backward()
+        exact(*exact_inputs).backward()
         assert_close_scaled(loss_c.detach(), loss_e.detach(), f"step {step}: loss")
-        for (pname, p), pe in zip(model.named_parameters(), eager.parameters(), strict=True):
+        for (pname, p), pe, px in zip(
+            model.named_parameters(), eager.parameters(), exact.parameters(), strict=True
+        ):
             assert (p.grad is None) == (pe.grad is None), f"step {step}: {pname} grad presence"
             if p.grad is not None:
-                assert_close_scaled(p.grad, pe.grad, f"step {step}: grad of {pname}")
+                assert_close_to_eager_or_float64(p.grad, pe.grad, px.grad, f"step {step}: grad of {pname}")
         for (bname, b), be in zip(model.named_buffers(), eager.buffers(), strict=True):
             assert_close_scaled(b, be, f"step {step}: buffer {bname}", rel=1e-5)
-        opt_e.step()
-        opt_c.step()
-        opt_e.zero_grad()
-        opt_c.zero_grad()
+        for opt in (opt_e, opt_c, opt_x):
+            opt.step()
+            opt.zero_grad()
     if has_bn:
         bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
         assert bn.num_batches_tracked.item() == STEPS
-    for (pname, p), pe in zip(model.named_parameters(), eager.parameters(), strict=True):
-        assert_close_scaled(p.detach(), pe.detach(), f"{pname} after {STEPS} steps")
+    for (pname, p), pe, px in zip(
+        model.named_parameters(), eager.parameters(), exact.parameters(), strict=True
+    ):
+        assert_close_to_eager_or_float64(p.detach(), pe.detach(), px.detach(), f"{pname} after {STEPS} steps")
     s = tpuc.stats()
     assert s["fallback_ops"] == {}
     assert s["graphs_compiled"] == 2, "one forward and one backward graph"
