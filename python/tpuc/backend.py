@@ -83,6 +83,43 @@ _BUCKET_DECOMPOSITIONS = {
         ]
     ),
 }
+
+
+def _grouped_mm(mat1: torch.Tensor, mat2: torch.Tensor, offs: torch.Tensor | None = None, bias=None, out_dtype=None):
+    """`torch._grouped_mm` for a 2-d `mat1` (rows sorted by group) and a 3-d `mat2` (one matrix
+    per group, `offs` the groups' cumulative row ends), in ops with static shapes: the product
+    of every row with every group's matrix, then each row's own group selected (rows past the
+    last end are zero, as in transformers' `grouped_mm_fallback`), equal to the kernel's to
+    float rounding (each row is the same dot product, summed in XLA's order). The cost is one
+    product per group (fine for MoE inference with few experts or few tokens). Other layouts keep
+    the op (unsupported: it falls back)."""
+    if mat1.dim() != 2 or mat2.dim() != 3 or offs is None or bias is not None or out_dtype not in (None, mat1.dtype):
+        return NotImplemented
+    rows = torch.arange(mat1.shape[0], device=mat1.device, dtype=offs.dtype)
+    group = (rows.unsqueeze(1) >= offs.unsqueeze(0)).sum(1)  # each row's group; E past the end
+    every = torch.einsum("sk,ekn->esn", mat1, mat2)
+    index = group.clamp(max=mat2.shape[0] - 1).view(1, -1, 1).expand(1, mat1.shape[0], mat2.shape[2])
+    picked = torch.take_along_dim(every, index, dim=0).squeeze(0)
+    return torch.where((group < mat2.shape[0]).unsqueeze(1), picked, torch.zeros((), dtype=picked.dtype))
+
+
+_DECOMPOSITIONS[torch.ops.aten._grouped_mm.default] = _grouped_mm
+_BUCKET_DECOMPOSITIONS[torch.ops.aten._grouped_mm.default] = _grouped_mm
+
+
+def _decompositions(bucketed: bool) -> dict:
+    """The decomposition table, plus transformers' opaque MoE expert product
+    (`transformers::grouped_mm_fallback`: a Python loop over the groups with a host sync, which
+    transformers uses under torch.compile where `torch._grouped_mm` has no kernel, e.g. float32
+    on CPU) once transformers has registered it: it is `torch._grouped_mm` without bias."""
+    table = _BUCKET_DECOMPOSITIONS if bucketed else _DECOMPOSITIONS
+    try:
+        op = torch.ops.transformers.grouped_mm_fallback.default
+    except (AttributeError, RuntimeError):
+        return table
+    return {**table, op: _grouped_mm}
+
+
 _warned_fallback: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -915,7 +952,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             example_inputs,
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
-            decompositions=_BUCKET_DECOMPOSITIONS if maxima else _DECOMPOSITIONS,
+            decompositions=_decompositions(bool(maxima)),
         )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
     if len(direct) == 1:
