@@ -229,7 +229,15 @@ RECIPES: dict[str, Recipe] = {
             "guidance": lambda m: _full(B, 3.5),
         },
     ),
-    "DiTTransformer2DModel": Recipe(dict(norm_num_groups=4, sample_size=SIDE)),
+    "DiTTransformer2DModel": Recipe(
+        dict(norm_num_groups=4, sample_size=SIDE),
+        cond={"class_labels": lambda m: torch.ones(B, dtype=torch.long)},
+    ),
+    "PixArtTransformer2DModel": Recipe(
+        dict(cross_attention_dim=HEADS * HEAD_DIM, caption_channels=WIDTH),
+        cond={"encoder_hidden_states": (B, TEXT, WIDTH)},
+        fixed={"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
+    ),
     "CogVideoXTransformer3DModel": Recipe(
         dict(
             sample_frames=5,
@@ -304,6 +312,48 @@ def _full(n, v):
 
     return torch.full((n,), float(v))
 
+
+# The classes named in the issue and other widely used ones run first (the rest follow).
+PRIORITY = (
+    "UNet2DConditionModel",
+    "UNet2DModel",
+    "AutoencoderKL",
+    "DiTTransformer2DModel",
+    "PixArtTransformer2DModel",
+    "FluxTransformer2DModel",
+    "SD3Transformer2DModel",
+    "SanaTransformer2DModel",
+    "HunyuanDiT2DModel",
+    "WanTransformer3DModel",
+    "LTXVideoTransformer3DModel",
+    "CogVideoXTransformer3DModel",
+    "AuraFlowTransformer2DModel",
+    "Lumina2Transformer2DModel",
+    "LuminaNextDiT2DModel",
+    "QwenImageTransformer2DModel",
+    "Flux2Transformer2DModel",
+    "ChromaTransformer2DModel",
+    "CogView4Transformer2DModel",
+    "CogView3PlusTransformer2DModel",
+    "MochiTransformer3DModel",
+    "HunyuanVideoTransformer3DModel",
+    "AutoencoderKLWan",
+    "AutoencoderKLCogVideoX",
+    "AutoencoderKLLTXVideo",
+    "AutoencoderKLHunyuanVideo",
+    "AutoencoderKLFlux2",
+    "AutoencoderTiny",
+    "VQModel",
+    "AsymmetricAutoencoderKL",
+    "ControlNetModel",
+    "UNet3DConditionModel",
+    "UNet1DModel",
+    "StableAudioDiTModel",
+    "AllegroTransformer3DModel",
+    "LatteTransformer3DModel",
+    "PriorTransformer",
+    "Transformer2DModel",
+)
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
@@ -604,5 +654,6 @@ if __name__ == "__main__":
         names=model_classes(),
         work=work,
         markdown=markdown,
-        default_timeout=600,
+        default_timeout=240,
+        priority=PRIORITY,
     )

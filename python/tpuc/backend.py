@@ -85,7 +85,9 @@ _BUCKET_DECOMPOSITIONS = {
 }
 
 
-def _grouped_mm(mat1: torch.Tensor, mat2: torch.Tensor, offs: torch.Tensor | None = None, bias=None, out_dtype=None):
+def _grouped_mm(
+    mat1: torch.Tensor, mat2: torch.Tensor, offs: torch.Tensor | None = None, bias=None, out_dtype=None
+):
     """`torch._grouped_mm` for a 2-d `mat1` (rows sorted by group) and a 3-d `mat2` (one matrix
     per group, `offs` the groups' cumulative row ends), in ops with static shapes: the product
     of every row with every group's matrix, then each row's own group selected (rows past the
@@ -93,7 +95,13 @@ def _grouped_mm(mat1: torch.Tensor, mat2: torch.Tensor, offs: torch.Tensor | Non
     float rounding (each row is the same dot product, summed in XLA's order). The cost is one
     product per group (fine for MoE inference with few experts or few tokens). Other layouts keep
     the op (unsupported: it falls back)."""
-    if mat1.dim() != 2 or mat2.dim() != 3 or offs is None or bias is not None or out_dtype not in (None, mat1.dtype):
+    if (
+        mat1.dim() != 2
+        or mat2.dim() != 3
+        or offs is None
+        or bias is not None
+        or out_dtype not in (None, mat1.dtype)
+    ):
         return NotImplemented
     rows = torch.arange(mat1.shape[0], device=mat1.device, dtype=offs.dtype)
     group = (rows.unsqueeze(1) >= offs.unsqueeze(0)).sum(1)  # each row's group; E past the end
@@ -105,6 +113,34 @@ def _grouped_mm(mat1: torch.Tensor, mat2: torch.Tensor, offs: torch.Tensor | Non
 
 _DECOMPOSITIONS[torch.ops.aten._grouped_mm.default] = _grouped_mm
 _BUCKET_DECOMPOSITIONS[torch.ops.aten._grouped_mm.default] = _grouped_mm
+
+
+def _index_put_by_select(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
+    """A non-accumulating `index_put` along one dim (`target[..., idx, ...] = values`: a static
+    cache's KV write, `index_copy_`) as selects: which target rows `idx` names, the first value
+    naming each, and `where`. Used with bucketing only: the bucketing pass masks these ops
+    exactly (a padded `idx` entry matches no row), while a write with padded indices would land
+    on a real row. Costs len(idx) x rows comparisons; duplicate indices (whose winner PyTorch
+    leaves unspecified) take the first. Other forms keep the op."""
+    live = [i for i, t in enumerate(indices) if t is not None]
+    if accumulate or len(live) != 1 or values.dim() != target.dim():
+        return NotImplemented
+    d = live[0]
+    idx = indices[d]
+    if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32) or idx.dtype == torch.bool:
+        return NotImplemented
+    rows = target.shape[d]
+    idx = torch.where(idx < 0, idx + rows, idx)
+    match = idx.unsqueeze(1) == torch.arange(rows, dtype=idx.dtype, device=idx.device)  # (len, rows)
+    hit = match.any(0)
+    picked = values if values.shape[d] == 1 else values.index_select(d, match.to(torch.int32).argmax(0))
+    shape = [1] * target.dim()
+    shape[d] = rows
+    return torch.where(hit.view(shape), picked.to(target.dtype), target)
+
+
+for _op in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default):
+    _BUCKET_DECOMPOSITIONS[_op] = _index_put_by_select
 
 
 def _decompositions(bucketed: bool) -> dict:
