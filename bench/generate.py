@@ -181,6 +181,11 @@ def tiny_config(model_type: str):
         for k, v in list(vars(c).items()):
             if isinstance(v, list) and isinstance(layers, int) and len(v) == layers and layers > 2:
                 setattr(c, k, _shrink_layer_list(v, 2))
+        if isinstance(getattr(c, "qk_rope_head_dim", None), int) and "head_dim" in vars(c):
+            c.head_dim = c.qk_rope_head_dim  # MLA families: head_dim is the rope part
+        for k, v in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+            if isinstance(getattr(c, k, None), int) and getattr(c, k) >= VOCAB:
+                setattr(c, k, v)
         for k in (
             "dropout",
             "attention_dropout",

@@ -270,6 +270,9 @@ RECIPES: dict[str, Recipe] = {
             use_style_cond_and_image_meta_size=False,
             text_len=TEXT,
             text_len_t5=TEXT,
+            cross_attention_dim=WIDTH,
+            cross_attention_dim_t5=WIDTH,
+            pooled_projection_dim=WIDTH,
         ),
         x_shape=(B, 4, SIDE, SIDE),
         cond={

@@ -32,3 +32,24 @@ def test_denoising_steps_match_eager(name):
     assert s["fallback_ops"] == {}
     assert s["executions"] == sd.STEPS
     assert s["graphs_compiled"] == 1, "one graph, compiled once, serves every step"
+
+
+def test_complex_data_movement_compiles():
+    """`repeat`, `gather`, `full` and `copy` of complex tensors (Lumina2's rotary frequencies)
+    are lowered, not sent back to PyTorch."""
+
+    def f(z, idx, dst):
+        r = z.repeat(2, 1, 3)
+        g = torch.gather(r, 1, idx)
+        filled = torch.full((2, 3), 2.0, dtype=torch.complex64)
+        return g * 2, filled + z[0, :2, :3], dst.copy_(z[:, :1, :1])
+
+    gen = torch.Generator().manual_seed(5)
+    z = torch.complex(torch.randn(2, 4, 3, generator=gen), torch.randn(2, 4, 3, generator=gen))
+    idx = torch.randint(0, 4, (4, 3, 9), generator=gen)
+    expected = f(z, idx, torch.zeros(2, 1, 1, dtype=torch.complex64))
+    compiled = torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})
+    actual = compiled(z, idx, torch.zeros(2, 1, 1, dtype=torch.complex64))
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    assert tpuc.stats()["fallback_ops"] == {}

@@ -642,7 +642,10 @@ _COMPLEX_OPS = frozenset(
         "sqrt.default rsqrt.default sin.default tanh.default reciprocal.default "
         "pow.Tensor_Scalar sum.dim_IntList sum.default mean.dim mean.default prod.dim_int cumsum.default "
         "mm.default bmm.default eq.Tensor ne.Tensor isnan.default sigmoid.default "
-        "scalar_tensor.default full_like.default"
+        "scalar_tensor.default full_like.default "
+        # Data movement, whose rules never look at the element type (Lumina2's complex rotary
+        # frequencies are repeated, gathered and copied; tests/test_sweep_diffusers.py).
+        "repeat.default gather.default full.default copy.default"
     ).split()
 )
 
