@@ -303,6 +303,19 @@ RECIPES: dict[str, Recipe] = {
         fixed={"img_shapes": [[(1, 4, 4)]]},
         t_scale=1.0,
     ),
+    # Flow-matching transformers whose pipelines pass t in [0, 1] (the model scales it by 1000 for
+    # its sinusoidal embedding; t ~ 900 there makes arguments ~1e6, where one ulp of the
+    # frequencies moves the phase by ~0.1 in any implementation).
+    **{
+        n: Recipe(t_scale=1.0)
+        for n in (
+            "AuraFlowTransformer2DModel",
+            "ChromaTransformer2DModel",
+            "Flux2Transformer2DModel",
+            "Flux3Transformer2DModel",
+            "Lumina2Transformer2DModel",
+        )
+    },
     "SD3Transformer2DModel": Recipe(
         dict(caption_projection_dim=HEADS * HEAD_DIM),
         cond={"encoder_hidden_states": (B, TEXT, WIDTH), "pooled_projections": (B, WIDTH)},
