@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import threading
 import time
 import warnings
@@ -644,8 +645,10 @@ _COMPLEX_OPS = frozenset(
         "mm.default bmm.default eq.Tensor ne.Tensor isnan.default sigmoid.default "
         "scalar_tensor.default full_like.default "
         # Data movement, whose rules never look at the element type (Lumina2's complex rotary
-        # frequencies are repeated, gathered and copied; tests/test_sweep_diffusers.py).
-        "repeat.default gather.default full.default copy.default"
+        # frequencies are repeated, gathered and copied, QwenImage's split;
+        # tests/test_sweep_diffusers.py).
+        "repeat.default gather.default full.default copy.default split_with_sizes.default "
+        "split.Tensor"
     ).split()
 )
 
@@ -683,7 +686,11 @@ def _supported(n: torch.fx.Node) -> bool:
     ]
     if target != "aten.hash_tensor.default" and any(t.dtype == torch.uint64 for t in tensors):
         return False  # uint64 is only lowered as hash_tensor's result
-    if target not in _COMPLEX_OPS and any(t.is_complex() for t in tensors):
+    if (
+        target not in _COMPLEX_OPS
+        and n.target is not operator.getitem
+        and any(t.is_complex() for t in tensors)
+    ):
         return False
     if any(isinstance(a, complex) for a in leaves):
         return False  # complex Python scalars have no wire format (complex tensors do)
