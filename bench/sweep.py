@@ -373,7 +373,9 @@ def build(mapping: str, model_type: str):
 
 def _text_ids(cfg, seq=SEQ, batch=BATCH):
     g = torch.Generator().manual_seed(SEED + 1)
-    vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", VOCAB)
+    vocab = getattr(cfg, "vocab_size", None) or getattr(
+        getattr(cfg, "text_config", None), "vocab_size", VOCAB
+    )
     # Avoid the low ids (pad/bos/eos and other special tokens) and the top ones.
     hi = max(vocab - 16, 8)
     return torch.randint(4, hi, (batch, seq), generator=g)
@@ -651,8 +653,11 @@ def report(results: dict) -> str:
         '`backend="tpu"` with `fallback="eager"`.'
     )
     if meta:
-        lines += ["", f"Last run: {meta.get('when', '?')}, wall time {meta.get('wall_seconds', '?')} s "
-                  f"with `{meta.get('command', '')}`."]
+        lines += [
+            "",
+            f"Last run: {meta.get('when', '?')}, wall time {meta.get('wall_seconds', '?')} s "
+            f"with `{meta.get('command', '')}`.",
+        ]
     lines += [
         "",
         "| mapping | types | built + eager ok | aot_eager pass | tpuc pass | tpuc pass where aot_eager passes |",
