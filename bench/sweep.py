@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 import warnings
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -804,6 +805,9 @@ def main(argv=None) -> int:
             if old and not args.rerun and not (args.rerun_failed and not old.get("tpu_ok")):
                 continue
             todo.append((m, t))
+    # Round-robin over the mappings, so a run cut short still covers each of them.
+    by_mapping = {m: [x for x in todo if x[0] == m] for m in mappings}
+    todo = [x for group in zip_longest(*by_mapping.values()) for x in group if x is not None]
     backends = () if args.eager_only else ("aot_eager", "tpu")
     print(f"{len(todo)} types to run, {args.jobs} at a time", flush=True)
     t0 = time.time()
