@@ -291,7 +291,8 @@ def shrink_dict(d: dict, depth: int = 0) -> dict:
             and len(value) == old_layers
         ):
             out[key] = [_WIDTH[key]] * LAYERS  # a per-layer width (gemma3n's intermediate sizes)
-        elif _int_list(value) and key in _STAGE_WIDTHS:
+        elif _int_list(value) and key in _STAGE_WIDTHS and depth == 0:
+            # (top level only: a backbone's widths must stay those its neck was built for)
             out[key] = [16 * 2 ** min(i, 3) for i in range(len(value))]  # per-stage widths
         elif _int_list(value) and key in _STAGE_DEPTHS:
             out[key] = [1] * len(value)
