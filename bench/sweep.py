@@ -270,6 +270,8 @@ def shrink_dict(d: dict, depth: int = 0) -> dict:
                 break
         if key == "head_dim" and isinstance(d.get("qk_rope_head_dim"), int):
             table_value = _WIDTH["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
+        if key == "vocab_size" and value is None:
+            value = VOCAB  # left unset in the default (ESM): the tiny vocab
         if key in _MOE_UNSET and value is None and "moe_intermediate_size" in d:
             value = 1  # an MoE whose default leaves the expert counts unset (dots1, deepseek_v2)
         if table_value is not None and isinstance(value, int):
@@ -539,6 +541,8 @@ def make_inputs(mapping: str, model, cfg) -> dict:
         if name == "input_features":
             bins = _mel_bins(cfg)
             return {name: torch.randn(BATCH, 64, bins, generator=g)}
+        if cfg.model_type in ("omniasr_ctc",):  # raw audio with a channel dim: (batch, 1, samples)
+            return {name: torch.randn(BATCH, 1, 2000, generator=g)}
         return {name: torch.randn(BATCH, 2000, generator=g)}
     if kind == "speech_seq2seq" and name == "input_ids":
         # An audio LLM (voxtral, qwen3_asr, granite_speech ...): its text path, without audio.
