@@ -67,6 +67,8 @@ _WIDTH = {
     "n_embd": HIDDEN,
     "n_embed": HIDDEN,
     "dim": HIDDEN,
+    "emb_dim": HIDDEN,
+    "pooler_hidden_size": HIDDEN,
     "model_dim": HIDDEN,
     "embedding_size": HIDDEN,
     "word_embed_proj_dim": HIDDEN,
@@ -375,6 +377,8 @@ FAMILY: dict[str, dict] = {
         "out_features": [f"stage{i}" for i in range(1, 5)],
     },
     "lw_detr": {"backbone_config": {"num_windows": 4}},
+    "donut-swin": {"embed_dim": 32, "depths": [1, 1], "num_heads": [2, 4], "patch_size": 2},
+    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.25},
     "dory": {
         "layer_types": None,
         "num_hidden_layers": 3,
