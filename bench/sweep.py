@@ -178,6 +178,8 @@ _SIZES = {
     "image_size": IMAGE,
     "num_labels": 3,
     "num_queries": 10,
+    "entity_vocab_size": 64,
+    "entity_emb_size": 32,
     "window_size": 4,
     "vocab_size_per_layer_input": VOCAB,
     "hidden_size_per_layer_input": 16,
@@ -224,6 +226,10 @@ _STAGE_WIDTHS = (
     "embed_dim",
 )
 _STAGE_DEPTHS = ("depths", "num_layers_per_stage", "stage_depths", "num_encoder_blocks")
+
+
+# Models whose stage widths are tied to other lists the shrink does not know (kept as they are).
+_KEEP_WIDTHS = ("hgnet_v2",)
 
 
 def _int_list(value) -> bool:
@@ -295,7 +301,12 @@ def shrink_dict(d: dict, depth: int = 0) -> dict:
             and len(value) == old_layers
         ):
             out[key] = [_WIDTH[key]] * LAYERS  # a per-layer width (gemma3n's intermediate sizes)
-        elif _int_list(value) and key in _STAGE_WIDTHS and depth == 0:
+        elif (
+            _int_list(value)
+            and key in _STAGE_WIDTHS
+            and depth == 0
+            and d.get("model_type") not in _KEEP_WIDTHS
+        ):
             # (top level only: a backbone's widths must stay those its neck was built for)
             out[key] = [16 * 2 ** min(i, 3) for i in range(len(value))]  # per-stage widths
         elif _int_list(value) and key in _STAGE_DEPTHS:
@@ -378,7 +389,7 @@ FAMILY: dict[str, dict] = {
     },
     "lw_detr": {"backbone_config": {"num_windows": 4}},
     "donut-swin": {"embed_dim": 32, "depths": [1, 1], "num_heads": [2, 4], "patch_size": 2},
-    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.25},
+    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.25, "hidden_dim": 320},
     "dory": {
         "layer_types": None,
         "num_hidden_layers": 3,
