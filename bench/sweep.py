@@ -567,7 +567,7 @@ def make_inputs(mapping: str, model, cfg) -> dict:
         return out
     if kind == "speech_seq2seq":
         dec = _text_ids(cfg, seq=SEQ // 2)
-        if name == "input_values":
+        if name in ("input_values", "inputs"):  # raw audio (speech-encoder-decoder: a wav2vec2 encoder)
             return {name: torch.randn(BATCH, 2000, generator=g), "decoder_input_ids": dec}
         bins = _mel_bins(cfg)
         frames = _frames(cfg)
