@@ -666,6 +666,75 @@ def _owns_dense_storage(arg) -> bool:
     )
 
 
+def _storage_key(val: torch.Tensor):
+    try:
+        return val.untyped_storage()._cdata
+    except Exception:  # a tensor without storage (sparse, nested): never matched
+        return None
+
+
+def _storage_order(val: torch.Tensor) -> list[int] | None:
+    """The dim order in which a non-contiguous `val` fills its whole storage densely from offset
+    0 (a permutation of its dims), or None when it does not (a strided slice, an offset, gaps)."""
+    if val.ndim == 0 or val.storage_offset() != 0:
+        return None
+    if val.untyped_storage().nbytes() != val.numel() * val.element_size():
+        return None
+    order = sorted(range(val.ndim), key=lambda d: (-val.stride(d), d))
+    return order if val.permute(order).is_contiguous() else None
+
+
+def _rebase_storage_ops(gm: torch.fx.GraphModule) -> int:
+    """Points each `as_strided` whose operand is a view that is not its own dense storage (a
+    strided slice, a view with an offset, a permuted view ...) at the graph node that owns that
+    storage densely (the node the view was taken from, through any chain of views), with the
+    view's storage offset made explicit. as_strided addresses the storage, not the view, so the
+    result is the same, and the owner is a dense row-major array as tpuc holds every value: the
+    op lowers exactly (a reshape or a gather) instead of running in PyTorch on a dense copy of the
+    view, whose storage is not the one eager PyTorch addressed (Longformer's chunked attention).
+    Returns the number of ops rewritten."""
+    owners: dict = {}
+    permuted: dict = {}  # storage -> (node, dim order) of values that fill it in a permuted order
+    changed = 0
+    for n in list(gm.graph.nodes):
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if str(n.target) == "aten.as_strided.default" and isinstance(n.args[0], torch.fx.Node):
+            x = n.args[0]
+            xval = x.meta.get("val")
+            key = _storage_key(xval) if isinstance(xval, torch.Tensor) else None
+            base = owners.get(key)
+            if base is None and key in permuted and not _owns_dense_storage(x):
+                # The storage is a permuted dense tensor's (a clone of a transposed view keeps
+                # its strides): its permutation into storage order is a dense row-major array.
+                owner, order = permuted[key]
+                with gm.graph.inserting_before(n):
+                    base = gm.graph.call_function(torch.ops.aten.permute.default, (owner, order))
+                base.meta["val"] = owner.meta["val"].permute(order)
+                owners[key] = base
+            if base is not None and base is not x and not _owns_dense_storage(x):
+                size, stride = n.args[1], n.args[2]
+                offset = n.args[3] if len(n.args) > 3 else n.kwargs.get("storage_offset")
+                if offset is None:
+                    offset = xval.storage_offset()
+                if base.meta["val"].dtype == xval.dtype and isinstance(offset, int):
+                    n.args = (base, size, stride, offset)
+                    n.kwargs = {}
+                    changed += 1
+        key = _storage_key(val)
+        if key is None:
+            continue
+        if _owns_dense_storage(n):
+            owners.setdefault(key, n)
+        elif (order := _storage_order(val)) is not None:
+            permuted.setdefault(key, (n, order))
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
 def _supported(n: torch.fx.Node) -> bool:
     if n.op != "call_function":
         return False
@@ -867,6 +936,7 @@ def compile_graph(
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set."""
     checks = _hoist_linalg_checks(gm)
+    _rebase_storage_ops(gm)
     n_ties = 0
     tie_nodes = ties.checked_nodes(gm)
     if tie_nodes:
