@@ -120,6 +120,20 @@ if ! have "import transformers, torchvision, sys; sys.exit(transformers.__versio
     }
 fi
 
+# diffusers (bench/sweep_diffusers.py, tests/test_sweep_diffusers.py) builds its denoisers and VAEs
+# from small configs. Its wheel does not declare torch, but --no-deps keeps pip from upgrading
+# anything else; its own small dependencies go in normally.
+DIFFUSERS_VERSION=0.42.1
+if ! have "import diffusers, sys; sys.exit(diffusers.__version__ != '$DIFFUSERS_VERSION')"; then
+    step "python: installing diffusers $DIFFUSERS_VERSION (no torch)"
+    "${PIP[@]}" importlib_metadata requests "huggingface-hub>=1.32.0,<3" "safetensors>=0.8.0" regex pillow numpy filelock
+    "${PIP[@]}" --no-deps "diffusers==$DIFFUSERS_VERSION"
+    have "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" || {
+        echo "setup: installing diffusers changed torch" >&2
+        exit 1
+    }
+fi
+
 step "build: Rust extension (release), installed into .venv"
 .venv/bin/maturin develop --release -q -m python/Cargo.toml
 "$PY" -c "import tpuc, sys; print('tpuc', tpuc.__version__, 'ready:', len(tpuc.supported_ops()), 'lowering rules')"

@@ -294,26 +294,67 @@ def as_strided_offset(y):
     return y.as_strided((2, 2), (2, 1), 0) + 0
 
 
-@pytest.mark.parametrize(
-    "fn,arg",
-    [
-        # storage 0..5, strides (1, 3): as_strided reads the storage, not the row-major values
-        (as_strided_transposed, lambda: torch.arange(6.0).view(2, 3).t()),
-        # storage offset 1: eager reads storage elements 0..3, before the input's first element
-        (as_strided_offset, lambda: torch.arange(8.0)[1:]),
-    ],
-)
-def test_as_strided_of_an_input_that_is_not_its_own_dense_storage(fn, arg):
-    # tpuc values are dense row-major arrays, so it cannot address another storage layout: the op
+def test_as_strided_of_a_transposed_input():
+    # storage 0..5, strides (1, 3): as_strided reads the storage, not the row-major values; the
+    # input fills its storage densely in transposed order, so tpuc reads its permutation.
+    x = torch.arange(6.0).view(2, 3).t()
+    check(as_strided_transposed, x)
+
+
+def test_as_strided_of_an_input_that_is_not_its_own_dense_storage():
+    # storage offset 1: eager reads storage elements 0..3, before the input's first element.
+    # tpuc values are dense row-major arrays and the input's storage is not in the graph, so the op
     # is reported (fallback="error") or runs in PyTorch, never computed on the wrong elements.
+    def arg():
+        return torch.arange(8.0)[1:]
+
     with pytest.raises(tpuc.UnsupportedOpError, match="as_strided"):
-        compiled(fn)(arg())
+        compiled(as_strided_offset)(arg())
     torch._dynamo.reset()
-    out = torch.compile(fn, backend="tpu", dynamic=False)(arg())  # warns once per process
-    torch.testing.assert_close(out, fn(arg()))
+    out = torch.compile(as_strided_offset, backend="tpu", dynamic=False)(arg())  # warns once per process
+    torch.testing.assert_close(out, as_strided_offset(arg()))
     assert tpuc.stats()["fallback_ops"] == {"aten.as_strided.default": 1}
 
 
 def test_as_strided_of_a_contiguous_input():
     z = torch.arange(8.0)
     check(lambda z: (z.as_strided((2, 2), (2, 1), 2) + 0, z.as_strided((3, 2), (1, 2)) * 2), z)
+
+
+def chunk_transposed(x):
+    # A transposed view of an intermediate: eager's as_strided reads the intermediate's storage.
+    h = (x * 2).t()
+    return h.as_strided((3, 4), (2, 1)) + 1
+
+
+def chunk_sliced(x):
+    # A slice with a storage offset: as_strided (offset omitted) starts at the slice's offset.
+    h = (x + 1)[1:]
+    return h.as_strided((2, 2, 3), (4, 4, 1)) * 3
+
+
+def chunk_longformer(x):
+    # Longformer's sliding-window chunks: pad, then overlapping chunks of the padded buffer,
+    # taken through a strided view (a slice of the padded dim), as _pad_and_transpose does.
+    p = F.pad(x, (0, 0, 2, 2), value=-1.0)[:, 1:-1]
+    size = (p.size(0), 3, 4, p.size(2))
+    stride = (p.stride(0), 2 * p.stride(1), p.stride(1), p.stride(2))
+    return p.as_strided(size, stride).sum(-1)
+
+
+def chunk_of_a_permuted_clone(x):
+    # clone() keeps a transposed view's strides: the storage holds the transposed order, which
+    # as_strided (here on a slice of it) reads.
+    h = (x * 2).t().clone()[1:]
+    return h.as_strided((3, 4), (1, 3)) + 1
+
+
+@pytest.mark.parametrize("fn", [chunk_transposed, chunk_sliced, chunk_longformer, chunk_of_a_permuted_clone])
+def test_as_strided_of_a_view_of_an_intermediate(fn):
+    # The view is not its own dense storage, but the intermediate it was taken from is: tpuc
+    # reads that node's storage, as eager does (this ran in PyTorch on a dense copy of the view
+    # before, which reads other elements: Longformer's masked LM was 2.5e-4 off).
+    x = torch.randn(4, 6)
+    if fn is chunk_longformer:
+        x = torch.randn(2, 6, 3)
+    check(fn, x)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import threading
 import time
 import warnings
@@ -83,6 +84,79 @@ _BUCKET_DECOMPOSITIONS = {
         ]
     ),
 }
+
+
+def _grouped_mm(
+    mat1: torch.Tensor, mat2: torch.Tensor, offs: torch.Tensor | None = None, bias=None, out_dtype=None
+):
+    """`torch._grouped_mm` for a 2-d `mat1` (rows sorted by group) and a 3-d `mat2` (one matrix
+    per group, `offs` the groups' cumulative row ends), in ops with static shapes: the product
+    of every row with every group's matrix, then each row's own group selected (rows past the
+    last end are zero, as in transformers' `grouped_mm_fallback`), equal to the kernel's to
+    float rounding (each row is the same dot product, summed in XLA's order). The cost is one
+    product per group (fine for MoE inference with few experts or few tokens). Other layouts keep
+    the op (unsupported: it falls back)."""
+    if (
+        mat1.dim() != 2
+        or mat2.dim() != 3
+        or offs is None
+        or bias is not None
+        or out_dtype not in (None, mat1.dtype)
+    ):
+        return NotImplemented
+    rows = torch.arange(mat1.shape[0], device=mat1.device, dtype=offs.dtype)
+    group = (rows.unsqueeze(1) >= offs.unsqueeze(0)).sum(1)  # each row's group; E past the end
+    every = torch.einsum("sk,ekn->esn", mat1, mat2)
+    index = group.clamp(max=mat2.shape[0] - 1).view(1, -1, 1).expand(1, mat1.shape[0], mat2.shape[2])
+    picked = torch.take_along_dim(every, index, dim=0).squeeze(0)
+    return torch.where((group < mat2.shape[0]).unsqueeze(1), picked, torch.zeros((), dtype=picked.dtype))
+
+
+_DECOMPOSITIONS[torch.ops.aten._grouped_mm.default] = _grouped_mm
+_BUCKET_DECOMPOSITIONS[torch.ops.aten._grouped_mm.default] = _grouped_mm
+
+
+def _index_put_by_select(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
+    """A non-accumulating `index_put` along one dim (`target[..., idx, ...] = values`: a static
+    cache's KV write, `index_copy_`) as selects: which target rows `idx` names, the first value
+    naming each, and `where`. Used with bucketing only: the bucketing pass masks these ops
+    exactly (a padded `idx` entry matches no row), while a write with padded indices would land
+    on a real row. Costs len(idx) x rows comparisons; duplicate indices (whose winner PyTorch
+    leaves unspecified) take the first. Other forms keep the op."""
+    live = [i for i, t in enumerate(indices) if t is not None]
+    if accumulate or len(live) != 1 or values.dim() != target.dim():
+        return NotImplemented
+    d = live[0]
+    idx = indices[d]
+    if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32) or idx.dtype == torch.bool:
+        return NotImplemented
+    rows = target.shape[d]
+    idx = torch.where(idx < 0, idx + rows, idx)
+    match = idx.unsqueeze(1) == torch.arange(rows, dtype=idx.dtype, device=idx.device)  # (len, rows)
+    hit = match.any(0)
+    picked = values if values.shape[d] == 1 else values.index_select(d, match.to(torch.int32).argmax(0))
+    shape = [1] * target.dim()
+    shape[d] = rows
+    return torch.where(hit.view(shape), picked.to(target.dtype), target)
+
+
+for _op in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default):
+    _BUCKET_DECOMPOSITIONS[_op] = _index_put_by_select
+
+
+def _decompositions(bucketed: bool) -> dict:
+    """The decomposition table, plus transformers' opaque MoE expert product
+    (`transformers::grouped_mm_fallback`: a Python loop over the groups with a host sync, which
+    transformers uses under torch.compile where `torch._grouped_mm` has no kernel, e.g. float32
+    on CPU) once transformers has registered it: it is `torch._grouped_mm` without bias."""
+    table = _BUCKET_DECOMPOSITIONS if bucketed else _DECOMPOSITIONS
+    try:
+        op = torch.ops.transformers.grouped_mm_fallback.default
+    except (AttributeError, RuntimeError):
+        return table
+    return {**table, op: _grouped_mm}
+
+
 _warned_fallback: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -569,7 +643,12 @@ _COMPLEX_OPS = frozenset(
         "sqrt.default rsqrt.default sin.default tanh.default reciprocal.default "
         "pow.Tensor_Scalar sum.dim_IntList sum.default mean.dim mean.default prod.dim_int cumsum.default "
         "mm.default bmm.default eq.Tensor ne.Tensor isnan.default sigmoid.default "
-        "scalar_tensor.default full_like.default"
+        "scalar_tensor.default full_like.default "
+        # Data movement, whose rules never look at the element type (Lumina2's complex rotary
+        # frequencies are repeated, gathered and copied, QwenImage's split;
+        # tests/test_sweep_diffusers.py).
+        "repeat.default gather.default full.default copy.default split_with_sizes.default "
+        "split.Tensor"
     ).split()
 )
 
@@ -585,6 +664,75 @@ def _owns_dense_storage(arg) -> bool:
         and val.storage_offset() == 0
         and val.untyped_storage().nbytes() == val.numel() * val.element_size()
     )
+
+
+def _storage_key(val: torch.Tensor):
+    try:
+        return val.untyped_storage()._cdata
+    except Exception:  # a tensor without storage (sparse, nested): never matched
+        return None
+
+
+def _storage_order(val: torch.Tensor) -> list[int] | None:
+    """The dim order in which a non-contiguous `val` fills its whole storage densely from offset
+    0 (a permutation of its dims), or None when it does not (a strided slice, an offset, gaps)."""
+    if val.ndim == 0 or val.storage_offset() != 0:
+        return None
+    if val.untyped_storage().nbytes() != val.numel() * val.element_size():
+        return None
+    order = sorted(range(val.ndim), key=lambda d: (-val.stride(d), d))
+    return order if val.permute(order).is_contiguous() else None
+
+
+def _rebase_storage_ops(gm: torch.fx.GraphModule) -> int:
+    """Points each `as_strided` whose operand is a view that is not its own dense storage (a
+    strided slice, a view with an offset, a permuted view ...) at the graph node that owns that
+    storage densely (the node the view was taken from, through any chain of views), with the
+    view's storage offset made explicit. as_strided addresses the storage, not the view, so the
+    result is the same, and the owner is a dense row-major array as tpuc holds every value: the
+    op lowers exactly (a reshape or a gather) instead of running in PyTorch on a dense copy of the
+    view, whose storage is not the one eager PyTorch addressed (Longformer's chunked attention).
+    Returns the number of ops rewritten."""
+    owners: dict = {}
+    permuted: dict = {}  # storage -> (node, dim order) of values that fill it in a permuted order
+    changed = 0
+    for n in list(gm.graph.nodes):
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if str(n.target) == "aten.as_strided.default" and isinstance(n.args[0], torch.fx.Node):
+            x = n.args[0]
+            xval = x.meta.get("val")
+            key = _storage_key(xval) if isinstance(xval, torch.Tensor) else None
+            base = owners.get(key)
+            if base is None and key in permuted and not _owns_dense_storage(x):
+                # The storage is a permuted dense tensor's (a clone of a transposed view keeps
+                # its strides): its permutation into storage order is a dense row-major array.
+                owner, order = permuted[key]
+                with gm.graph.inserting_before(n):
+                    base = gm.graph.call_function(torch.ops.aten.permute.default, (owner, order))
+                base.meta["val"] = owner.meta["val"].permute(order)
+                owners[key] = base
+            if base is not None and base is not x and not _owns_dense_storage(x):
+                size, stride = n.args[1], n.args[2]
+                offset = n.args[3] if len(n.args) > 3 else n.kwargs.get("storage_offset")
+                if offset is None:
+                    offset = xval.storage_offset()
+                if base.meta["val"].dtype == xval.dtype and isinstance(offset, int):
+                    n.args = (base, size, stride, offset)
+                    n.kwargs = {}
+                    changed += 1
+        key = _storage_key(val)
+        if key is None:
+            continue
+        if _owns_dense_storage(n):
+            owners.setdefault(key, n)
+        elif (order := _storage_order(val)) is not None:
+            permuted.setdefault(key, (n, order))
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
 
 
 def _supported(n: torch.fx.Node) -> bool:
@@ -607,7 +755,11 @@ def _supported(n: torch.fx.Node) -> bool:
     ]
     if target != "aten.hash_tensor.default" and any(t.dtype == torch.uint64 for t in tensors):
         return False  # uint64 is only lowered as hash_tensor's result
-    if target not in _COMPLEX_OPS and any(t.is_complex() for t in tensors):
+    if (
+        target not in _COMPLEX_OPS
+        and n.target is not operator.getitem
+        and any(t.is_complex() for t in tensors)
+    ):
         return False
     if any(isinstance(a, complex) for a in leaves):
         return False  # complex Python scalars have no wire format (complex tensors do)
@@ -784,6 +936,7 @@ def compile_graph(
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set."""
     checks = _hoist_linalg_checks(gm)
+    _rebase_storage_ops(gm)
     n_ties = 0
     tie_nodes = ties.checked_nodes(gm)
     if tie_nodes:
@@ -915,7 +1068,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             example_inputs,
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
-            decompositions=_BUCKET_DECOMPOSITIONS if maxima else _DECOMPOSITIONS,
+            decompositions=_decompositions(bool(maxima)),
         )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
     if len(direct) == 1:

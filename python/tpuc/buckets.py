@@ -35,9 +35,12 @@ def declared_maxima(example_inputs) -> dict[str, tuple[int, str]]:
     for sym, rng in env.var_to_range.items():
         try:
             upper = int(rng.upper)
-        except Exception:  # int_oo: no declared maximum
+            lower = int(rng.lower)
+        except Exception:  # int_oo: no declared maximum; -int_oo: an integer that is not a size
+            # (an unbacked value such as a clamp of `.item()` only bounded above: gemma3's
+            # sliding-window masks under a static cache), never a marked dim
             continue
-        if upper >= _LARGE or int(rng.lower) >= upper:
+        if upper >= _LARGE or lower >= upper:
             # A range of one value is the trace pinning the size (a Linear's input features
             # equal to its weight's), not a declared maximum.
             continue

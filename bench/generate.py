@@ -1,0 +1,405 @@
+"""Static-cache generation through backend="tpu": `model.generate(cache_implementation="static")`
+with `model.forward` compiled, on every Transformers causal-LM family that can compile its forward
+as one graph (`_can_compile_fullgraph`), each built from a tiny config with random weights.
+
+    python bench/generate.py --jobs 2                     # every family, resumable
+    python bench/generate.py --only llama mixtral --fresh
+
+Per family: greedy generation of NEW_TOKENS tokens from a PROMPT-token prompt; the tokens must be
+identical to eager's. Entries `buckets/<family>` generate from prompts of several lengths with one
+declared maximum (`mark_dynamic(input_ids, 1, max=MAX_PROMPT)`, buckets "pow2", a fixed
+`max_cache_len`) and count XLA compiles against `dynamic=False` (one compile per prompt length).
+Results: bench/results/generate.{json,md}.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep_runner  # noqa: E402
+
+VOCAB = 256
+PROMPT = 7
+NEW_TOKENS = 16
+MAX_PROMPT = 32
+MAX_CACHE = MAX_PROMPT + NEW_TOKENS
+BUCKET_LENGTHS = (3, 5, 7, 9, 12, 17, 23, 30)
+BUCKET_FAMILIES = ("llama", "qwen3_moe")
+
+# Small sizes for every config attribute of these names that a family has (in the top config and
+# its text config): hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MoE with 4 experts of which 2
+# are active.
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "n_inner": 128,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "n_positions": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+    "sliding_window": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+# Widely used families run first (the sweep is resumable; the rest follow in mapping order).
+PRIORITY = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+    "deepseek_v3",
+    "qwen2_moe",
+    "cohere",
+    "starcoder2",
+    "gpt2",
+    "gpt_neox",
+    "phi",
+    "opt",
+    "falcon",
+    "stablelm",
+    "olmoe",
+    "smollm3",
+    "glm",
+    "exaone4",
+    "gpt_oss",
+    "llama4_text",
+)
+# Per-family changes on top of TINY (config attribute -> value).
+TWEAKS: dict[str, dict] = {}
+
+
+def families() -> list[str]:
+    """The causal-LM model types whose class can compile its forward as one graph."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as M
+
+    out = []
+    for model_type, cls_name in M.items():
+        cls = getattr(transformers, cls_name, None)
+        if cls is not None and getattr(cls, "_can_compile_fullgraph", False):
+            out.append(model_type)
+    return out
+
+
+def excluded() -> list[str]:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as M
+
+    return [
+        t
+        for t, c in M.items()
+        if not getattr(getattr(transformers, c, None), "_can_compile_fullgraph", False)
+    ]
+
+
+def _shrink_layer_list(values: list, n: int) -> list:
+    """A per-layer list cut to `n` entries that keeps each kind of layer it has, in order."""
+    keep = []
+    for i, v in enumerate(values):
+        if v not in [values[j] for j in keep]:
+            keep.append(i)
+    keep = sorted(keep[:n])
+    while len(keep) < n:
+        keep.append(keep[-1] if keep else 0)
+    return [values[i] for i in keep]
+
+
+def _configs(cfg):
+    """The config and every sub-config it holds (text, vision, ...)."""
+    from transformers import PretrainedConfig
+
+    seen, todo = [], [cfg]
+    while todo:
+        c = todo.pop()
+        if any(c is s for s in seen):
+            continue
+        seen.append(c)
+        todo.extend(v for v in vars(c).values() if isinstance(v, PretrainedConfig))
+    return seen
+
+
+def tiny_config(model_type: str):
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type)
+    for c in _configs(cfg):
+        layers = getattr(c, "num_hidden_layers", None)
+        for k, v in (TINY | TWEAKS.get(model_type, {})).items():
+            if (
+                k in vars(c)
+                and (isinstance(getattr(c, k), int) or getattr(c, k) is None)
+                and k not in ("sliding_window",)
+            ):
+                setattr(c, k, v)
+            elif k == "sliding_window" and isinstance(getattr(c, k, None), int):
+                setattr(c, k, v)
+        for k, v in list(vars(c).items()):
+            if isinstance(v, list) and isinstance(layers, int) and len(v) == layers and layers > 2:
+                setattr(c, k, _shrink_layer_list(v, 2))
+        if isinstance(getattr(c, "qk_rope_head_dim", None), int) and "head_dim" in vars(c):
+            c.head_dim = c.qk_rope_head_dim  # MLA families: head_dim is the rope part
+        for k, v in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+            if isinstance(getattr(c, k, None), int) and getattr(c, k) >= VOCAB:
+                setattr(c, k, v)
+        for k in (
+            "dropout",
+            "attention_dropout",
+            "hidden_dropout",
+            "resid_pdrop",
+            "embd_pdrop",
+            "attn_pdrop",
+        ):
+            if isinstance(getattr(c, k, None), float):
+                setattr(c, k, 0.0)
+    cfg = type(cfg).from_dict(cfg.to_dict())
+    return cfg
+
+
+def build(model_type: str):
+    import transformers
+
+    cfg = tiny_config(model_type)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _generate(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            cache_implementation="static",
+            disable_compile=True,
+            **kw,
+        )
+
+
+def work_family(model_type: str) -> dict:
+    import tpuc
+
+    res = {"name": model_type, "built": False, "tpu_ok": None}
+    t0 = time.time()
+    try:
+        model = build(model_type)
+        torch.manual_seed(1)
+        ids = torch.randint(3, VOCAB, (1, PROMPT))
+        expected = _generate(model, ids)
+    except Exception as e:  # noqa: BLE001
+        res["error"] = "build/eager: " + sweep_runner.short_error(e)
+        return res
+    res["built"] = True
+    res["class"] = type(model).__name__
+    res["eager_s"] = round(time.time() - t0, 2)
+    eager_forward = model.forward
+
+    t0 = time.time()
+    tpuc.reset_stats()
+    try:
+        model.forward = torch.compile(eager_forward, backend="tpu", options={"fallback": "error"})
+        actual = _generate(model, ids)
+        res["tpu_ok"] = bool(torch.equal(actual, expected))
+        res["tokens_equal"] = (
+            int((actual[0, PROMPT:] == expected[0, PROMPT:]).sum()) if actual.shape == expected.shape else 0
+        )
+        if not res["tpu_ok"]:
+            res["error"] = f"tokens differ: {res['tokens_equal']}/{NEW_TOKENS} equal"
+    except Exception as e:  # noqa: BLE001
+        res["tpu_ok"] = False
+        res["error"] = sweep_runner.short_error(e)
+    s = tpuc.stats()
+    res["graphs"] = s["graphs_compiled"]
+    res["xla_compiles"] = s["xla_compiles"]
+    res["executions"] = s["executions"]
+    res["tpu_s"] = round(time.time() - t0, 2)
+
+    if not res["tpu_ok"]:
+        # Is it torch's? The same generation with backend="aot_eager".
+        torch._dynamo.reset()
+        t0 = time.time()
+        try:
+            model.forward = torch.compile(eager_forward, backend="aot_eager")
+            res["aot_eager_ok"] = bool(torch.equal(_generate(model, ids), expected))
+        except Exception as e:  # noqa: BLE001
+            res["aot_eager_ok"] = False
+            res["aot_eager_error"] = sweep_runner.short_error(e)
+        res["aot_eager_s"] = round(time.time() - t0, 2)
+    return res
+
+
+def bucketed_forward(forward, options: dict, max_len: int):
+    """`forward` compiled with backend="tpu", each prompt's `input_ids` marked dynamic up to
+    `max_len` (a decode step's single token stays static)."""
+    compiled = torch.compile(forward, backend="tpu", options=options)
+
+    def call(*args, **kw):
+        ids = kw.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:
+            torch._dynamo.mark_dynamic(ids, 1, min=2, max=max_len)
+        return compiled(*args, **kw)
+
+    return call
+
+
+def work_buckets(name: str) -> dict:
+    import tpuc
+
+    model_type = name.split("/", 1)[1]
+    model = build(model_type)
+    model.generation_config.max_cache_len = MAX_CACHE  # one cache size for every prompt
+    eager_forward = model.forward
+    torch.manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (1, n)) for n in BUCKET_LENGTHS]
+    expected = [_generate(model, p) for p in prompts]
+    res = {"name": name, "built": True, "lengths": list(BUCKET_LENGTHS), "max_prompt": MAX_PROMPT}
+    # No disk cache: every executable a variant needs is compiled (and counted) here.
+    opts = {"fallback": "error", "cache_dir": None}
+    variants = {
+        "buckets": lambda: bucketed_forward(eager_forward, opts | {"buckets": "pow2"}, MAX_PROMPT),
+        "static": lambda: torch.compile(eager_forward, backend="tpu", dynamic=False, options=opts),
+    }
+    ok = True
+    for variant, make in variants.items():
+        torch._dynamo.reset()
+        tpuc.reset_stats()
+        t0 = time.time()
+        model.forward = make()
+        same = [bool(torch.equal(_generate(model, p), e)) for p, e in zip(prompts, expected, strict=True)]
+        s = tpuc.stats()
+        res[variant] = {
+            "tokens_identical": all(same),
+            "identical_per_prompt": same,
+            "graphs": s["graphs_compiled"],
+            "xla_compiles": s["xla_compiles"],
+            "seconds": round(time.time() - t0, 2),
+        }
+        ok &= all(same)
+    res["tpu_ok"] = ok
+    if not ok:
+        res["error"] = "tokens differ for some prompt"
+    return res
+
+
+def work(name: str) -> dict:
+    logging_off()
+    torch.set_num_threads(int(os.environ.get("SWEEP_THREADS", "1")))
+    return work_buckets(name) if name.startswith("buckets/") else work_family(name)
+
+
+def logging_off() -> None:
+    import logging
+    import warnings
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def markdown(results: list[dict]) -> str:
+    fam = [r for r in results if not r["name"].startswith("buckets/")]
+    buck = [r for r in results if r["name"].startswith("buckets/")]
+    built = sum(bool(r.get("built")) for r in fam)
+    ok = sum(r.get("tpu_ok") is True for r in fam)
+    lines = [
+        "# Static-cache generation (bench/generate.py)",
+        "",
+        f"{len(fam)} causal-LM families with `_can_compile_fullgraph`; built and generated in eager "
+        f'with a static cache: {built}; tokens identical to eager with backend="tpu": {ok}. '
+        f'Greedy, prompt {PROMPT} tokens, {NEW_TOKENS} new tokens, fallback="error".',
+        "",
+        "| family | class | built | tokens identical | graphs | XLA compiles | aot_eager | wall s | error |",
+        "|---|---|---|---|---:|---:|---|---:|---|",
+    ]
+    for r in fam:
+        err = (r.get("error") or "").replace("|", "\\|")
+        if r.get("aot_eager_error"):
+            err += f" (aot_eager: {r['aot_eager_error']})".replace("|", "\\|")
+        aot = {True: "ok", False: "**fails**"}.get(r.get("aot_eager_ok"), "")
+        tok = {True: "yes", False: "**no**"}.get(r.get("tpu_ok"), "-")
+        lines.append(
+            f"| {r['name']} | {r.get('class', '')} | {'yes' if r.get('built') else '**no**'} | {tok} | "
+            f"{r.get('graphs', '')} | {r.get('xla_compiles', '')} | {aot} | {r.get('wall_s', '')} | {err} |"
+        )
+    if buck:
+        lines += [
+            "",
+            f"## Prompts of lengths {', '.join(map(str, BUCKET_LENGTHS))}: one declared maximum ({MAX_PROMPT}) vs "
+            "`dynamic=False`",
+            "",
+            "| family | variant | tokens identical (all prompts) | Dynamo graphs | XLA compiles | seconds |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for r in buck:
+            for variant in ("buckets", "static"):
+                v = r.get(variant)
+                if v is None:
+                    lines.append(f"| {r['name'][8:]} | {variant} | - | | | | {r.get('error', '')} |")
+                    continue
+                lines.append(
+                    f"| {r['name'][8:]} | {variant} | {'yes' if v['tokens_identical'] else '**no**'} | "
+                    f"{v['graphs']} | {v['xla_compiles']} | {v['seconds']} |"
+                )
+    lines += ["", "Not run (no `_can_compile_fullgraph`): " + ", ".join(excluded()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sweep_runner.main(
+        script=__file__,
+        title="static-cache generation",
+        stem="generate",
+        names=families() + [f"buckets/{f}" for f in BUCKET_FAMILIES],
+        work=work,
+        markdown=markdown,
+        default_timeout=300,
+        priority=PRIORITY,
+    )

@@ -1,0 +1,943 @@
+"""Architecture sweep: every model type of Transformers' auto-mappings, tiny and random, through
+eager, `backend="aot_eager"` (what torch itself compiles) and `backend="tpu"`.
+
+    python bench/sweep.py [--mapping causal_lm,...] [--types llama,...] [--limit N] [--jobs N]
+                          [--rerun] [--timeout S] [--out bench/results/sweep.json]
+
+Each type is built from its default config shrunk to a tiny size (`shrink`: hidden 64, 2 layers,
+4 heads, vocab 512, images of 32-64 pixels, per-family fixes in `FAMILY`), with seeded random
+weights, in eval mode, with `attn_implementation="sdpa"` where the class supports it (else eager).
+Inputs are seeded token ids / pixel values / audio of a small size. Each type runs in its own
+process (forked from a parent that has imported torch and transformers) under a timeout. A type
+passes a backend when every floating output (logits, boxes, ...) is within rtol 1e-4 and atol
+1e-4 x the output's largest magnitude of eager. Results accumulate in `--out` (types already
+there are skipped unless `--rerun`), and a markdown report is written next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+import warnings
+from itertools import zip_longest
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+RTOL = 1e-4
+ATOL_REL = 1e-4  # atol = ATOL_REL x the output's largest magnitude
+SEED = 0
+VOCAB = 512
+SEQ = 8
+BATCH = 2
+HIDDEN = 64
+LAYERS = 2
+HEADS = 4
+IMAGE = 32
+MAX_PARAMS = 40_000_000  # a config the shrink missed: reported, not run for minutes
+
+#: mapping name -> (transformers' NAMES dict in modeling_auto, the kind of inputs)
+MAPPINGS = {
+    "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "text"),
+    "masked_lm": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "text"),
+    "seq2seq_lm": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq"),
+    "seq_cls": ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "text"),
+    "image_cls": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image"),
+    "object_detection": ("MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES", "image"),
+    "semantic_seg": ("MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES", "image"),
+    "ctc": ("MODEL_FOR_CTC_MAPPING_NAMES", "audio"),
+    "speech_seq2seq": ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "speech_seq2seq"),
+}
+
+# ---------------------------------------------------------------------------------------------
+# Shrinking configs
+
+# Scalar config keys -> tiny values (set only where the default config has the key).
+_WIDTH = {
+    "hidden_size": HIDDEN,
+    "d_model": HIDDEN,
+    "n_embd": HIDDEN,
+    "n_embed": HIDDEN,
+    "dim": HIDDEN,
+    "emb_dim": HIDDEN,
+    "pooler_hidden_size": HIDDEN,
+    "model_dim": HIDDEN,
+    "embedding_size": HIDDEN,
+    "word_embed_proj_dim": HIDDEN,
+    "projection_dim": HIDDEN,
+    "encoder_hidden_size": HIDDEN,
+    "decoder_hidden_size": HIDDEN,
+    "text_hidden_size": HIDDEN,
+    "intermediate_size": 2 * HIDDEN,
+    "ffn_dim": 2 * HIDDEN,
+    "encoder_ffn_dim": 2 * HIDDEN,
+    "decoder_ffn_dim": 2 * HIDDEN,
+    "decoder_intermediate_size": 2 * HIDDEN,
+    "d_ff": 2 * HIDDEN,
+    "d_inner": 2 * HIDDEN,
+    "hidden_dim": 2 * HIDDEN,
+    "n_inner": 2 * HIDDEN,
+    "ffn_hidden_size": 2 * HIDDEN,
+    "dense_intermediate_size": 2 * HIDDEN,
+    "shared_intermediate_size": 2 * HIDDEN,
+    "moe_intermediate_size": HIDDEN // 2,
+    "expert_intermediate_size": HIDDEN // 2,
+    "shared_expert_intermediate_size": HIDDEN,
+    "d_kv": HIDDEN // HEADS,
+    "head_dim": HIDDEN // HEADS,
+    "kv_channels": HIDDEN // HEADS,
+    "attention_head_size": HIDDEN // HEADS,
+    "rotary_dim": 8,
+    "rotary_emb_dim": 8,
+    "linear_head_dim": HIDDEN // HEADS,
+    "linear_key_head_dim": HIDDEN // HEADS,
+    "linear_value_head_dim": HIDDEN // HEADS,
+    "linear_num_heads": HEADS,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": HEADS,
+    "qk_nope_head_dim": 16,
+    "qk_head_dim": 24,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+}
+_DEPTH = {
+    "num_hidden_layers": LAYERS,
+    "n_layer": LAYERS,
+    "n_layers": LAYERS,
+    "num_layers": LAYERS,
+    "encoder_layers": LAYERS,
+    "decoder_layers": LAYERS,
+    "num_decoder_layers": LAYERS,
+    "num_encoder_layers": LAYERS,
+    "decoder_num_layers": LAYERS,
+    "encoder_num_layers": LAYERS,
+    "num_hidden_groups": 1,
+}
+_HEADS = {
+    "num_attention_heads": HEADS,
+    "n_head": HEADS,
+    "n_heads": HEADS,
+    "num_heads": HEADS,
+    "encoder_attention_heads": HEADS,
+    "decoder_attention_heads": HEADS,
+    "decoder_num_attention_heads": HEADS,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "n_kv_heads": 2,
+    "multi_query_group_num": 2,
+    "num_key_value_groups": None,  # derived where present; left alone
+}
+_MOE = {
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "top_k": 2,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+}
+_SSM = {
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_ssm": 128,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_chunk_size": 8,
+    "state_size": 16,
+    "ssm_state_size": 16,
+    "chunk_size": 8,
+    "time_step_rank": 8,
+    "n_groups": 1,
+}
+_MOE_UNSET = ("num_experts_per_tok", "n_routed_experts", "n_shared_experts", "num_experts")
+_SIZES = {
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 128,
+    "n_positions": 128,
+    "n_ctx": 128,
+    "max_seq_len": 128,
+    "seq_length": 128,
+    "max_sequence_length": 128,
+    "max_window_layers": LAYERS,
+    "image_size": IMAGE,
+    "num_labels": 3,
+    "num_queries": 10,
+    "entity_vocab_size": 64,
+    "entity_emb_size": 32,
+    "window_size": 4,
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
+}
+# Set wherever the key exists (booleans and strings included).
+_FORCE = {"use_timm_backbone": False, "use_pretrained_backbone": False}
+_ZERO = (
+    "dropout",
+    "hidden_dropout",
+    "hidden_dropout_prob",
+    "attention_dropout",
+    "attention_probs_dropout_prob",
+    "attn_pdrop",
+    "resid_pdrop",
+    "embd_pdrop",
+    "activation_dropout",
+    "classifier_dropout",
+    "dropout_rate",
+    "drop_path_rate",
+    "layerdrop",
+    "encoder_layerdrop",
+    "decoder_layerdrop",
+    "final_dropout",
+    "feat_proj_dropout",
+    "mask_time_prob",
+    "mask_feature_prob",
+    "ffn_dropout",
+    "emb_dropout",
+    "summary_first_dropout",
+    "attention_dropout_prob",
+    "hidden_dropout_rate",
+    "drop_path",
+)
+
+
+# Per-stage lists of hierarchical vision models (ConvNeXt, Swin, PVT, Segformer ...).
+_STAGE_WIDTHS = (
+    "hidden_sizes",
+    "embed_dims",
+    "dims",
+    "widths",
+    "hidden_dims",
+    "neck_hidden_sizes",
+    "embed_dim",
+)
+_STAGE_DEPTHS = ("depths", "num_layers_per_stage", "stage_depths", "num_encoder_blocks")
+
+
+# Models whose stage widths are tied to other lists the shrink does not know (kept as they are).
+_KEEP_WIDTHS = ("hgnet_v2",)
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(v) is int for v in value)
+
+
+def _layer_list(values: list, n: int) -> list:
+    """The first `n` entries of a per-layer list, keeping each distinct kind of entry once where
+    the list has several (so a 2-layer model still has a sliding and a full attention layer)."""
+    out: list = []
+    for v in values:
+        if v not in out:
+            out.append(v)
+    while len(out) < n:
+        out.append(values[len(out) % len(values)])
+    return out[:n] if len(out) >= n else out
+
+
+def shrink_dict(d: dict, depth: int = 0) -> dict:
+    """Tiny overrides for the config dict `d` (sub-configs shrunk recursively)."""
+    out: dict = {}
+    old_layers = None
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
+        if isinstance(d.get(key), int):
+            old_layers = d[key]
+            break
+    for key, value in d.items():
+        if isinstance(value, dict) and value.get("model_type") == "timm_backbone":
+            out[key] = dict(_RESNET_BACKBONE)  # timm is not installed: a tiny Transformers ResNet
+            idx = [i for i in value.get("out_indices") or [1, 2, 3, 4] if 1 <= i <= 4]
+            out[key]["out_features"] = [f"stage{i}" for i in idx]
+            out[key]["out_indices"] = idx
+            continue
+        if isinstance(value, dict) and depth < 3 and ("model_type" in value or key.endswith("config")):
+            out[key] = shrink_dict(value, depth + 1)
+            continue
+        if key in _FORCE:
+            out[key] = _FORCE[key]
+            continue
+        if isinstance(value, bool):
+            continue
+        table_value = None
+        for table in (_WIDTH, _DEPTH, _HEADS, _MOE, _SSM, _SIZES):
+            if key in table:
+                table_value = table[key]
+                break
+        if key == "head_dim" and isinstance(d.get("qk_rope_head_dim"), int):
+            table_value = _WIDTH["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
+        if key == "vocab_size" and value is None:
+            value = VOCAB  # left unset in the default (ESM): the tiny vocab
+        if key in _MOE_UNSET and value is None and "moe_intermediate_size" in d:
+            value = 1  # an MoE whose default leaves the expert counts unset (dots1, deepseek_v2)
+        if table_value is not None and isinstance(value, int):
+            if key in _MOE and value == 0:
+                continue  # a dense model with an MoE field switched off
+            if key in ("num_key_value_heads", "num_kv_heads", "n_kv_heads") and value == d.get(
+                "num_attention_heads", d.get("n_head", -1)
+            ):
+                table_value = HEADS  # multi-head (no grouping): stays multi-head
+            if key == "num_experts_per_tok" or key == "moe_topk" or key == "top_k":
+                table_value = min(value, 2)
+            out[key] = table_value
+        elif (
+            isinstance(value, list)
+            and value
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            and key in _WIDTH
+            and old_layers is not None
+            and len(value) == old_layers
+        ):
+            out[key] = [_WIDTH[key]] * LAYERS  # a per-layer width (gemma3n's intermediate sizes)
+        elif (
+            _int_list(value)
+            and key in _STAGE_WIDTHS
+            and depth == 0
+            and d.get("model_type") not in _KEEP_WIDTHS
+        ):
+            # (top level only: a backbone's widths must stay those its neck was built for)
+            out[key] = [16 * 2 ** min(i, 3) for i in range(len(value))]  # per-stage widths
+        elif _int_list(value) and key in _STAGE_DEPTHS:
+            out[key] = [1] * len(value)
+        elif _int_list(value) and key in _HEADS and len(value) <= 6:
+            out[key] = [2 ** min(i, 3) for i in range(len(value))]  # 16 per head, like the widths
+        elif key in _ZERO and isinstance(value, float):
+            out[key] = 0.0
+        elif (
+            isinstance(value, list)
+            and old_layers is not None
+            and len(value) == old_layers
+            and old_layers > LAYERS
+            and not key.endswith("token_id")
+        ):
+            out[key] = _layer_list(value, LAYERS)
+    picks = d.get("out_indices") or d.get("out_features")
+    if isinstance(picks, list) and picks and "num_hidden_layers" in out:
+        # A ViT-like backbone whose stages are its layers: as many layers as features read.
+        k = len(picks)
+        out["num_hidden_layers"] = max(LAYERS, k)
+        if d.get("out_indices"):
+            out["out_indices"] = list(range(1, k + 1))
+        if d.get("out_features"):
+            out["out_features"] = [f"stage{i}" for i in range(1, k + 1)]
+    plc = d.get("per_layer_config")
+    old_types, new_types = d.get("layer_types"), out.get("layer_types")
+    if isinstance(plc, dict) and plc and isinstance(old_types, list) and isinstance(new_types, list):
+        # Per-layer overrides keyed by layer index: each new layer takes those of the first old
+        # layer of its type (shrunk like the config).
+        width = len(str(next(iter(plc))))
+        remapped = {}
+        for j, t in enumerate(new_types):
+            for i, old_t in enumerate(old_types):
+                old_key = f"{i:0{width}d}"
+                if old_t == t and old_key in plc:
+                    layer = {**plc[old_key], **shrink_dict(plc[old_key], depth + 1)}
+                    if "qk_nope_head_dim" in layer:  # an MLA layer: head_dim is nope + rope
+                        layer["qk_rope_head_dim"] = _WIDTH["qk_rope_head_dim"]
+                        layer["head_dim"] = layer["qk_nope_head_dim"] + layer["qk_rope_head_dim"]
+                    remapped[f"{j:0{width}d}"] = layer
+                    break
+        out["per_layer_config"] = remapped
+    return out
+
+
+_RESNET_BACKBONE = {
+    "model_type": "resnet",
+    "embedding_size": 16,
+    "hidden_sizes": [16, 32, 64, 128],
+    "depths": [1, 1, 1, 1],
+    "layer_type": "basic",
+    "out_features": ["stage1", "stage2", "stage3", "stage4"],
+}
+
+# Per-family overrides applied on top of `shrink_dict` (keys of the top-level config).
+FAMILY: dict[str, dict] = {
+    "bamba": {"attn_layer_indices": [1]},
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    },
+    "gemma3n_text": {
+        "num_kv_shared_layers": 0,
+        "laurel_rank": 8,
+    },
+    "dpt": {"num_hidden_layers": 4, "backbone_out_indices": [0, 1, 2, 3], "fusion_hidden_size": 32},
+    # Swin-like: two stages of windows of 4 over 16x16 patches (as tests/zoo.py's swin).
+    "swin": {"embed_dim": 32, "depths": [1, 1], "num_heads": [2, 4], "patch_size": 2},
+    "swinv2": {"embed_dim": 32, "depths": [1, 1], "num_heads": [2, 4], "patch_size": 2},
+    # Semantic segmentation reads 4 layers' features (out_indices): 4 layers.
+    "beit": {
+        "num_hidden_layers": 4,
+        "out_indices": [1, 2, 3, 4],
+        "out_features": [f"stage{i}" for i in range(1, 5)],
+    },
+    "data2vec-vision": {
+        "num_hidden_layers": 4,
+        "out_indices": [1, 2, 3, 4],
+        "out_features": [f"stage{i}" for i in range(1, 5)],
+    },
+    "lw_detr": {"backbone_config": {"num_windows": 4}},
+    "donut-swin": {"embed_dim": 32, "depths": [1, 1], "num_heads": [2, 4], "patch_size": 2},
+    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.25, "hidden_dim": 320},
+    "dory": {
+        "layer_types": None,
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_output_layers": 1,
+        "n_recurrent_layers": None,
+    },
+}
+
+
+def _deep_update(base: dict, extra: dict) -> dict:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _deep_update(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def _fix_token_ids(cfg, vocab: int) -> None:
+    """Special token ids of the default config that the small vocab no longer has -> small ids."""
+    for obj in [cfg] + [getattr(cfg, k) for k in _sub_config_keys(cfg)]:
+        v = getattr(obj, "vocab_size", None) or vocab
+        for name in list(vars(obj)):
+            val = getattr(obj, name, None)
+            if (name.endswith("_token_id") or name.endswith("_token_index")) and isinstance(val, int):
+                if val >= v:
+                    setattr(obj, name, v - 1 - (hash(name) % 8))
+            elif name.endswith("_token_id") and isinstance(val, list):
+                setattr(obj, name, [x if x < v else v - 1 for x in val])
+
+
+def _sub_config_keys(cfg) -> list[str]:
+    from transformers import PretrainedConfig
+
+    return [k for k, v in vars(cfg).items() if isinstance(v, PretrainedConfig)]
+
+
+def make_config(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls()
+    d = default.to_dict()
+    over = shrink_dict(d)
+    _deep_update(over, copy.deepcopy(FAMILY.get(model_type, {})))
+    merged = _deep_update(copy.deepcopy(d), over)
+    merged.pop("model_type", None)
+    for k in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"):
+        merged.pop(k, None)
+    try:
+        cfg = cls(**merged)
+    except Exception:
+        # Some configs do not take their own to_dict() back (derived fields, sub-config
+        # classes): the overrides alone, over the class's defaults.
+        over.pop("model_type", None)
+        cfg = cls(**over)
+    _fix_token_ids(cfg, VOCAB)
+    if getattr(cfg, "pad_token_id", None) is None:
+        try:
+            cfg.pad_token_id = 0  # batched classifiers find the last token by the pad id
+        except Exception:
+            pass
+    if getattr(cfg, "is_encoder_decoder", False) and getattr(cfg, "decoder_start_token_id", None) is None:
+        cfg.decoder_start_token_id = 0
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Building models and inputs
+
+
+def _model_class(mapping: str, model_type: str):
+    import transformers
+    import transformers.models.auto.modeling_auto as auto
+
+    names = getattr(auto, MAPPINGS[mapping][0])[model_type]
+    if isinstance(names, tuple | list):
+        names = names[0]
+    return getattr(transformers, names)
+
+
+def _set_attn(cfg, impl: str) -> None:
+    cfg._attn_implementation = impl
+    for k in _sub_config_keys(cfg):
+        try:
+            getattr(cfg, k)._attn_implementation = impl
+        except Exception:
+            pass
+
+
+def build(mapping: str, model_type: str):
+    """`(model, kwargs)`: the tiny model in eval mode and its inputs."""
+    torch.manual_seed(SEED)
+    cls = _model_class(mapping, model_type)
+    cfg = make_config(model_type)
+    impl = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    _set_attn(cfg, impl)
+    try:
+        model = cls(cfg)
+    except (ValueError, ImportError) as e:
+        if impl != "sdpa" or not any(w in str(e).lower() for w in ("sdpa", "attention implementation")):
+            raise
+        impl = "eager"
+        _set_attn(cfg, impl)
+        model = cls(cfg)
+    model.eval()
+    inputs = make_inputs(mapping, model, cfg)
+    return model, inputs, impl
+
+
+def _text_ids(cfg, seq=SEQ, batch=BATCH):
+    g = torch.Generator().manual_seed(SEED + 1)
+    vocab = getattr(cfg, "vocab_size", None) or getattr(
+        getattr(cfg, "text_config", None), "vocab_size", VOCAB
+    )
+    # Avoid the low ids (pad/bos/eos and other special tokens) and the top ones.
+    hi = max(vocab - 16, 8)
+    return torch.randint(4, hi, (batch, seq), generator=g)
+
+
+def _image_size(cfg) -> tuple[int, int]:
+    for c in [cfg, getattr(cfg, "vision_config", None), getattr(cfg, "backbone_config", None)]:
+        if c is None:
+            continue
+        s = getattr(c, "image_size", None)
+        if isinstance(s, int):
+            return s, s
+        if isinstance(s, list | tuple) and len(s) == 2:
+            return int(s[0]), int(s[1])
+    return IMAGE, IMAGE
+
+
+def _num_channels(cfg) -> int:
+    for c in [cfg, getattr(cfg, "vision_config", None), getattr(cfg, "backbone_config", None)]:
+        n = getattr(c, "num_channels", None) if c is not None else None
+        if isinstance(n, int):
+            return n
+    return 3
+
+
+def make_inputs(mapping: str, model, cfg) -> dict:
+    kind = MAPPINGS[mapping][1]
+    g = torch.Generator().manual_seed(SEED + 2)
+    name = getattr(model, "main_input_name", "input_ids")
+    if kind == "text":
+        ids = _text_ids(cfg)
+        eos = getattr(cfg, "eos_token_id", None)
+        if mapping == "seq_cls" and getattr(cfg, "is_encoder_decoder", False) and isinstance(eos, int):
+            ids[:, -1] = eos  # encoder-decoder classifiers read the hidden state at <eos>
+        out = {"input_ids": ids}
+        if name != "input_ids":
+            out = {name: ids}
+        return out
+    if kind == "seq2seq":
+        return {
+            name: _text_ids(cfg),
+            "decoder_input_ids": _text_ids(cfg, seq=SEQ // 2),
+        }
+    if kind == "image":
+        h, w = _image_size(cfg) if mapping == "image_cls" else (64, 64)
+        return {"pixel_values": torch.randn(BATCH, _num_channels(cfg), h, w, generator=g)}
+    if kind == "audio":
+        if name == "input_features":
+            bins = _mel_bins(cfg)
+            return {name: torch.randn(BATCH, 64, bins, generator=g)}
+        if cfg.model_type in ("omniasr_ctc",):  # raw audio with a channel dim: (batch, 1, samples)
+            return {name: torch.randn(BATCH, 1, 2000, generator=g)}
+        return {name: torch.randn(BATCH, 2000, generator=g)}
+    if kind == "speech_seq2seq" and name == "input_ids":
+        # An audio LLM (voxtral, qwen3_asr, granite_speech ...): its text path, without audio.
+        out = {"input_ids": _text_ids(cfg)}
+        if getattr(cfg, "is_encoder_decoder", False):
+            out["decoder_input_ids"] = _text_ids(cfg, seq=SEQ // 2)
+        return out
+    if kind == "speech_seq2seq":
+        dec = _text_ids(cfg, seq=SEQ // 2)
+        if name in ("input_values", "inputs"):  # raw audio (speech-encoder-decoder: a wav2vec2 encoder)
+            return {name: torch.randn(BATCH, 2000, generator=g), "decoder_input_ids": dec}
+        bins = _mel_bins(cfg)
+        frames = _frames(cfg)
+        shape = (BATCH, bins, frames) if _channels_first_features(cfg) else (BATCH, frames, bins)
+        return {name: torch.randn(*shape, generator=g), "decoder_input_ids": dec}
+    raise ValueError(kind)
+
+
+# Models that read several mel frames stacked as one feature vector.
+_STACKED_FRAMES = {"granite_speech5_ctc": 4}
+
+
+def _mel_bins(cfg) -> int:
+    keys = (
+        "feature_projection_input_dim",
+        "num_mel_bins",
+        "feature_size",
+        "input_feat_per_channel",
+        "n_mels",
+    )
+    for key in keys:
+        for c in [cfg, getattr(cfg, "encoder_config", None), getattr(cfg, "audio_config", None)]:
+            v = getattr(c, key, None) if c is not None else None
+            if isinstance(v, int) and v > 1:
+                return v * getattr(cfg, "input_channels", 1) * _STACKED_FRAMES.get(cfg.model_type, 1)
+    return 80
+
+
+def _frames(cfg) -> int:
+    if cfg.model_type in ("whisper",):
+        return 2 * cfg.max_source_positions
+    return 64
+
+
+def _channels_first_features(cfg) -> bool:
+    return cfg.model_type in ("whisper", "moonshine", "kyutai_speech_to_text")
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and comparing
+
+
+def _floats(out) -> list[torch.Tensor]:
+    """Every floating tensor of a model's output, in order (ModelOutput, tuples, dicts)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, list | tuple):
+        return [t for o in out for t in _floats(o)]
+    return []
+
+
+def compare(actual, expected) -> tuple[bool, float]:
+    """(within tolerance, max abs error) over every floating output."""
+    a, e = _floats(actual), _floats(expected)
+    if len(a) != len(e) or not e:
+        return False, float("inf")
+    ok, worst = True, 0.0
+    for x, y in zip(a, e, strict=True):
+        if x.shape != y.shape:
+            return False, float("inf")
+        x, y = x.detach().double(), y.detach().double()
+        scale = y.abs().nan_to_num(0.0).max().item() if y.numel() else 0.0
+        err = (x - y).abs().nan_to_num(float("inf"), posinf=float("inf"))
+        both_nan = x.isnan() & y.isnan()
+        err = torch.where(both_nan, torch.zeros_like(err), err)
+        worst = max(worst, err.max().item() if err.numel() else 0.0)
+        # Differences below float32's smallest normal number are denormals that one side flushed
+        # to zero (XLA's CPU code runs with flush-to-zero; PyTorch's kernels keep denormals).
+        atol = max(ATOL_REL * scale, torch.finfo(torch.float32).tiny)
+        if not bool((err <= atol + RTOL * y.abs().nan_to_num(0.0)).all()):
+            ok = False
+    return ok, worst
+
+
+def _short(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text[:300]
+
+
+def _call(model, inputs):
+    kwargs = dict(inputs)
+    kwargs["return_dict"] = False
+    return model(**kwargs)
+
+
+def run_type(mapping: str, model_type: str, backends=("aot_eager", "tpu")) -> dict:
+    """Builds, runs eager and each backend; returns the result record (no exceptions)."""
+    import tpuc
+
+    rec: dict = {"mapping": mapping, "type": model_type, "built": False, "eager_ok": False}
+    t0 = time.time()
+    try:
+        model, inputs, impl = build(mapping, model_type)
+        rec["built"] = True
+        rec["class"] = type(model).__name__
+        rec["attn"] = impl
+        rec["params"] = sum(p.numel() for p in model.parameters())
+        if rec["params"] > MAX_PARAMS:
+            raise RuntimeError(f"not shrunk: {rec['params'] / 1e6:.0f}M parameters")
+        with torch.no_grad():
+            expected = _call(model, inputs)
+            again = _call(model, inputs)
+        if not _floats(expected):
+            raise RuntimeError("no floating outputs")
+        rec["eager_ok"] = True
+        rec["eager_deterministic"] = compare(again, expected)[0]
+    except Exception as e:
+        rec["error"] = _short(e)
+        rec["stage"] = "build" if not rec["built"] else "eager"
+        rec["seconds"] = round(time.time() - t0, 2)
+        return rec
+    for backend in backends:
+        if backend == "aot_eager?":  # the reference only where tpuc did not pass
+            if rec.get("tpu_ok"):
+                continue
+            backend = "aot_eager"
+        torch._dynamo.reset()
+        tpuc.reset_stats()
+        t1 = time.time()
+        try:
+            opts = {"options": {"fallback": "eager"}} if backend == "tpu" else {}
+            compiled = torch.compile(model, backend=backend, dynamic=False, **opts)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                actual = _call(compiled, inputs)
+            ok, err = compare(actual, expected)
+            rec[f"{backend}_ok"] = ok
+            rec[f"{backend}_max_err"] = err
+            if not ok:
+                rec[f"{backend}_error"] = f"mismatch: max abs err {err:.3g}"
+        except Exception as e:
+            rec[f"{backend}_ok"] = False
+            rec[f"{backend}_error"] = _short(e)
+        rec[f"{backend}_seconds"] = round(time.time() - t1, 2)
+        if backend == "tpu":
+            s = tpuc.stats()
+            rec["tpu_fallback_ops"] = dict(s.get("fallback_ops", {}))
+            rec["tpu_graphs"] = s.get("graphs_compiled")
+            rec["tpu_eager_reruns"] = s.get("eager_reruns", 0)
+    torch._dynamo.reset()
+    rec["seconds"] = round(time.time() - t0, 2)
+    return rec
+
+
+def _child(mapping, model_type, backends, conn):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        rec = run_type(mapping, model_type, backends)
+    except BaseException as e:  # noqa: BLE001 - the record says what happened
+        rec = {"mapping": mapping, "type": model_type, "built": False, "error": _short(e), "stage": "crash"}
+        rec["traceback"] = traceback.format_exc()[-2000:]
+    conn.send(rec)
+    conn.close()
+
+
+def types_of(mapping: str) -> list[str]:
+    import transformers.models.auto.modeling_auto as auto
+
+    return list(getattr(auto, MAPPINGS[mapping][0]))
+
+
+def key(mapping: str, model_type: str) -> str:
+    return f"{mapping}/{model_type}"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process `pid` so far: the timeout counts work, not the time a
+    shared machine keeps the process waiting or stopped."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _run_jobs(todo, backends, jobs, timeout, results, out_path):
+    ctx = mp.get_context("fork")
+    running: dict = {}
+    queue = list(todo)
+    done = 0
+    while queue or running:
+        while queue and len(running) < jobs:
+            mapping, model_type = queue.pop(0)
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(mapping, model_type, backends, child), daemon=True)
+            p.start()
+            child.close()
+            running[p] = (mapping, model_type, parent, time.time())
+        time.sleep(0.2)
+        for p, (mapping, model_type, conn, started) in list(running.items()):
+            rec = None
+            if conn.poll():
+                try:
+                    rec = conn.recv()
+                except EOFError:
+                    rec = None
+                p.join(10)
+            elif not p.is_alive():
+                rec = {"error": f"process died (exit code {p.exitcode})", "stage": "crash"}
+            elif _cpu_seconds(p.pid) > timeout or time.time() - started > 4 * timeout:
+                p.kill()
+                p.join(10)
+                rec = {"error": f"timeout after {timeout} s of CPU time", "stage": "timeout"}
+            else:
+                continue
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+            rec = {"mapping": mapping, "type": model_type, "built": False, **rec}
+            rec.setdefault("seconds", round(time.time() - started, 2))
+            rec["wall_seconds"] = round(time.time() - started, 2)
+            results[key(mapping, model_type)] = rec
+            del running[p]
+            done += 1
+            status = "tpu ok" if rec.get("tpu_ok") else rec.get("tpu_error") or rec.get("error", "")
+            print(f"[{done}/{len(todo)}] {mapping}/{model_type}: {str(status)[:120]}", flush=True)
+            if done % 5 == 0:
+                save(results, out_path)
+    save(results, out_path)
+
+
+def save(results: dict, out_path: Path) -> None:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(sorted(results.items())), indent=1, default=str) + "\n")
+    tmp.replace(out_path)
+    out_path.with_suffix(".md").write_text(report(results))
+
+
+def _reason(rec: dict) -> str:
+    if not rec.get("built"):
+        return f"build: {rec.get('error', '?')}"
+    if not rec.get("eager_ok"):
+        return f"eager: {rec.get('error', '?')}"
+    return ""
+
+
+def report(results: dict) -> str:
+    meta = results.get("_meta", {})
+    recs = [r for k, r in results.items() if not k.startswith("_")]
+    lines = ["# Architecture sweep (Transformers auto-mappings)", ""]
+    lines.append(
+        "Generated by `bench/sweep.py`: every type of each mapping, tiny (hidden 64, 2 layers, "
+        "4 heads, vocab 512, images 32 px), random weights, compared with eager (rtol 1e-4, "
+        "atol 1e-4 x max |output|). `aot_eager` is what torch itself compiles; `tpuc` is "
+        '`backend="tpu"` with `fallback="eager"`.'
+    )
+    if meta:
+        lines += [
+            "",
+            f"Last run: {meta.get('when', '?')}, wall time {meta.get('wall_seconds', '?')} s "
+            f"with `{meta.get('command', '')}`.",
+        ]
+    lines += [
+        "",
+        "| mapping | types | built + eager ok | tpuc pass | aot_eager run | aot_eager pass | tpuc fails, aot_eager passes |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    tot = [0] * 6
+    for mapping in MAPPINGS:
+        rs = [r for r in recs if r.get("mapping") == mapping]
+        if not rs:
+            continue
+        row = [
+            len(rs),
+            sum(1 for r in rs if r.get("eager_ok")),
+            sum(1 for r in rs if r.get("tpu_ok")),
+            sum(1 for r in rs if "aot_eager_ok" in r),
+            sum(1 for r in rs if r.get("aot_eager_ok")),
+            sum(1 for r in rs if r.get("aot_eager_ok") and not r.get("tpu_ok")),
+        ]
+        tot = [a + b for a, b in zip(tot, row, strict=True)]
+        lines.append(f"| {mapping} | " + " | ".join(map(str, row)) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{x}**" for x in tot) + " |")
+    lines += [
+        "",
+        "aot_eager runs on every type with `--aot-eager always` and only where tpuc does not pass with "
+        "`--aot-eager on-failure` (a type tpuc passes went through the same Dynamo and AOTAutograd graph).",
+    ]
+    lines += ["", "## tpuc failures where aot_eager passes", ""]
+    for r in sorted(recs, key=lambda r: (r["mapping"], r["type"])):
+        if r.get("aot_eager_ok") and not r.get("tpu_ok"):
+            fb = r.get("tpu_fallback_ops") or {}
+            fbs = f" (fallback: {', '.join(f'{k} x{v}' for k, v in fb.items())})" if fb else ""
+            lines.append(f"- {r['mapping']}/{r['type']}: {r.get('tpu_error', '?')}{fbs}")
+    lines += ["", "## Failing in torch itself (aot_eager fails or mismatches; tpuc result in brackets)", ""]
+    for r in sorted(recs, key=lambda r: (r["mapping"], r["type"])):
+        if r.get("eager_ok") and not r.get("aot_eager_ok"):
+            tpu = "tpuc ok" if r.get("tpu_ok") else f"tpuc: {r.get('tpu_error', '?')[:100]}"
+            lines.append(f"- {r['mapping']}/{r['type']}: {r.get('aot_eager_error', '?')[:200]} [{tpu}]")
+    lines += ["", "## Not built / eager fails", ""]
+    for r in sorted(recs, key=lambda r: (r["mapping"], r["type"])):
+        if not r.get("eager_ok"):
+            lines.append(f"- {r['mapping']}/{r['type']}: {_reason(r)[:250]}")
+    lines += ["", "## Types that ran with ops falling back to eager", ""]
+    for r in sorted(recs, key=lambda r: (r["mapping"], r["type"])):
+        fb = r.get("tpu_fallback_ops") or {}
+        if fb:
+            ops = ", ".join(f"{k} x{v}" for k, v in sorted(fb.items()))
+            lines.append(f"- {r['mapping']}/{r['type']} ({'ok' if r.get('tpu_ok') else 'fails'}): {ops}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mapping", default="", help="comma-separated mapping names: " + ", ".join(MAPPINGS))
+    ap.add_argument("--types", default="", help="comma-separated model types")
+    ap.add_argument("--limit", type=int, default=0, help="at most this many types per mapping")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=240.0)
+    ap.add_argument("--rerun", action="store_true", help="run types already in the results again")
+    ap.add_argument("--rerun-failed", action="store_true", help="run again the types that did not pass tpuc")
+    ap.add_argument(
+        "--aot-eager",
+        choices=("always", "on-failure"),
+        default="always",
+        help="run the aot_eager reference on every type, or only where tpuc does not pass (faster)",
+    )
+    ap.add_argument("--eager-only", action="store_true", help="build and run eager only (config work)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "sweep.json")
+    args = ap.parse_args(argv)
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import transformers  # noqa: F401 - imported once, before forking
+    import transformers.models.auto.modeling_auto  # noqa: F401
+
+    mappings = [m for m in args.mapping.split(",") if m] or list(MAPPINGS)
+    for m in mappings:
+        if m not in MAPPINGS:
+            ap.error(f"unknown mapping {m!r}; valid: {', '.join(MAPPINGS)}")
+    wanted = {t for t in args.types.split(",") if t}
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    todo = []
+    for m in mappings:
+        ts = [t for t in types_of(m) if not wanted or t in wanted]
+        if args.limit:
+            ts = ts[: args.limit]
+        for t in ts:
+            old = results.get(key(m, t))
+            if old and not args.rerun and not (args.rerun_failed and not old.get("tpu_ok")):
+                continue
+            todo.append((m, t))
+    # Round-robin over the mappings, so a run cut short still covers each of them.
+    by_mapping = {m: [x for x in todo if x[0] == m] for m in mappings}
+    todo = [x for group in zip_longest(*by_mapping.values()) for x in group if x is not None]
+    backends = {"always": ("aot_eager", "tpu"), "on-failure": ("tpu", "aot_eager?")}[args.aot_eager]
+    if args.eager_only:
+        backends = ()
+    print(f"{len(todo)} types to run, {args.jobs} at a time", flush=True)
+    t0 = time.time()
+    _run_jobs(todo, backends, args.jobs, args.timeout, results, args.out)
+    wall = round(time.time() - t0, 1)
+    results["_meta"] = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "wall_seconds": wall,
+        "types_run": len(todo),
+        "command": "python bench/sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    save(results, args.out)
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

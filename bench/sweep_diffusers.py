@@ -1,0 +1,675 @@
+"""Sweep of diffusers' model classes through backend="tpu": every class diffusers exports that is
+a model (`diffusers.ModelMixin`), built from a tiny config with random weights (no downloads),
+run for a few steps of an Euler denoising loop that calls the compiled model, against eager.
+
+    python bench/sweep_diffusers.py --jobs 2            # all classes, resumable
+    python bench/sweep_diffusers.py --only UNet2DConditionModel AutoencoderKL --fresh
+
+Per class: built (config + eager run), aot_eager ok (what torch itself compiles), tpu ok
+(backend="tpu", fallback="error", tokens of every step within rtol 1e-4 and atol 1e-4 x the
+largest output magnitude), max error, a short error, wall time. Results:
+bench/results/sweep_diffusers.{json,md}.
+
+Configs: a recipe per class where the generic shrink is not enough (RECIPES); otherwise the
+class's own defaults shrunk generically (`shrink`: one layer per stack, 2 heads of 16, widths
+of 32, small samples). Inputs come from the forward signature (`inputs`). A denoiser is called
+as `model(x, t, *conditioning)` for STEPS steps of `x <- x - dt * out`; an autoencoder is called
+as `model(x)` (encode + decode, posterior mode) and steps the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep_runner  # noqa: E402
+
+STEPS = 3
+RTOL = 1e-4
+ATOL_REL = 1e-4  # atol = ATOL_REL * the largest eager output magnitude
+B = 1
+TEXT = 6  # text tokens of conditioning
+WIDTH = 32  # every big width is shrunk to this
+HEADS, HEAD_DIM = 2, 16
+SIDE = 8  # latent height and width
+FRAMES = 3
+
+
+def model_classes() -> list[str]:
+    import diffusers
+    import torch
+
+    out = []
+    for name in sorted(dir(diffusers)):
+        if not name[:1].isupper() or name == "ModelMixin":
+            continue
+        try:
+            c = getattr(diffusers, name)
+        except Exception:  # noqa: BLE001 - an optional class that cannot import is skipped
+            continue
+        if inspect.isclass(c) and issubclass(c, torch.nn.Module) and issubclass(c, diffusers.ModelMixin):
+            out.append(name)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+
+_LAYERS = (
+    "num_layers",
+    "num_single_layers",
+    "n_layers",
+    "num_mmdit_layers",
+    "num_single_dit_layers",
+    "num_refiner_layers",
+    "n_refiner_layers",
+    "mmdit_layers",
+    "num_hidden_layers",
+    "layers_per_block",
+    "num_res_blocks",
+    "depth",
+    "approximator_layers",
+    "transformer_layers_per_block",
+    "num_blocks",
+    "LFE_depth",
+    "num_transformer_layers",
+    "decoder_layers",
+    "encoder_layers",
+)
+_HEADS = (
+    "num_attention_heads",
+    "n_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "num_key_value_heads",
+    "num_key_value_attention_heads",
+    "num_cross_attention_heads",
+    "cross_attn_num_heads",
+    "block_num_heads",
+    "LFE_num_heads",
+)
+_HEAD_DIMS = ("attention_head_dim", "cross_attention_head_dim", "cross_attn_dim_head", "LFE_dim_head")
+_ROPE_AXES = ("axes_dims_rope", "axes_dim_rope", "rope_axes_dim", "axes_dims")
+_SIDES = ("sample_size", "sample_height", "sample_width", "pos_embed_max_size")
+_KEEP = {"in_channels", "out_channels", "patch_size", "vocab_size", "codebook_size"}
+
+
+def _rope_axes(n: int, total: int = HEAD_DIM) -> tuple:
+    """`n` even rope axis sizes summing to `total`."""
+    base = [total // n // 2 * 2] * n
+    base[0] += total - sum(base)
+    return tuple(base)
+
+
+def shrink(cls) -> dict:
+    """The class's own defaults, shrunk: one layer per stack, HEADS heads of HEAD_DIM, big widths
+    down to WIDTH, sample sizes down to SIDE."""
+    kw = {}
+    for name, p in list(inspect.signature(cls.__init__).parameters.items())[1:]:
+        d = p.default
+        if d is inspect.Parameter.empty or name in _KEEP or isinstance(d, bool):
+            continue
+        if name in _LAYERS and isinstance(d, int) and d > 1:
+            kw[name] = 1
+        elif name in _LAYERS and isinstance(d, tuple | list) and all(isinstance(i, int) for i in d):
+            kw[name] = type(d)(1 for _ in d)
+        elif name in _HEADS and isinstance(d, int) and d > HEADS:
+            kw[name] = HEADS
+        elif name in _HEAD_DIMS and isinstance(d, int) and d > HEAD_DIM:
+            kw[name] = HEAD_DIM
+        elif name in _ROPE_AXES and isinstance(d, tuple | list) and d:
+            kw[name] = type(d)(_rope_axes(len(d)))
+        elif name in _SIDES and isinstance(d, int) and d > SIDE:
+            kw[name] = SIDE * 2 if name == "pos_embed_max_size" else SIDE
+        elif name == "sample_frames" and isinstance(d, int):
+            kw[name] = FRAMES
+        elif name in ("hidden_size", "dim", "inner_dim", "model_dim") and isinstance(d, int) and d > WIDTH:
+            kw[name] = HEADS * HEAD_DIM
+        elif (
+            isinstance(d, int)
+            and d > WIDTH
+            and (name.endswith(("_dim", "_channels", "_size")) or name in ("intermediate_size", "ffn_dim"))
+            and not name.startswith(("max_", "num_embeds", "num_vq"))
+            and "len" not in name
+        ):
+            kw[name] = WIDTH
+        elif (
+            name == "block_out_channels"
+            and isinstance(d, tuple | list)
+            and all(isinstance(i, int) for i in d)
+        ):
+            kw[name] = type(d)(min(c, 16 * 2**i) for i, c in enumerate(d))
+        elif name in ("norm_num_groups", "groups", "attn_norm_num_groups") and isinstance(d, int) and d > 4:
+            kw[name] = 4
+    return kw
+
+
+def unet2d_cond(**extra):
+    return dict(
+        block_out_channels=(16, 32),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        layers_per_block=1,
+        cross_attention_dim=WIDTH,
+        attention_head_dim=8,
+        norm_num_groups=4,
+        sample_size=SIDE,
+        **extra,
+    )
+
+
+def vae2d(**extra):
+    return dict(
+        block_out_channels=(16, 32),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        layers_per_block=1,
+        norm_num_groups=4,
+        latent_channels=4,
+        sample_size=16,
+        **extra,
+    )
+
+
+@dataclass
+class Recipe:
+    config: dict = field(default_factory=dict)
+    shrink: bool = True  # start from shrink(cls), then apply `config`
+    x: str | None = None  # the input that is stepped
+    x_shape: tuple | None = None  # its shape (None: from the class and config)
+    t: str | None = "auto"  # the timestep input ("auto": the first known name in the signature)
+    t_scale: float = 1000.0  # t runs over t_scale * (0.9, 0.6, 0.3)
+    cond: dict = field(default_factory=dict)  # name -> shape (float randn) or a callable(model)
+    fixed: dict = field(default_factory=dict)  # non-tensor keyword arguments
+
+
+def _ids(n, axes=3):
+    import torch
+
+    return torch.zeros(n, axes)
+
+
+# Classes whose generic shrink and inputs need help. Shapes use B, TEXT, WIDTH, SIDE, FRAMES.
+RECIPES: dict[str, Recipe] = {
+    "UNet2DConditionModel": Recipe(
+        unet2d_cond(), shrink=False, cond={"encoder_hidden_states": (B, TEXT, WIDTH)}
+    ),
+    "UNet2DModel": Recipe(
+        dict(
+            block_out_channels=(16, 32),
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+            layers_per_block=1,
+            norm_num_groups=4,
+            attention_head_dim=8,
+            sample_size=SIDE,
+        ),
+        shrink=False,
+    ),
+    "AutoencoderKL": Recipe(vae2d(), shrink=False, x_shape=(B, 3, 16, 16), t=None),
+    "VQModel": Recipe(vae2d(), shrink=False, x_shape=(B, 3, 16, 16), t=None),
+    "FluxTransformer2DModel": Recipe(
+        dict(in_channels=16, joint_attention_dim=WIDTH, pooled_projection_dim=WIDTH, guidance_embeds=True),
+        x_shape=(B, 16, 16),
+        t_scale=1.0,
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+            "img_ids": lambda m: _ids(16),
+            "txt_ids": lambda m: _ids(TEXT),
+            "guidance": lambda m: _full(B, 3.5),
+        },
+    ),
+    "DiTTransformer2DModel": Recipe(
+        dict(norm_num_groups=4, sample_size=SIDE),
+        cond={"class_labels": lambda m: torch.ones(B, dtype=torch.long)},
+    ),
+    "PixArtTransformer2DModel": Recipe(
+        dict(cross_attention_dim=HEADS * HEAD_DIM, caption_channels=WIDTH),
+        cond={"encoder_hidden_states": (B, TEXT, WIDTH)},
+        fixed={"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
+    ),
+    "CogVideoXTransformer3DModel": Recipe(
+        dict(
+            sample_frames=5,
+            sample_height=SIDE,
+            sample_width=SIDE,
+            max_text_seq_length=TEXT,
+            time_embed_dim=WIDTH,
+        ),
+        x_shape=(B, 2, 16, SIDE, SIDE),
+    ),
+    "ConsisIDTransformer3DModel": Recipe(
+        dict(
+            sample_frames=5,
+            sample_height=SIDE,
+            sample_width=SIDE,
+            max_text_seq_length=TEXT,
+            time_embed_dim=WIDTH,
+        ),
+        x_shape=(B, 2, 16, SIDE, SIDE),
+    ),
+    "LTXVideoTransformer3DModel": Recipe(
+        dict(in_channels=8, out_channels=8, caption_channels=WIDTH, cross_attention_dim=HEADS * HEAD_DIM),
+        x_shape=(B, 2 * 4 * 4, 8),
+        fixed={"num_frames": 2, "height": 4, "width": 4},
+    ),
+    "HunyuanDiT2DModel": Recipe(
+        dict(
+            in_channels=4,
+            patch_size=2,
+            use_style_cond_and_image_meta_size=False,
+            text_len=TEXT,
+            text_len_t5=TEXT,
+            cross_attention_dim=WIDTH,
+            cross_attention_dim_t5=WIDTH,
+            pooled_projection_dim=WIDTH,
+        ),
+        x_shape=(B, 4, SIDE, SIDE),
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "text_embedding_mask": lambda m: torch.ones(B, TEXT, dtype=torch.long),
+            "encoder_hidden_states_t5": (B, TEXT, WIDTH),
+            "text_embedding_mask_t5": lambda m: torch.ones(B, TEXT, dtype=torch.long),
+        },
+        fixed={
+            "image_rotary_emb": (
+                torch.randn((SIDE // 2) ** 2, HEAD_DIM),
+                torch.randn((SIDE // 2) ** 2, HEAD_DIM),
+            )
+        },
+    ),
+    "ControlNetModel": Recipe(
+        {k: v for k, v in unet2d_cond().items() if k not in ("up_block_types", "sample_size")}
+        | {"conditioning_embedding_out_channels": (8, 16)},
+        shrink=False,
+    ),
+    "QwenImageTransformer2DModel": Recipe(
+        dict(in_channels=16, out_channels=4, joint_attention_dim=WIDTH),
+        x_shape=(B, 16, 16),
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "encoder_hidden_states_mask": lambda m: torch.ones(B, TEXT),
+        },
+        fixed={"img_shapes": [[(1, 4, 4)]]},
+        t_scale=1.0,
+    ),
+    # Flow-matching transformers whose pipelines pass t in [0, 1] (the model scales it by 1000 for
+    # its sinusoidal embedding; t ~ 900 there makes arguments ~1e6, where one ulp of the
+    # frequencies moves the phase by ~0.1 in any implementation).
+    **{
+        n: Recipe(t_scale=1.0)
+        for n in (
+            "AuraFlowTransformer2DModel",
+            "ChromaTransformer2DModel",
+            "Flux2Transformer2DModel",
+            "Flux3Transformer2DModel",
+            "Lumina2Transformer2DModel",
+        )
+    },
+    "SD3Transformer2DModel": Recipe(
+        dict(caption_projection_dim=HEADS * HEAD_DIM),
+        cond={"encoder_hidden_states": (B, TEXT, WIDTH), "pooled_projections": (B, WIDTH)},
+    ),
+}
+
+
+def _full(n, v):
+    import torch
+
+    return torch.full((n,), float(v))
+
+
+# The classes named in the issue and other widely used ones run first (the rest follow).
+PRIORITY = (
+    "UNet2DConditionModel",
+    "UNet2DModel",
+    "AutoencoderKL",
+    "DiTTransformer2DModel",
+    "PixArtTransformer2DModel",
+    "FluxTransformer2DModel",
+    "SD3Transformer2DModel",
+    "SanaTransformer2DModel",
+    "HunyuanDiT2DModel",
+    "WanTransformer3DModel",
+    "LTXVideoTransformer3DModel",
+    "CogVideoXTransformer3DModel",
+    "AuraFlowTransformer2DModel",
+    "Lumina2Transformer2DModel",
+    "LuminaNextDiT2DModel",
+    "QwenImageTransformer2DModel",
+    "Flux2Transformer2DModel",
+    "ChromaTransformer2DModel",
+    "CogView4Transformer2DModel",
+    "CogView3PlusTransformer2DModel",
+    "MochiTransformer3DModel",
+    "HunyuanVideoTransformer3DModel",
+    "AutoencoderKLWan",
+    "AutoencoderKLCogVideoX",
+    "AutoencoderKLLTXVideo",
+    "AutoencoderKLHunyuanVideo",
+    "AutoencoderKLFlux2",
+    "AutoencoderTiny",
+    "VQModel",
+    "AsymmetricAutoencoderKL",
+    "ControlNetModel",
+    "UNet3DConditionModel",
+    "UNet1DModel",
+    "StableAudioDiTModel",
+    "AllegroTransformer3DModel",
+    "LatteTransformer3DModel",
+    "PriorTransformer",
+    "Transformer2DModel",
+)
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+_X_NAMES = ("hidden_states", "sample", "x", "latents", "input_ids")
+_T_NAMES = ("timestep", "timesteps", "t", "timestep_ratio")
+_TEXT_WIDTHS = (
+    "cross_attention_dim",
+    "joint_attention_dim",
+    "caption_channels",
+    "text_dim",
+    "text_embed_dim",
+    "cap_feat_dim",
+    "encoder_hidden_size",
+    "text_emb_dim",
+    "encoder_hid_dim",
+    "context_dim",
+    "cross_attention_input_dim",
+)
+
+
+def _is_video(name: str) -> bool:
+    video = (
+        "Wan",
+        "Mochi",
+        "QwenImage",
+        "VidTok",
+        "HunyuanImageRefiner",
+        "Magvit",
+        "Cosmos",
+        "Allegro",
+        "MiniMax",
+    )
+    return (
+        "3D" in name or "Video" in name or (name.startswith("Autoencoder") and any(v in name for v in video))
+    )
+
+
+def _x_shape(name: str, cfg, params) -> tuple:
+    c = cfg.get("in_channels") or cfg.get("input_channels") or cfg.get("audio_channels") or 3
+    if "img_ids" in params:  # packed latents (Flux style): (batch, tokens, channels)
+        return (B, (SIDE // 2) ** 2, c)
+    if "1D" in name or "Audio" in name or "Oobleck" in name:
+        return (B, c, 64)
+    if _is_video(name):
+        return (B, c, FRAMES, SIDE, SIDE)
+    side = 16 if name.startswith(("Autoencoder", "VQ", "Asymmetric", "Consistency")) else SIDE
+    return (B, c, side, side)
+
+
+def _generic_input(name: str, p, cfg: dict, x):
+    """A value for forward argument `name` (a shape, a callable or None for "leave it out")."""
+    import torch
+
+    required = p.default is inspect.Parameter.empty
+    seq = x.shape[1] if x.dim() == 3 else None
+    axes = len(cfg.get("axes_dims_rope") or cfg.get("axes_dim_rope") or (0, 0, 0))
+    if name in ("img_ids",):
+        return lambda m: _ids(seq or (SIDE // 2) ** 2, axes)
+    if name == "txt_ids":
+        return lambda m: _ids(TEXT, axes)
+    if name == "guidance" and cfg.get("guidance_embeds"):
+        return lambda m: _full(B, 3.5)
+    if name == "pooled_projections" and isinstance(cfg.get("pooled_projection_dim"), int):
+        return (B, cfg["pooled_projection_dim"])
+    if not required:
+        return None
+    if name in (
+        "encoder_attention_mask",
+        "encoder_mask",
+        "text_embedding_mask",
+        "encoder_hidden_states_mask",
+    ):
+        return lambda m: torch.ones(B, TEXT, dtype=torch.long)
+    if name == "class_labels":
+        return lambda m: torch.ones(B, dtype=torch.long)
+    if name in ("original_size", "target_size"):
+        return lambda m: torch.full((B, 2), 64.0)
+    if name == "crop_coords":
+        return lambda m: torch.zeros(B, 2)
+    if name == "controlnet_cond":
+        return (B, cfg.get("conditioning_channels", 3), 8 * x.shape[-2], 8 * x.shape[-1])
+    if name in ("encoder_hidden_states", "context", "cap_feats"):
+        width = next((cfg[k] for k in _TEXT_WIDTHS if isinstance(cfg.get(k), int)), WIDTH)
+        return (B, TEXT, width)
+    return None
+
+
+@dataclass
+class Case:
+    model: object
+    x_name: str
+    x: object
+    t_name: str | None
+    t_values: list
+    cond_names: list
+    cond: list
+    fixed: dict
+
+
+def build(name: str) -> Case:
+    import diffusers
+    import torch
+
+    cls = getattr(diffusers, name)
+    r = RECIPES.get(name, Recipe())
+    config = (shrink(cls) if r.shrink else {}) | r.config
+    torch.manual_seed(0)
+    model = cls(**config).eval()
+    cfg = dict(model.config)
+    params = inspect.signature(model.forward).parameters
+    x_name = r.x or next((n for n in _X_NAMES if n in params), None)
+    if x_name is None:
+        raise TypeError(f"no known sample input among forward's {list(params)}")
+    x = torch.randn(r.x_shape or _x_shape(name, cfg, params))
+    t_name = next((n for n in _T_NAMES if n in params), None) if r.t == "auto" else r.t
+    t_values = [torch.full((B,), r.t_scale * (0.9 - 0.3 * i)) for i in range(STEPS)]
+    cond = dict(r.cond)
+    if not r.cond and "encoder_hidden_states" in params:
+        width = next((cfg[k] for k in _TEXT_WIDTHS if isinstance(cfg.get(k), int)), WIDTH)
+        cond["encoder_hidden_states"] = (B, TEXT, width)
+    if not r.cond and "pooled_projections" in params and isinstance(cfg.get("pooled_projection_dim"), int):
+        cond["pooled_projections"] = (B, cfg["pooled_projection_dim"])
+    for k, p in params.items():
+        if k in cond or k in r.fixed or k in (x_name, t_name) or k in ("return_dict",):
+            continue
+        if r.cond and p.default is not inspect.Parameter.empty:
+            continue
+        made = _generic_input(k, p, cfg, x)
+        if made is not None:
+            cond[k] = made
+    names, values = [], []
+    for k, v in cond.items():
+        names.append(k)
+        values.append(v(model) if callable(v) else torch.randn(v))
+    return Case(model, x_name, x, t_name, t_values, names, values, dict(r.fixed))
+
+
+class Step(torch.nn.Module):
+    """`forward(x, t, *cond)` -> the model's first output as one tensor."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        self.model = case.model
+        self.case_names = (case.x_name, case.t_name, tuple(case.cond_names))
+        self.fixed = case.fixed
+        self.return_dict = "return_dict" in inspect.signature(case.model.forward).parameters
+
+    def forward(self, x, t, *cond):
+        x_name, t_name, cond_names = self.case_names
+        kw = {x_name: x, **dict(zip(cond_names, cond, strict=True)), **self.fixed}
+        if t_name is not None:
+            kw[t_name] = t
+        if self.return_dict:
+            kw["return_dict"] = False
+        out = self.model(**kw)
+        while not hasattr(out, "shape"):
+            if isinstance(out, tuple | list):
+                out = out[0]
+            elif hasattr(out, "sample"):
+                out = out.sample
+            else:
+                out = out[0]
+        return out
+
+
+def denoise(fn, case: Case) -> list:
+    """STEPS Euler steps `x <- x - out / STEPS` (the output's leading channels when it has more,
+    e.g. a learned variance); returns every step's output."""
+    import torch
+
+    x = case.x.clone()
+    outs = []
+    with torch.no_grad():
+        for t in case.t_values:
+            out = fn(x, t, *case.cond)
+            outs.append(out.detach().clone())
+            if out.shape != x.shape and out.dim() == x.dim() and out.shape[2:] == x.shape[2:]:
+                out = out[:, : x.shape[1]]
+            if out.shape == x.shape and x.is_floating_point():
+                x = x - out / STEPS
+    return outs
+
+
+def compare(actual: list, expected: list) -> tuple[bool, float, float]:
+
+    scale = max(float(e.abs().max()) for e in expected) if expected else 0.0
+    atol = ATOL_REL * max(scale, 1e-30)
+    ok, err = True, 0.0
+    for a, e in zip(actual, expected, strict=True):
+        if a.shape != e.shape:
+            return False, math.inf, scale
+        d = (a.double() - e.double()).abs()
+        err = max(err, float(d.max()))
+        ok &= bool((d <= atol + RTOL * e.double().abs()).all())
+    return ok, err, scale
+
+
+def work(name: str) -> dict:
+    import logging
+
+    import torch
+
+    logging.getLogger("diffusers").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    res = {"name": name, "built": False, "aot_eager_ok": None, "tpu_ok": None}
+    t0 = time.time()
+    try:
+        case = build(name)
+        step = Step(case)
+        expected = denoise(step, case)
+    except Exception as e:  # noqa: BLE001
+        res["error"] = "build: " + sweep_runner.short_error(e)
+        return res
+    res["built"] = True
+    res["params"] = sum(p.numel() for p in case.model.parameters())
+    res["out_shape"] = list(expected[0].shape)
+    res["eager_s"] = round(time.time() - t0, 2)
+    if os.environ.get("SWEEP_BUILD_ONLY"):
+        return res
+
+    t0 = time.time()
+    torch._dynamo.reset()
+    try:
+        ok, err, _ = compare(denoise(torch.compile(step, backend="aot_eager", dynamic=False), case), expected)
+        res["aot_eager_ok"] = ok
+        if not ok:
+            res["aot_eager_error"] = f"mismatch: max abs err {err:.3g}"
+    except Exception as e:  # noqa: BLE001
+        res["aot_eager_ok"] = False
+        res["aot_eager_error"] = sweep_runner.short_error(e)
+    res["aot_eager_s"] = round(time.time() - t0, 2)
+
+    import tpuc
+
+    t0 = time.time()
+    torch._dynamo.reset()
+    tpuc.reset_stats()
+    try:
+        compiled = torch.compile(step, backend="tpu", dynamic=False, options={"fallback": "error"})
+        ok, err, scale = compare(denoise(compiled, case), expected)
+        res["tpu_ok"] = ok
+        res["max_abs_err"] = err
+        res["max_ref"] = scale
+        if not ok:
+            res["error"] = f"mismatch: max abs err {err:.3g} (outputs up to {scale:.3g})"
+    except Exception as e:  # noqa: BLE001
+        res["tpu_ok"] = False
+        res["error"] = sweep_runner.short_error(e)
+    s = tpuc.stats()
+    res["graphs"] = s["graphs_compiled"]
+    res["xla_compiles"] = s["xla_compiles"]
+    res["tpu_s"] = round(time.time() - t0, 2)
+    return res
+
+
+def _cell(v) -> str:
+    return {True: "yes", False: "**no**", None: "-"}.get(v, str(v)) if isinstance(v, bool | None) else str(v)
+
+
+def markdown(results: list[dict]) -> str:
+    n = len(results)
+    built = sum(bool(r.get("built")) for r in results)
+    aot = sum(r.get("aot_eager_ok") is True for r in results)
+    tpu = sum(r.get("tpu_ok") is True for r in results)
+    both = [r for r in results if r.get("aot_eager_ok")]
+    tpu_of_aot = sum(bool(r.get("tpu_ok")) for r in both)
+    lines = [
+        "# diffusers sweep (bench/sweep_diffusers.py)",
+        "",
+        f"{n} model classes; built {built}; aot_eager ok {aot}; tpu ok {tpu} "
+        f"({tpu_of_aot} of the {len(both)} aot_eager compiles). {STEPS} Euler steps per class, "
+        f"rtol {RTOL:g}, atol {ATOL_REL:g} x max |eager output|.",
+        "",
+        "| class | built | aot_eager | tpu | max abs err | max |out| | graphs | wall s | error |",
+        "|---|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        err = r.get("error") or r.get("aot_eager_error") or ""
+        if r.get("aot_eager_error") and r.get("error") and r["error"] != r["aot_eager_error"]:
+            err = f"{r['error']} (aot_eager: {r['aot_eager_error']})"
+        err = err.replace("|", "\\|").replace("\n", " ")
+        e = r.get("max_abs_err")
+        m = r.get("max_ref")
+        lines.append(
+            f"| {r['name']} | {_cell(r.get('built'))} | {_cell(r.get('aot_eager_ok'))} | "
+            f"{_cell(r.get('tpu_ok'))} | {'' if e is None else f'{e:.2g}'} | "
+            f"{'' if m is None else f'{m:.3g}'} | {r.get('graphs', '')} | {r.get('wall_s', '')} | {err} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sweep_runner.main(
+        script=__file__,
+        title="diffusers sweep",
+        stem="sweep_diffusers",
+        names=model_classes(),
+        work=work,
+        markdown=markdown,
+        default_timeout=240,
+        priority=PRIORITY,
+    )
