@@ -113,7 +113,8 @@ def test_unstable_sort_indices_come_from_pytorch():
 def test_transformers_moe_causal_lm_with_a_library_custom_op_matches_eager():
     # AFMoE zero-initialises its router gate (every expert ties) and runs its experts through
     # the library's custom op `transformers.grouped_mm_fallback` (read on the host): the case
-    # that was 29-33% off.
+    # that was 29-33% off. That op is now decomposed into static-shape ops (backend.py
+    # `_grouped_mm`), so only the router's tie-checked sort is left to PyTorch.
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -140,4 +141,4 @@ def test_transformers_moe_causal_lm_with_a_library_custom_op_matches_eager():
         actual = _compiled(model, fallback="eager")(ids).logits
     scale = expected.abs().max().item()
     assert (actual - expected).abs().max().item() <= 1e-5 * scale
-    assert "transformers.grouped_mm_fallback.default" in tpuc.stats()["fallback_ops"]
+    assert set(tpuc.stats()["fallback_ops"]) <= {"aten.sort.default"}

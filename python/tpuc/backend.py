@@ -666,6 +666,18 @@ def _owns_dense_storage(arg) -> bool:
     )
 
 
+def _static_layout(val) -> bool:
+    """Whether a tensor's sizes, strides and storage offset are plain ints: asking a symbolic
+    one about its layout would add guards that specialize dynamic dims."""
+    if not isinstance(val, torch.Tensor):
+        return False
+    try:
+        dims = (*val.shape, *val.stride(), val.storage_offset())
+    except Exception:  # no strides (sparse, nested)
+        return False
+    return all(type(d) is int for d in dims)
+
+
 def _storage_key(val: torch.Tensor):
     try:
         return val.untyped_storage()._cdata
@@ -698,11 +710,13 @@ def _rebase_storage_ops(gm: torch.fx.GraphModule) -> int:
     changed = 0
     for n in list(gm.graph.nodes):
         val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
+        if not _static_layout(val):
+            continue  # symbolic layouts are left alone (and as_strided over them falls back)
         if str(n.target) == "aten.as_strided.default" and isinstance(n.args[0], torch.fx.Node):
             x = n.args[0]
             xval = x.meta.get("val")
+            if not _static_layout(xval):
+                continue
             key = _storage_key(xval) if isinstance(xval, torch.Tensor) else None
             base = owners.get(key)
             if base is None and key in permuted and not _owns_dense_storage(x):
