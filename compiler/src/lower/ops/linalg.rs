@@ -139,27 +139,7 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let e = cx.e;
         let kernel: Vec<i64> = w.shape[2..].to_vec();
         // [I, O/g, k..] -> [I/g, O, k..] with the group index leading the output features.
-        let (i, og) = (w.shape[0], w.shape[1]);
-        let k = if groups > 1 {
-            let mut s5 = vec![groups, i / groups, og];
-            s5.extend_from_slice(&kernel);
-            let mut perm: Vec<i64> = vec![1, 0, 2];
-            perm.extend(3..3 + nsp as i64);
-            let t = e.transpose(&e.reshape(&wc, &s5)?, &perm)?;
-            let mut s4 = vec![i / groups, groups * og];
-            s4.extend_from_slice(&kernel);
-            e.reshape(&t, &s4)?
-        } else {
-            wc
-        };
-        let rev: Vec<i64> = (2..2 + nsp as i64).collect();
-        let k = e.op(
-            "stablehlo.reverse",
-            &[&k],
-            &[("dimensions", array_i64(&rev))],
-            &k.shape.clone(),
-            k.dtype,
-        )?;
+        let k = flipped_group_swapped(e, &wc, groups)?;
         let pads: Vec<(i64, i64)> = (0..nsp)
             .map(|d| {
                 let span = dilation[d] * (kernel[d] - 1);
@@ -232,6 +212,35 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     Ok(vec![cx.e.convert(&r, out)?])
 }
 
+/// The kernel of a convolution's transpose (the transposed convolution, the input gradient):
+/// `[A, B/g, k..] -> [A/g, B, k..]` with the group index moved from the first dim to lead the
+/// second, and its spatial dims reversed.
+fn flipped_group_swapped<'c, 'b>(e: &Emitter<'c, 'b>, w: &T<'c, 'b>, groups: i64) -> R<T<'c, 'b>> {
+    let nsp = w.rank() - 2;
+    let kernel = &w.shape[2..];
+    let (a, bg) = (w.shape[0], w.shape[1]);
+    let k = if groups > 1 {
+        let mut s5 = vec![groups, a / groups, bg];
+        s5.extend_from_slice(kernel);
+        let mut perm: Vec<i64> = vec![1, 0, 2];
+        perm.extend(3..3 + nsp as i64);
+        let t = e.transpose(&e.reshape(w, &s5)?, &perm)?;
+        let mut s4 = vec![a / groups, groups * bg];
+        s4.extend_from_slice(kernel);
+        e.reshape(&t, &s4)?
+    } else {
+        w.clone()
+    };
+    let rev: Vec<i64> = (2..2 + nsp as i64).collect();
+    e.op(
+        "stablehlo.reverse",
+        &[&k],
+        &[("dimensions", array_i64(&rev))],
+        &k.shape.clone(),
+        k.dtype,
+    )
+}
+
 /// Whether a forward convolution is pointwise: a 1x1 kernel without padding or groups
 /// (ResNet's bottleneck projections: 36 of ResNet-50's 53 convolutions).
 fn is_pointwise(w: &[i64], padding: &[i64], groups: i64) -> bool {
@@ -268,12 +277,18 @@ fn pointwise_dot<'c, 'b>(
         &[o, n, positions],
         w.dtype,
     )?;
-    let nco = if n == 1 {
-        e.reshape(&product, &[n, o, positions])?
+    swap_leading_into(e, &product, out)
+}
+
+/// `t` (rank 3) with its two leading dims swapped, reshaped to `shape`: one reshape when either
+/// of them is 1 (no data moves), else a transpose first. Moves the batch between the front and
+/// the channels of the matrix products that convolutions are lowered to.
+fn swap_leading_into<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, shape: &[i64]) -> R<T<'c, 'b>> {
+    if t.shape[0] == 1 || t.shape[1] == 1 {
+        e.reshape(t, shape)
     } else {
-        e.transpose(&product, &[1, 0, 2])?
-    };
-    e.reshape(&nco, out)
+        e.reshape(&e.transpose(t, &[1, 0, 2])?, shape)
+    }
 }
 
 /// The input positions a pointwise convolution with `stride` reads for output spatial size
@@ -320,14 +335,9 @@ fn pointwise_input_grad<'c, 'b>(
         &[c, n, positions],
         g.dtype,
     )?;
-    let ncp = if n == 1 {
-        e.reshape(&product, &[n, c, positions])?
-    } else {
-        e.transpose(&product, &[1, 0, 2])?
-    };
     let mut strided_shape = vec![n, c];
     strided_shape.extend_from_slice(&g.shape[2..]);
-    let strided = e.reshape(&ncp, &strided_shape)?;
+    let strided = swap_leading_into(e, &product, &strided_shape)?;
     if stride.iter().all(|&s| s == 1) && strided_shape == in_shape {
         return Ok(strided);
     }
@@ -680,13 +690,7 @@ fn tap_dots<'c, 'b>(
             &[o, b * p],
             w.dtype,
         )?;
-        let product = e.reshape(&product, &[o, b, p])?;
-        let product = if b == 1 {
-            product
-        } else {
-            e.transpose(&product, &[1, 0, 2])?
-        };
-        return e.reshape(&product, out);
+        return swap_leading_into(e, &e.reshape(&product, &[o, b, p])?, out);
     } else {
         let mut sum: Option<T<'c, 'b>> = None;
         for tap in live {
@@ -769,13 +773,7 @@ fn patch_weight_grad<'c, 'b>(
     let taps = geometry.taps();
     let window = TapWindow::new(x, geometry, &g.shape);
     let patches = channels_first_patches(cx, &window, &taps)?;
-    let flat_g = e.reshape(g, &[n, o, p])?;
-    let flat_g = if n == 1 {
-        flat_g
-    } else {
-        e.transpose(&flat_g, &[1, 0, 2])?
-    };
-    let flat_g = e.reshape(&flat_g, &[o, n * p])?;
+    let flat_g = swap_leading_into(e, &e.reshape(g, &[n, o, p])?, &[o, n * p])?;
     let ct = patches.shape[0];
     // Positions-major patches: XLA's CPU matmul ran `[O, NP] x [C x tap, NP]^T` at half the
     // speed of the prototype's `[O, NP] x [NP, C x tap]` (12 vs 6.5 ms, 256 channels at 14x14,
@@ -923,27 +921,7 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         } else {
             let wc = e.convert(&w, dtype)?;
             // [O, I/g, k..] -> [O/g, I, k..] with the group index leading the input features.
-            let (o, ig) = (w.shape[0], w.shape[1]);
-            let k = if groups > 1 {
-                let mut s5 = vec![groups, o / groups, ig];
-                s5.extend_from_slice(&kernel);
-                let mut perm: Vec<i64> = vec![1, 0, 2];
-                perm.extend((3..3 + nsp as i64).collect::<Vec<_>>());
-                let t = e.transpose(&e.reshape(&wc, &s5)?, &perm)?;
-                let mut s4 = vec![o / groups, groups * ig];
-                s4.extend_from_slice(&kernel);
-                e.reshape(&t, &s4)?
-            } else {
-                wc
-            };
-            let rev: Vec<i64> = (2..2 + nsp as i64).collect();
-            let k = e.op(
-                "stablehlo.reverse",
-                &[&k],
-                &[("dimensions", array_i64(&rev))],
-                &k.shape.clone(),
-                k.dtype,
-            )?;
+            let k = flipped_group_swapped(e, &wc, groups)?;
             let pads: Vec<(i64, i64)> = (0..nsp)
                 .map(|i| {
                     let span = dilation[i] * (kernel[i] - 1);
