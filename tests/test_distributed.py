@@ -127,8 +127,12 @@ def _worker(mode, rank, port, outdir):
                 {"params": params, "graphs_compiled": stats["graphs_compiled"], "seconds": seconds},
                 Path(outdir) / f"{backend}-{rank}.pt",
             )
+            print(f"rank {rank}: {backend} done", flush=True)
+        # Neither rank tears gloo down while the other may still be in a collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    print(f"rank {rank}: process group destroyed", flush=True)
 
 
 # --- parent side ----------------------------------------------------------------------------------
@@ -168,7 +172,8 @@ def _run_workers(mode, outdir):
     logs = []
     for rank, (_, log) in enumerate(procs):
         log.seek(0)
-        logs.append(f"--- rank {rank} ---\n" + log.read()[-4000:])
+        code = procs[rank][0].returncode
+        logs.append(f"--- rank {rank} (exit code {code}) ---\n" + log.read()[-4000:])
         log.close()
     assert failed is None, f"{mode}: {failed}\n" + "\n".join(logs)
 
