@@ -192,16 +192,65 @@ def test_fft_family(norm):
     check(f, x, z)
 
 
-@pytest.mark.parametrize("kind", ["causal", "float_mask", "masked_row"])
+@pytest.mark.parametrize("kind", ["causal", "float_mask", "masked_row", "grouped_heads"])
 def test_cpu_flash_attention_kernel(kind):
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (4, 6, 6))
+    q, k, v = (torch.randn(2, 6, n, 8, generator=g) for n in (4, 6, 6))
+    if kind == "grouped_heads":  # query head i reads key/value head i // 3
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
     mask = torch.randn(4, 6, generator=g)
     if kind == "masked_row":
         mask[1] = float("-inf")  # PyTorch's kernel returns zeros and a logsumexp of 0 there
     kwargs = {"is_causal": True} if kind == "causal" else {"attn_mask": mask, "scale": 0.3}
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     check(lambda q, k, v: op(q, k, v, **kwargs), q, k, v, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["causal", "mask_per_query", "mask_per_key"])
+def test_cpu_flash_attention_in_query_blocks(kind):
+    """Past 8M scores the kernel is lowered in query blocks (here 2 of 1280 rows): the causal
+    diagonal, a mask sliced per block, a fully masked row, and the logsumexp stitched back."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 2560, 8, generator=g) for _ in range(3))
+    if kind == "causal":
+        kwargs = {"is_causal": True}
+    elif kind == "mask_per_query":
+        mask = torch.randn(2560, 2560, generator=g)
+        mask[1500] = float("-inf")
+        kwargs = {"attn_mask": mask}
+    else:
+        kwargs = {"attn_mask": torch.randn(1, 1, 1, 2560, generator=g), "scale": 0.2}
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    check(lambda q, k, v: op(q, k, v, **kwargs), q, k, v, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_attention_keeps_the_fused_kernel_and_training_the_math_path(tmp_path):
+    """Without gradients, F.scaled_dot_product_attention reaches tpuc as the fused CPU kernel
+    (lowered in cache-sized blocks); with them, as math (the fused backward is not lowered)."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(2, 4, 96, 16, generator=g) for _ in range(3))
+    mask = torch.rand(96, 96, generator=g) > 0.2
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+
+    torch._dynamo.reset()
+    opts = {"fallback": "error", "dump_dir": str(tmp_path / "infer"), "cache_dir": None}
+    with torch.no_grad():
+        out = torch.compile(f, backend="tpu", options=opts)(q, k, v)
+    torch.testing.assert_close(out, f(q, k, v), rtol=1e-5, atol=1e-5)
+    (graph,) = (tmp_path / "infer").glob("*/fx_graph.txt")
+    assert "_scaled_dot_product_flash_attention_for_cpu" in graph.read_text()
+
+    torch._dynamo.reset()
+    qg = q.clone().requires_grad_()
+    opts["dump_dir"] = str(tmp_path / "train")
+    compiled = torch.compile(f, backend="tpu", options=opts)
+    (grad,) = torch.autograd.grad(compiled(qg, k, v).square().sum(), qg)
+    (expected,) = torch.autograd.grad(f(qg, k, v).square().sum(), qg)
+    torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+    forward = next((tmp_path / "train").glob("*forward*/fx_graph.txt")).read_text()
+    assert "_scaled_dot_product_flash_attention_for_cpu" not in forward
 
 
 def test_bessel_functions_of_the_first_second_and_modified_kinds():

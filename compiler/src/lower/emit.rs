@@ -1102,6 +1102,54 @@ impl<'c, 'b> Emitter<'c, 'b> {
         )
     }
 
+    /// A `stablehlo.while` counting `k` from 0 to `n` (exclusive) over the carried values; `body`
+    /// gets `k` (0-d int64) and the carried values and returns their next values.
+    pub fn fori(
+        &self,
+        n: i64,
+        init: &[T<'c, 'b>],
+        body: impl for<'r> Fn(&Emitter<'c, 'r>, &T<'c, 'r>, &[T<'c, 'r>]) -> R<Vec<T<'c, 'r>>>,
+    ) -> R<Vec<T<'c, 'b>>> {
+        const I64: DType = DType::Int64;
+        let mut types = vec![(vec![], I64)];
+        types.extend(init.iter().map(|t| (t.shape.clone(), t.dtype)));
+        let cond = self.region_of(&types, move |e, a| {
+            let limit = e.splat(Scalar::Int(n), &[], I64)?;
+            Ok(vec![e.compare(&a[0], &limit, "LT")?])
+        })?;
+        let body = self.region_of(&types, move |e, a| {
+            let mut next = body(e, &a[0], &a[1..])?;
+            let one = e.splat(Scalar::Int(1), &[], I64)?;
+            next.insert(0, e.add(&a[0], &one)?);
+            Ok(next)
+        })?;
+        let k0 = self.splat(Scalar::Int(0), &[], I64)?;
+        let mut operands = vec![&k0];
+        operands.extend(init.iter());
+        let mut out = self.op_n("stablehlo.while", &operands, &[], &types, vec![cond, body])?;
+        out.remove(0);
+        Ok(out)
+    }
+
+    /// `parts` joined along `dim` (they agree on every other dim and on the dtype).
+    pub fn concatenate(&self, parts: &[&T<'c, 'b>], dim: usize) -> R<T<'c, 'b>> {
+        let first = parts
+            .first()
+            .ok_or_else(|| LowerError::internal("concatenate of no tensors"))?;
+        if parts.len() == 1 {
+            return Ok((*first).clone());
+        }
+        let mut shape = first.shape.clone();
+        shape[dim] = parts.iter().map(|t| t.shape[dim]).sum();
+        self.op(
+            "stablehlo.concatenate",
+            parts,
+            &[("dimension", format!("{dim} : i64"))],
+            &shape,
+            first.dtype,
+        )
+    }
+
     pub fn slice(
         &self,
         t: &T<'c, 'b>,

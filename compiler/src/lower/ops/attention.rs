@@ -32,9 +32,13 @@ fn flash_attention_cpu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     }
     let (b, h, l, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
     let s = k.shape[2];
-    let dv = v.shape[3];
-    if k.shape[..2] != [b, h] || v.shape[..2] != [b, h] {
-        return Err(cx.err("query, key and value must have the same batch and head counts"));
+    let hk = k.shape[1];
+    if k.shape[0] != b || v.shape[..2] != [b, hk] || hk == 0 || h % hk != 0 {
+        return Err(cx.err(format!(
+            "query, key and value must have the same batch, and key/value heads must divide \
+             the query's {h} heads (got key {:?}, value {:?})",
+            k.shape, v.shape
+        )));
     }
     let scale = match cx.arg(6, "scale") {
         None | Some(Arg::None) => 1.0 / (d as f64).sqrt(),
@@ -44,30 +48,112 @@ fn flash_attention_cpu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let (lse_shape, lse_dtype) = cx.out(1)?;
     let acc = acc_dtype(out_dtype);
     let qa = e.convert(&q, acc)?;
-    let ka = e.convert(&k, acc)?;
-    let va = e.convert(&v, acc)?;
-    let scores = e.dot_general(
-        &qa,
-        &ka,
-        (&[0, 1], &[0, 1]),
-        (&[3], &[3]),
-        &[b, h, l, s],
-        acc,
-    )?;
-    let scores = e.mul(&scores, &e.splat(Scalar::Float(scale), &[], acc)?)?;
+    // Grouped-query attention: query head i reads key/value head i / (h / hk).
+    let ka = repeat_heads(e, &e.convert(&k, acc)?, h)?;
+    let va = repeat_heads(e, &e.convert(&v, acc)?, h)?;
+    // The mask as 4-d (broadcasting aligns on the right), so that query blocks can slice it.
+    let mask = match mask {
+        Some(m) if m.rank() > 4 => return Err(cx.err("attn_mask has more than 4 dims")),
+        Some(m) => {
+            let mut shape = vec![1; 4 - m.rank()];
+            shape.extend_from_slice(&m.shape);
+            Some(e.reshape(&m, &shape)?)
+        }
+        None => None,
+    };
+    let block = query_block(b * h, l, s);
+    // Query blocks one after another: a block's scores fit the cache, where all b*h*l*s of
+    // them would be written, read twice by the softmax and once more by the second dot.
+    let mut outs = Vec::new();
+    let mut lses = Vec::new();
+    for row0 in (0..l).step_by(block as usize) {
+        let qb = e.slice(&qa, &[0, 0, row0, 0], &[b, h, row0 + block, d], &[1; 4])?;
+        let mb = match &mask {
+            Some(m) if m.shape[2] == l => {
+                let mut end = m.shape.clone();
+                end[2] = row0 + block;
+                Some(e.slice(m, &[0, 0, row0, 0], &end, &[1; 4])?)
+            }
+            other => other.clone(),
+        };
+        let (ob, lb) = attend(e, &qb, &ka, &va, mb.as_ref(), causal, row0, scale)?;
+        outs.push(ob);
+        lses.push(lb);
+    }
+    let out = e.concatenate(&outs.iter().collect::<Vec<_>>(), 2)?;
+    let lse = e.concatenate(&lses.iter().collect::<Vec<_>>(), 2)?;
+    let out = e.convert(&e.broadcast_to(&out, &out_shape)?, out_dtype)?;
+    let lse = e.reshape(&lse, &[b, h, l])?;
+    let lse = e.convert(&e.reshape(&lse, &lse_shape)?, lse_dtype)?;
+    Ok(vec![out, lse])
+}
+
+/// `t` (b, hk, s, d) with each head repeated to `h` heads, consecutive copies side by side.
+fn repeat_heads<'c, 'b>(
+    e: &crate::lower::emit::Emitter<'c, 'b>,
+    t: &T<'c, 'b>,
+    h: i64,
+) -> R<T<'c, 'b>> {
+    let (b, hk, s, d) = (t.shape[0], t.shape[1], t.shape[2], t.shape[3]);
+    if hk == h {
+        return Ok(t.clone());
+    }
+    let wide = e.broadcast_in_dim(t, &[b, hk, h / hk, s, d], &[0, 1, 3, 4])?;
+    e.reshape(&wide, &[b, h, s, d])
+}
+
+/// Scores per query block: blocks of 8M f32 scores (32 MiB) measured as fast as smaller ones
+/// and 1.8x faster than one 4096x4096x8-head block (UNet's attention at 64x64 latents).
+const BLOCK_SCORES: i64 = 1 << 23;
+
+/// Query rows per block: all `l` when the whole score matrix fits [`BLOCK_SCORES`], else the
+/// largest divisor of `l` whose block does (at least 8 rows; no such divisor: all `l`).
+fn query_block(heads: i64, l: i64, s: i64) -> i64 {
+    if heads * l * s <= BLOCK_SCORES {
+        return l;
+    }
+    let most = (BLOCK_SCORES / (heads * s).max(1)).max(8);
+    (8..=most.min(l / 2))
+        .rev()
+        .find(|c| l % c == 0)
+        .unwrap_or(l)
+}
+
+/// Attention of the query rows `q` (b, h, c, d) over all keys: the output (b, h, c, dv) and
+/// the logsumexp of each row (b, h, c, 1). `row0` is the index of q's first row among all
+/// queries, for the causal mask.
+#[allow(clippy::too_many_arguments)]
+fn attend<'c, 'b>(
+    e: &crate::lower::emit::Emitter<'c, 'b>,
+    q: &T<'c, 'b>,
+    k: &T<'c, 'b>,
+    v: &T<'c, 'b>,
+    mask: Option<&T<'c, 'b>>,
+    causal: bool,
+    row0: i64,
+    scale: f64,
+) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+    let acc = q.dtype;
+    let (b, h, l) = (q.shape[0], q.shape[1], q.shape[2]);
+    let (s, dv) = (k.shape[2], v.shape[3]);
+    let scores = e.dot_general(q, k, (&[0, 1], &[0, 1]), (&[3], &[3]), &[b, h, l, s], acc)?;
+    let mut scores = e.mul(&scores, &e.splat(Scalar::Float(scale), &[], acc)?)?;
     let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &[], acc)?;
-    let mut scores = scores;
     if causal {
-        let i = e.iota(&[b, h, l, s], 2, DType::Int64)?;
+        let mut i = e.iota(&[b, h, l, s], 2, DType::Int64)?;
+        if row0 != 0 {
+            i = e.add(&i, &e.splat(Scalar::Int(row0), &i.shape, DType::Int64)?)?;
+        }
         let j = e.iota(&[b, h, l, s], 3, DType::Int64)?;
         let keep = e.compare(&j, &i, "LE")?;
         scores = e.select(&keep, &scores, &ninf, acc)?;
     }
     if let Some(m) = mask {
         if m.dtype == DType::Bool {
+            let m = e.broadcast_to(m, &scores.shape)?;
             scores = e.select(&m, &scores, &ninf, acc)?;
         } else {
-            let m = e.broadcast_to(&e.convert(&m, acc)?, &scores.shape)?;
+            let m = e.broadcast_to(&e.convert(m, acc)?, &scores.shape)?;
             scores = e.add(&scores, &m)?;
         }
     }
@@ -80,19 +166,10 @@ fn flash_attention_cpu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let p = e.unary("stablehlo.exponential", &e.sub(&scores, &shift)?)?;
     let sum = e.reduce(&p, &[3], ReduceKind::Sum, true)?;
     let lse = e.add(&e.unary("stablehlo.log", &sum)?, &shift)?;
-    let pv = e.dot_general(
-        &p,
-        &va,
-        (&[0, 1], &[0, 1]),
-        (&[3], &[2]),
-        &[b, h, l, dv],
-        acc,
-    )?;
+    let pv = e.dot_general(&p, v, (&[0, 1], &[0, 1]), (&[3], &[2]), &[b, h, l, dv], acc)?;
     let out = e.div(&pv, &sum)?;
-    let out = e.select(&finite, &out, &zero, acc)?;
-    let lse = e.select(&finite, &lse, &zero, acc)?;
-    let out = e.convert(&e.broadcast_to(&out, &out_shape)?, out_dtype)?;
-    let lse = e.reshape(&lse, &[b, h, l])?;
-    let lse = e.convert(&e.reshape(&lse, &lse_shape)?, lse_dtype)?;
-    Ok(vec![out, lse])
+    Ok((
+        e.select(&finite, &out, &zero, acc)?,
+        e.select(&finite, &lse, &zero, acc)?,
+    ))
 }

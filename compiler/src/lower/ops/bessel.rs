@@ -11,7 +11,6 @@
 
 use super::elementwise::unary_f64;
 use super::formula::F;
-use super::matrix::fori;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, R, T};
 use tpuc_frontend_fx::DType;
@@ -49,7 +48,7 @@ fn series<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, n: u32) -> R<(T<'c, 'b>, T<'
     let s0 = if n == 0 { f.mulk(&t, 0.0)? } else { t.clone() };
     let h0 = e.k(0.0, F64)?; // H_k
     let nf = n as f64;
-    let out = fori(e, 60, &[t.clone(), t, s0, h0, z], move |e, k, c| {
+    let out = e.fori(60, &[t.clone(), t, s0, h0, z], move |e, k, c| {
         let f = F { e };
         let (t, j, s, h, z) = (&c[0], &c[1], &c[2], &c[3], &c[4]);
         let kf = f.addk(&e.convert(k, F64)?, 1.0)?;
@@ -172,7 +171,7 @@ fn k_scaled<'c, 'b>(f: &F<'_, 'c, 'b>, x: &T<'c, 'b>, nu: f64) -> R<T<'c, 'b>> {
     let h = f.min(&e.div(&f.k(0.7)?, &f.un("stablehlo.sqrt", &xs)?)?, 0.25)?;
     // Trapezoid: h (f(0)/2 + sum_{j>=1} f(j h)), f(t) = exp(-x (cosh t - 1)) cosh(n t); f(0) = 1.
     let sum0 = e.broadcast_to(&f.k(0.5)?, &x.shape)?;
-    let out = fori(e, 120, &[sum0, h.clone(), xs], move |e, j, c| {
+    let out = e.fori(120, &[sum0, h.clone(), xs], move |e, j, c| {
         let f = F { e };
         let (sum, h, xs) = (&c[0], &c[1], &c[2]);
         let jf = f.addk(&e.convert(j, F64)?, 1.0)?;
@@ -256,7 +255,7 @@ fn j_series<'c, 'b>(f: &F<'_, 'c, 'b>, a: &T<'c, 'b>, nu: f64, gamma1: f64) -> R
         1.0 / gamma1,
     )?;
     let z = f.mulk(&e.mul(a, a)?, -0.25)?;
-    let out = fori(e, 60, &[t0.clone(), t0, z], move |e, k, c| {
+    let out = e.fori(60, &[t0.clone(), t0, z], move |e, k, c| {
         let f = F { e };
         let (t, j, z) = (&c[0], &c[1], &c[2]);
         let kf = f.addk(&e.convert(k, F64)?, 1.0)?;
@@ -280,8 +279,7 @@ fn airy_ai<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let xc = f.max(&f.min(x, 5.0)?, -5.0)?;
         let x3 = e.mul(&e.mul(&xc, &xc)?, &xc)?;
         let one = e.broadcast_to(&f.k(1.0)?, &x.shape)?;
-        let out = fori(
-            e,
+        let out = e.fori(
             25,
             &[one.clone(), one, xc.clone(), xc.clone(), x3],
             |e, k, c| {

@@ -64,15 +64,7 @@ fn view_as_real<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     s.push(1);
     let re = e.reshape(&e.part(&x, "stablehlo.real")?, &s)?;
     let im = e.reshape(&e.part(&x, "stablehlo.imag")?, &s)?;
-    let mut out = x.shape.clone();
-    out.push(2);
-    Ok(vec![e.op(
-        "stablehlo.concatenate",
-        &[&re, &im],
-        &[("dimension", format!("{} : i64", x.rank()))],
-        &out,
-        x.dtype.real_part(),
-    )?])
+    Ok(vec![e.concatenate(&[&re, &im], x.rank())?])
 }
 
 fn view_as_complex<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {

@@ -647,18 +647,7 @@ fn tap_dots<'c, 'b>(
         let n = positions.len() as i64;
         let side_by_side = match windows.as_slice() {
             [one] => one.clone(),
-            _ => {
-                let mut shape = windows[0].shape.clone();
-                shape[1] *= n;
-                let refs: Vec<&T<'c, 'b>> = windows.iter().collect();
-                e.op(
-                    "stablehlo.concatenate",
-                    &refs,
-                    &[("dimension", "1 : i64".to_string())],
-                    &shape,
-                    w.dtype,
-                )?
-            }
+            _ => e.concatenate(&windows.iter().collect::<Vec<_>>(), 1)?,
         };
         let stacked = e.reshape(&side_by_side, &[b, n, c * t])?;
         let product = e.dot_general(
@@ -737,14 +726,7 @@ fn channels_first_patches<'c, 'b>(
         .iter()
         .map(|tap| e.reshape(&channels_first.slice(cx, tap)?, &[c, 1, b * p]))
         .collect::<R<_>>()?;
-    let refs: Vec<&T<'c, 'b>> = slices.iter().collect();
-    let patches = e.op(
-        "stablehlo.concatenate",
-        &refs,
-        &[("dimension", "1 : i64".to_string())],
-        &[c, t, b * p],
-        window.x.dtype,
-    )?;
+    let patches = e.concatenate(&slices.iter().collect::<Vec<_>>(), 1)?;
     e.reshape(&patches, &[c * t, b * p])
 }
 

@@ -189,34 +189,6 @@ fn not_computed<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, k: usize, why: &str) -> R<T<'c,
     zeros_of(cx, k)
 }
 
-/// A `stablehlo.while` counting `k` from 0 to `n` (exclusive) over the carried values; `body`
-/// gets `k` (0-d int64) and the carried values and returns their next values.
-pub(crate) fn fori<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    n: i64,
-    init: &[T<'c, 'b>],
-    body: impl for<'r> Fn(&Emitter<'c, 'r>, &T<'c, 'r>, &[T<'c, 'r>]) -> R<Vec<T<'c, 'r>>>,
-) -> R<Vec<T<'c, 'b>>> {
-    let mut types = vec![(vec![], I64)];
-    types.extend(init.iter().map(|t| (t.shape.clone(), t.dtype)));
-    let cond = e.region_of(&types, move |e, a| {
-        let limit = e.splat(Scalar::Int(n), &[], I64)?;
-        Ok(vec![e.compare(&a[0], &limit, "LT")?])
-    })?;
-    let body = e.region_of(&types, move |e, a| {
-        let mut next = body(e, &a[0], &a[1..])?;
-        let one = e.splat(Scalar::Int(1), &[], I64)?;
-        next.insert(0, e.add(&a[0], &one)?);
-        Ok(next)
-    })?;
-    let k0 = e.splat(Scalar::Int(0), &[], I64)?;
-    let mut operands = vec![&k0];
-    operands.extend(init.iter());
-    let mut out = e.op_n("stablehlo.while", &operands, &[], &types, vec![cond, body])?;
-    out.remove(0);
-    Ok(out)
-}
-
 /// Sum over `dim` of `t` where `mask`, else zero: picks one row/column/element exactly.
 fn pick<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, mask: &T<'c, 'b>, dim: i64) -> R<T<'c, 'b>> {
     let zero = e.splat(Scalar::Int(0), &[], t.dtype)?;
@@ -251,7 +223,7 @@ fn lu_factor<'c, 'b>(e: &Emitter<'c, 'b>, a: &T<'c, 'b>) -> R<Lu<'c, 'b>> {
     let mut pshape = b.clone();
     pshape.push(k);
     let piv0 = e.splat(Scalar::Int(0), &pshape, DType::Int32)?;
-    let out = fori(e, k, &[a.clone(), piv0], |e, kk, c| {
+    let out = e.fori(k, &[a.clone(), piv0], |e, kk, c| {
         let (x, piv) = (&c[0], &c[1]);
         let (i, j) = row_col(e, &x.shape)?;
         let is_col = e.compare(&j, kk, "EQ")?;
@@ -326,7 +298,7 @@ fn permutation<'c, 'b>(e: &Emitter<'c, 'b>, pivots: &T<'c, 'b>, m: i64) -> R<T<'
     let nd = shape.len() as i64 - 1;
     let perm0 = e.iota(&shape, nd, I64)?;
     let piv = e.convert(pivots, I64)?;
-    let out = fori(e, k, &[perm0, piv], |e, kk, c| {
+    let out = e.fori(k, &[perm0, piv], |e, kk, c| {
         let (perm, piv) = (&c[0], &c[1]);
         let ki = e.iota(&piv.shape, nd, I64)?;
         let p = pick(e, piv, &e.compare(&ki, kk, "EQ")?, nd)?;
@@ -353,13 +325,7 @@ fn gather_rows<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>, perm: &T<'c, 'b>) -> 
     let x3 = e.reshape(x, &[nb, m, n])?;
     let p = e.reshape(perm, &[nb, m, 1])?;
     let bi = e.iota(&[nb, m, 1], 0, I64)?;
-    let idx = e.op(
-        "stablehlo.concatenate",
-        &[&bi, &p],
-        &[("dimension", "2 : i64".into())],
-        &[nb, m, 2],
-        I64,
-    )?;
+    let idx = e.concatenate(&[&bi, &p], 2)?;
     let g = e.op(
         "stablehlo.gather",
         &[&x3, &idx],

@@ -201,16 +201,9 @@ fn cat<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         .map(|t| cx.e.convert(&t, out))
         .collect::<R<_>>()?;
     let d = cx.dim(cx.int_or(1, "dim", 0)?, shape.len())?;
-    if parts.len() == 1 {
-        return Ok(parts);
-    }
-    let refs: Vec<&T> = parts.iter().collect();
-    Ok(vec![cx.e.op(
-        "stablehlo.concatenate",
-        &refs,
-        &[("dimension", format!("{d} : i64"))],
-        &shape,
-        out,
+    Ok(vec![cx.e.concatenate(
+        &parts.iter().collect::<Vec<_>>(),
+        d as usize,
     )?])
 }
 
