@@ -238,6 +238,35 @@ def test_pooling_variants_and_transposed_convolution():
     check(f, x, w, gw, gb, rtol=1e-4, atol=1e-4, fallback="error")
 
 
+@pytest.mark.parametrize(
+    "shape,args",
+    [
+        ((2, 3, 13, 12), (3, 2, 1)),  # ResNet's stem pooling: overlapping windows
+        ((2, 3, 13, 12), (3, 2, 1, 1, True)),  # ceil_mode: a last window past the input
+        ((3, 10, 11), ((2, 3), (1, 2), (1, 0), (2, 1))),  # unbatched, dilated, asymmetric
+        ((1, 2, 12, 12), (5, 2, 2)),  # 25 taps: the scatter path
+    ],
+)
+def test_max_pool_gradient(shape, args):
+    """Tap by tap up to 16 taps, else a scatter. Integer-valued inputs make ties, so the
+    gradient must follow the forward's chosen indices exactly."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(-3, 4, shape, generator=g).float()
+
+    def f(x):
+        y = F.max_pool2d(x, *args)
+        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
+        xg = x.clone().requires_grad_()
+        fn(xg).sum().backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
+
+
 def test_depthwise_convolutions_as_tap_sums(tmp_path):
     # groups == channels is lowered as a sum over the kernel's taps (XLA's CPU grouped convolution
     # is slow): strides, dilations, asymmetric kernels, 1-D, low precision, and a grouped

@@ -283,7 +283,7 @@ fn is(n: &Node, ops: &[&str]) -> bool {
 
 /// Every unit to emit as a composite, found from the last node backwards (a unit never
 /// overlaps another): attention (`bmm(softmax(bmm(q, k) ...), v)` with the views, scaling and
-/// masking between), MLPs (two or three matmuls around an activation), RMS norms, and single
+/// masking between, or PyTorch's fused CPU attention kernel), MLPs (two or three matmuls around an activation), RMS norms, and single
 /// layer norm / GELU / SiLU / softmax nodes.
 pub fn fusion_groups(g: &Graph) -> Vec<FusionGroup> {
     let mut taken: HashSet<NodeId> = HashSet::new();
@@ -337,6 +337,20 @@ fn operand_values(n: &Node, positions: &[usize]) -> Vec<ValueRef> {
 /// scalings that feed them.
 fn attention(gr: &Grower, root: NodeId) -> Option<(&'static str, BTreeSet<NodeId>)> {
     let n = gr.g.node(root);
+    let layout = |n: &Node| {
+        is(n, VIEWS)
+            || (is(n, &["aten.mul.Scalar", "aten.div.Scalar"])
+                && tensor_arg(n, 0).is_some()
+                && !matches!(n.args.get(1), Some(Arg::Value(_))))
+    };
+    if n.op == "aten._scaled_dot_product_flash_attention_for_cpu.default" {
+        // Inference attention arrives as PyTorch's fused CPU kernel: one node is the unit.
+        let mut group = BTreeSet::from([root]);
+        gr.absorb(&mut group, &operand_values(n, &[0, 1, 2]), &layout, &|_| {
+            false
+        });
+        return Some(("attention", group));
+    }
     if n.op != "aten.bmm.default" {
         return None;
     }
@@ -363,12 +377,6 @@ fn attention(gr: &Grower, root: NodeId) -> Option<(&'static str, BTreeSet<NodeId
     let qk = gr.g.node(scores[0]);
     let mut start = operand_values(qk, &[0, 1]);
     start.extend(operand_values(n, &[1]));
-    let layout = |n: &Node| {
-        is(n, VIEWS)
-            || (is(n, &["aten.mul.Scalar", "aten.div.Scalar"])
-                && tensor_arg(n, 0).is_some()
-                && !matches!(n.args.get(1), Some(Arg::Value(_))))
-    };
     gr.absorb(&mut group, &start, &layout, &|_| false);
     Some(("attention", group))
 }

@@ -1087,15 +1087,30 @@ impl<'c, 'b> Emitter<'c, 'b> {
     pub fn pad_end(&self, t: &T<'c, 'b>, fill: &T<'c, 'b>, dim: usize, to: i64) -> R<T<'c, 'b>> {
         let mut hi = vec![0; t.rank()];
         hi[dim] = to - t.shape[dim];
-        let mut shape = t.shape.clone();
-        shape[dim] = to;
+        let zeros = vec![0; t.rank()];
+        self.pad(t, fill, &zeros, &hi, &zeros)
+    }
+
+    /// `stablehlo.pad`: `lo`/`hi` elements of `fill` before/after each dim (negative: cropped)
+    /// and `interior` between neighbours.
+    pub fn pad(
+        &self,
+        t: &T<'c, 'b>,
+        fill: &T<'c, 'b>,
+        lo: &[i64],
+        hi: &[i64],
+        interior: &[i64],
+    ) -> R<T<'c, 'b>> {
+        let shape: Vec<i64> = (0..t.rank())
+            .map(|d| lo[d] + hi[d] + t.shape[d] + (t.shape[d] - 1).max(0) * interior[d])
+            .collect();
         self.op(
             "stablehlo.pad",
             &[t, fill],
             &[
-                ("edge_padding_low", array_i64(&vec![0; t.rank()])),
-                ("edge_padding_high", array_i64(&hi)),
-                ("interior_padding", array_i64(&vec![0; t.rank()])),
+                ("edge_padding_low", array_i64(lo)),
+                ("edge_padding_high", array_i64(hi)),
+                ("interior_padding", array_i64(interior)),
             ],
             &shape,
             t.dtype,

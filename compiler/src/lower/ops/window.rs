@@ -1,6 +1,6 @@
 //! Sliding-window geometry shared by pooling and the convolutions lowered tap by tap.
 
-use crate::lower::emit::{array_i64, Emitter};
+use crate::lower::emit::Emitter;
 use crate::lower::{Scalar, R, T};
 
 /// Kernel, stride, padding and dilation of a sliding window, each per spatial dim (the
@@ -64,16 +64,6 @@ impl Window {
             return Ok(x.clone()); // every window lies inside `x`
         }
         let fill = e.splat(value, &[], x.dtype)?;
-        e.op(
-            "stablehlo.pad",
-            &[x, &fill],
-            &[
-                ("edge_padding_low", array_i64(&lo)),
-                ("edge_padding_high", array_i64(&hi)),
-                ("interior_padding", array_i64(&vec![0; rank])),
-            ],
-            &padded_shape,
-            x.dtype,
-        )
+        e.pad(x, &fill, &lo, &hi, &vec![0; rank])
     }
 }
