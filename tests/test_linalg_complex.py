@@ -208,7 +208,7 @@ def test_cpu_flash_attention_kernel(kind):
 
 @pytest.mark.parametrize("kind", ["causal", "mask_per_query", "mask_per_key"])
 def test_cpu_flash_attention_in_query_blocks(kind):
-    """Past 8M scores the kernel is lowered in query blocks (here 2 of 1280 rows): the causal
+    """Past 4M scores the kernel is lowered in query blocks (here 4 of 640 rows): the causal
     diagonal, a mask sliced per block, a fully masked row, and the logsumexp stitched back."""
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 2, 2560, 8, generator=g) for _ in range(3))

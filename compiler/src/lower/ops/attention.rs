@@ -102,9 +102,11 @@ fn repeat_heads<'c, 'b>(
     e.reshape(&wide, &[b, h, s, d])
 }
 
-/// Scores per query block: blocks of 8M f32 scores (32 MiB) measured as fast as smaller ones
-/// and 1.8x faster than one 4096x4096x8-head block (UNet's attention at 64x64 latents).
-const BLOCK_SCORES: i64 = 1 << 23;
+/// Scores per query block: blocks of 4M f32 scores (16 MiB) measured as fast as 2-8M ones and
+/// 1.8x faster than one 4096x4096x8-head block (UNet's attention at 64x64 latents); they also stay
+/// under the heap size XLA's CPU temporaries are split into (runtime.py `CPU_HEAP_BYTES`, 30 MiB):
+/// a larger block is a buffer of its own, mapped and zeroed afresh on every call.
+const BLOCK_SCORES: i64 = 1 << 22;
 
 /// Query rows per block: all `l` when the whole score matrix fits [`BLOCK_SCORES`], else the
 /// largest divisor of `l` whose block does (at least 8 rows; no such divisor: all `l`).
