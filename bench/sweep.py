@@ -11,7 +11,9 @@ Inputs are seeded token ids / pixel values / audio of a small size. Each type ru
 process (forked from a parent that has imported torch and transformers) under a timeout. A type
 passes a backend when every floating output (logits, boxes, ...) is within rtol 1e-4 and atol
 1e-4 x the output's largest magnitude of eager. Results accumulate in `--out` (types already
-there are skipped unless `--rerun`), and a markdown report is written next to it.
+there are skipped unless `--rerun`; with `--aot-eager always`, a type that an `on-failure` run left
+without its aot_eager result runs that backend alone, merged into its record), and a markdown
+report is written next to it. Each invocation's command and wall time are kept in `_meta.runs`.
 """
 
 from __future__ import annotations
@@ -748,21 +750,42 @@ def _cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def _run_jobs(todo, backends, jobs, timeout, results, out_path):
+# Keys a reference-only rerun (`--aot-eager always` over a type that already has its tpuc result)
+# takes from the new record; the rest of the old record (build, eager, tpuc) is kept.
+_AOT_KEYS = ("aot_eager_ok", "aot_eager_max_err", "aot_eager_error", "aot_eager_seconds")
+
+
+def _merge(old: dict | None, rec: dict, backends) -> dict:
+    """The record to keep: `rec`, or for a reference-only rerun the old record plus its result."""
+    if old is None or tuple(backends) != ("aot_eager",):
+        return rec
+    merged = dict(old)
+    for k in _AOT_KEYS:
+        merged.pop(k, None)
+    if rec.get("eager_ok"):
+        merged.update({k: rec[k] for k in _AOT_KEYS if k in rec})
+    else:  # the rerun did not get as far as aot_eager (timeout, crash): say so, keep the rest
+        merged["aot_eager_ok"] = False
+        merged["aot_eager_error"] = f"rerun for aot_eager: {rec.get('stage')}: {rec.get('error', '?')}"
+    return merged
+
+
+def _run_jobs(todo, jobs, timeout, results, out_path):
+    """`todo`: (mapping, model type, backends) triples."""
     ctx = mp.get_context("fork")
     running: dict = {}
     queue = list(todo)
     done = 0
     while queue or running:
         while queue and len(running) < jobs:
-            mapping, model_type = queue.pop(0)
+            mapping, model_type, backends = queue.pop(0)
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, args=(mapping, model_type, backends, child), daemon=True)
             p.start()
             child.close()
-            running[p] = (mapping, model_type, parent, time.time())
+            running[p] = (mapping, model_type, backends, parent, time.time())
         time.sleep(0.2)
-        for p, (mapping, model_type, conn, started) in list(running.items()):
+        for p, (mapping, model_type, backends, conn, started) in list(running.items()):
             rec = None
             if conn.poll():
                 try:
@@ -784,10 +807,16 @@ def _run_jobs(todo, backends, jobs, timeout, results, out_path):
             rec = {"mapping": mapping, "type": model_type, "built": False, **rec}
             rec.setdefault("seconds", round(time.time() - started, 2))
             rec["wall_seconds"] = round(time.time() - started, 2)
+            rec = _merge(results.get(key(mapping, model_type)), rec, backends)
             results[key(mapping, model_type)] = rec
             del running[p]
             done += 1
-            status = "tpu ok" if rec.get("tpu_ok") else rec.get("tpu_error") or rec.get("error", "")
+            if tuple(backends) == ("aot_eager",):
+                status = (
+                    "aot_eager ok" if rec.get("aot_eager_ok") else f"aot_eager: {rec.get('aot_eager_error')}"
+                )
+            else:
+                status = "tpu ok" if rec.get("tpu_ok") else rec.get("tpu_error") or rec.get("error", "")
             print(f"[{done}/{len(todo)}] {mapping}/{model_type}: {str(status)[:120]}", flush=True)
             if done % 5 == 0:
                 save(results, out_path)
@@ -823,9 +852,14 @@ def report(results: dict) -> str:
     if meta:
         lines += [
             "",
-            f"Last run: {meta.get('when', '?')}, wall time {meta.get('wall_seconds', '?')} s "
-            f"with `{meta.get('command', '')}`.",
+            f"torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}. Runs:",
+            "",
         ]
+        for run in meta.get("runs", []):
+            lines.append(
+                f"- {run.get('when', '?')}: `{run.get('command', '')}`, {run.get('types_run', '?')} types, "
+                f"wall time {run.get('wall_seconds', '?')} s"
+            )
     lines += [
         "",
         "| mapping | types | built + eager ok | tpuc pass | aot_eager run | aot_eager pass | tpuc fails, aot_eager passes |",
@@ -860,7 +894,7 @@ def report(results: dict) -> str:
             lines.append(f"- {r['mapping']}/{r['type']}: {r.get('tpu_error', '?')}{fbs}")
     lines += ["", "## Failing in torch itself (aot_eager fails or mismatches; tpuc result in brackets)", ""]
     for r in sorted(recs, key=lambda r: (r["mapping"], r["type"])):
-        if r.get("eager_ok") and not r.get("aot_eager_ok"):
+        if r.get("eager_ok") and "aot_eager_ok" in r and not r["aot_eager_ok"]:
             tpu = "tpuc ok" if r.get("tpu_ok") else f"tpuc: {r.get('tpu_error', '?')[:100]}"
             lines.append(f"- {r['mapping']}/{r['type']}: {r.get('aot_eager_error', '?')[:200]} [{tpu}]")
     lines += ["", "## Not built / eager fails", ""]
@@ -906,6 +940,9 @@ def main(argv=None) -> int:
             ap.error(f"unknown mapping {m!r}; valid: {', '.join(MAPPINGS)}")
     wanted = {t for t in args.types.split(",") if t}
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    backends = {"always": ("aot_eager", "tpu"), "on-failure": ("tpu", "aot_eager?")}[args.aot_eager]
+    if args.eager_only:
+        backends = ()
     todo = []
     for m in mappings:
         ts = [t for t in types_of(m) if not wanted or t in wanted]
@@ -913,24 +950,36 @@ def main(argv=None) -> int:
             ts = ts[: args.limit]
         for t in ts:
             old = results.get(key(m, t))
-            if old and not args.rerun and not (args.rerun_failed and not old.get("tpu_ok")):
-                continue
-            todo.append((m, t))
-    # Round-robin over the mappings, so a run cut short still covers each of them.
-    by_mapping = {m: [x for x in todo if x[0] == m] for m in mappings}
-    todo = [x for group in zip_longest(*by_mapping.values()) for x in group if x is not None]
-    backends = {"always": ("aot_eager", "tpu"), "on-failure": ("tpu", "aot_eager?")}[args.aot_eager]
-    if args.eager_only:
-        backends = ()
+            if not old or args.rerun or (args.rerun_failed and not old.get("tpu_ok")):
+                todo.append((m, t, backends))
+            elif args.aot_eager == "always" and old.get("eager_ok") and "aot_eager_ok" not in old:
+                # Done by an `on-failure` run: only the reference is missing (merged into the record).
+                if not args.eager_only:
+                    todo.append((m, t, ("aot_eager",)))
+    # New types first, then reference-only reruns; round-robin over the mappings within each, so
+    # a run cut short still covers each of them.
+    ordered = []
+    for only_ref in (False, True):
+        part = [x for x in todo if (x[2] == ("aot_eager",)) == only_ref]
+        by_mapping = {m: [x for x in part if x[0] == m] for m in mappings}
+        ordered += [x for group in zip_longest(*by_mapping.values()) for x in group if x is not None]
+    todo = ordered
     print(f"{len(todo)} types to run, {args.jobs} at a time", flush=True)
     t0 = time.time()
-    _run_jobs(todo, backends, args.jobs, args.timeout, results, args.out)
+    _run_jobs(todo, args.jobs, args.timeout, results, args.out)
     wall = round(time.time() - t0, 1)
-    results["_meta"] = {
+    run = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "wall_seconds": wall,
         "types_run": len(todo),
         "command": "python bench/sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    meta = results.get("_meta") or {}
+    runs = meta.get("runs") or (
+        [{k: meta[k] for k in ("when", "wall_seconds", "command") if k in meta}] if meta else []
+    )
+    results["_meta"] = {
+        "runs": runs + [run],
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
