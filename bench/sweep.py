@@ -364,6 +364,58 @@ _RESNET_BACKBONE = {
     "out_features": ["stage1", "stage2", "stage3", "stage4"],
 }
 
+# Tiny backbones for the PaddlePaddle OCR/layout detectors (their defaults are full size): four
+# stages of 16-128 channels, each halving the resolution (the necks upsample by 2 between stages).
+_HGNET_V2_BACKBONE = {
+    "model_type": "hgnet_v2",
+    "embedding_size": 16,
+    "depths": [1, 1, 1, 1],
+    "hidden_sizes": [16, 32, 64, 128],
+    "stem_channels": [3, 8, 16],
+    "stage_in_channels": [16, 16, 32, 64],
+    "stage_mid_channels": [16, 16, 32, 64],
+    "stage_out_channels": [16, 32, 64, 128],
+    "stage_num_blocks": [1, 1, 1, 1],
+    "stage_numb_of_layers": [1, 1, 1, 1],
+    "out_features": ["stage1", "stage2", "stage3", "stage4"],
+    "out_indices": [1, 2, 3, 4],
+}
+_LCNET_V4_BACKBONE = {
+    "model_type": "pp_lcnet_v4",
+    # kernel, in, out, stride, squeeze-excitation
+    "block_configs": [
+        [[3, 16, 16, 1, False]],
+        [[3, 16, 32, 2, False]],
+        [[3, 32, 64, 2, True]],
+        [[3, 64, 128, 2, False]],
+    ],
+    "stem_channels": [3, 8, 16],
+    "stage_out_channels": [16, 32, 64, 128],
+    "depths": [1, 1, 1, 1],
+    "out_features": ["stage1", "stage2", "stage3", "stage4"],
+    "out_indices": [1, 2, 3, 4],
+}
+
+
+def _ocr_intraclass_blocks() -> dict:
+    """The PP-OCR detectors' intra-class blocks: (kernel, stride, padding) of each convolution, with
+    long/mid/short kernels of 7/5/3 in vertical, horizontal and square shapes (the default config
+    leaves them to the checkpoint)."""
+    out = {"reduce_channel": [1, 1, 0], "return_channel": [1, 1, 0]}
+    for ratio, k in (("longratio", 7), ("midratio", 5), ("shortratio", 3)):
+        out[f"vertical_long_to_small_conv_{ratio}"] = [[k, 1], [1, 1], [k // 2, 0]]
+        out[f"horizontal_small_to_long_conv_{ratio}"] = [[1, k], [1, 1], [0, k // 2]]
+        out[f"symmetric_conv_long_{ratio}"] = [[k, k], [1, 1], [k // 2, k // 2]]
+    return out
+
+
+_OCR_DET = {
+    "neck_out_channels": 32,
+    "intraclass_block_config": _ocr_intraclass_blocks(),
+    "scale_factor_list": [1, 2, 4, 8],
+    "kernel_list": [3, 2, 2],
+}
+
 # Per-family overrides applied on top of `shrink_dict` (keys of the top-level config).
 FAMILY: dict[str, dict] = {
     "bamba": {"attn_layer_indices": [1]},
@@ -385,13 +437,67 @@ FAMILY: dict[str, dict] = {
         "out_features": [f"stage{i}" for i in range(1, 5)],
     },
     "data2vec-vision": {
+        "image_size": 64,  # segmentation reshapes patches by the configured size: that of the inputs
         "num_hidden_layers": 4,
         "out_indices": [1, 2, 3, 4],
         "out_features": [f"stage{i}" for i in range(1, 5)],
     },
-    "lw_detr": {"backbone_config": {"num_windows": 4}},
     "donut-swin": {"embed_dim": 32, "depths": [1, 1], "num_heads": [2, 4], "patch_size": 2},
     "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.25, "hidden_dim": 320},
+    "mobilevitv2": {"image_size": 64},  # 32 px: the last stage's 2 x 2 patches see 1 x 1
+    "textnet": {"stem_out_channels": 16, "image_size": [64, 64]},  # the stem feeds stage 1 (16 wide)
+    "perceiver": {
+        "d_latents": HIDDEN,
+        "num_latents": 16,
+        "num_self_attends_per_block": LAYERS,
+        "num_self_attention_heads": HEADS,
+        "num_cross_attention_heads": 1,
+        "_label_trainable_num_channels": HIDDEN,
+        "output_num_channels": HIDDEN,
+    },
+    "siglip2": {"vision_config": {"patch_size": 4, "num_patches": 64}},
+    "shieldgemma2": {
+        "mm_tokens_per_image": 4,
+        "vision_config": {"image_size": 32, "patch_size": 8},
+        "yes_token_index": 10,
+        "no_token_index": 11,
+    },
+    "pp_ocrv5_server_det": {**_OCR_DET, "backbone_config": _HGNET_V2_BACKBONE},
+    "pp_ocrv6_medium_det": {**_OCR_DET, "backbone_config": _LCNET_V4_BACKBONE},
+    "pp_ocrv6_small_det": {
+        "backbone_config": _LCNET_V4_BACKBONE,
+        "neck_out_channels": 32,
+        "layer_list_out_channels": [16, 32, 64, 128],
+    },
+    "pp_doclayout_v2": {
+        "backbone_config": {
+            **_HGNET_V2_BACKBONE,
+            "out_features": ["stage2", "stage3", "stage4"],
+            "out_indices": [2, 3, 4],
+        },
+        "encoder_in_channels": [32, 64, 128],
+        "class_thresholds": [0.5] * 3,  # per label (3 once shrunk); the defaults leave them unset
+        "class_order": [0, 1, 2],
+    },
+    "lw_detr": {
+        "projector_scale_factors": [1.0],  # the default has none: no feature level at all
+        "num_feature_levels": 1,
+        "projector_in_channels": [HIDDEN],
+        "backbone_config": {"num_windows": 4},
+    },
+    "sapiens2": {
+        "num_key_value_heads_per_layer": [HEADS, 2],
+        "num_first_full_attention_layers": 1,
+        "num_last_full_attention_layers": 0,
+        "num_key_value_attention_heads": 2,
+        "head_config": {  # left to the checkpoint by the default: two 2x upsamplings, one 1x1 conv
+            "upsample_out_channels": [32, 16],
+            "upsample_kernel_sizes": [4, 4],
+            "use_pixel_shuffle": False,
+            "conv_out_channels": [16],
+            "conv_kernel_sizes": [1],
+        },
+    },
     "dory": {
         "layer_types": None,
         "num_hidden_layers": 3,
@@ -533,10 +639,44 @@ def _num_channels(cfg) -> int:
     return 3
 
 
+def _siglip2_inputs(cfg, g) -> dict:
+    """NaFlex patches: (batch, patches, channels x patch x patch), a 4 x 4 grid per image."""
+    v = cfg.vision_config
+    dim = v.num_channels * v.patch_size**2
+    return {
+        "pixel_values": torch.randn(BATCH, 16, dim, generator=g),
+        "pixel_attention_mask": torch.ones(BATCH, 16, dtype=torch.long),
+        "spatial_shapes": torch.tensor([[4, 4]] * BATCH),
+    }
+
+
+def _image_text_inputs(cfg, g) -> dict:
+    """A VLM read as a classifier: its image tokens (mm_tokens_per_image of them) in the text."""
+    n = cfg.mm_tokens_per_image
+    ids = _text_ids(cfg.text_config, seq=SEQ + n)
+    ids[:, 2 : 2 + n] = cfg.image_token_index
+    v = cfg.vision_config
+    return {
+        "input_ids": ids,
+        "pixel_values": torch.randn(BATCH, v.num_channels, v.image_size, v.image_size, generator=g),
+    }
+
+
+#: model type -> inputs (cfg, generator) -> dict, where the mapping's generic inputs do not fit.
+INPUTS = {
+    "siglip2": _siglip2_inputs,
+    "shieldgemma2": _image_text_inputs,
+}
+
+
 def make_inputs(mapping: str, model, cfg) -> dict:
     kind = MAPPINGS[mapping][1]
     g = torch.Generator().manual_seed(SEED + 2)
     name = getattr(model, "main_input_name", "input_ids")
+    if cfg.model_type in INPUTS:
+        return INPUTS[cfg.model_type](cfg, g)
+    if kind == "image" and name == "input_ids":  # ImageGPT: pixels as color-cluster tokens
+        return {"input_ids": _text_ids(cfg)}
     if kind == "text":
         ids = _text_ids(cfg)
         eos = getattr(cfg, "eos_token_id", None)
