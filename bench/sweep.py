@@ -498,6 +498,27 @@ FAMILY: dict[str, dict] = {
             "conv_kernel_sizes": [1],
         },
     },
+    # Audio tokenizers whose channels double at each of 6 downsamplings: 2 filters at the start.
+    "vibevoice_asr": {
+        "acoustic_tokenizer_encoder_config": {"num_filters": 2},
+        "semantic_tokenizer_encoder_config": {"num_filters": 2},
+    },
+    "vibevoice": {"audio_config": {"num_filters": 2}, "semantic_model_config": {"num_filters": 2}},
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": HIDDEN // 4}},  # validated: text hidden / 4
+    "moonshine_streaming": {"num_key_value_heads": HEADS},
+    "kyutai_speech_to_text": {
+        "num_codebooks": 4,
+        "codebook_vocab_size": 64,
+        "codec_config": {"upsample_groups": HIDDEN, "num_filters": 8, "num_quantizers": 4},
+    },
+    "dia": {  # cross-attention to the encoder: its own widths
+        "decoder_config": {
+            "cross_hidden_size": HIDDEN,
+            "cross_num_attention_heads": HEADS,
+            "cross_num_key_value_heads": HEADS,
+            "cross_head_dim": HIDDEN // HEADS,
+        }
+    },
     "dory": {
         "layer_types": None,
         "num_hidden_layers": 3,
@@ -662,8 +683,34 @@ def _image_text_inputs(cfg, g) -> dict:
     }
 
 
+def _dia_inputs(cfg, g) -> dict:
+    """Text in, and the decoder's audio codes: one token per codebook channel at every step."""
+    dec = cfg.decoder_config
+    codes = torch.randint(4, dec.vocab_size - 16, (BATCH, SEQ // 2, dec.num_channels), generator=g)
+    return {"input_ids": _text_ids(cfg.encoder_config), "decoder_input_ids": codes}
+
+
+def _realtime_audio_inputs(cfg, g) -> dict:
+    """Streaming ASR: every text token comes with `audio_length_per_tok` mel frames."""
+    bins = cfg.audio_config.num_mel_bins
+    frames = SEQ * cfg.audio_length_per_tok
+    return {
+        "input_ids": _text_ids(cfg.text_config),
+        "input_features": torch.randn(BATCH, bins, frames, generator=g),
+    }
+
+
+def _text_and_codes_inputs(cfg, g) -> dict:
+    """Kyutai STT: at every step a text token and one code per audio codebook."""
+    ids = torch.randint(4, cfg.codebook_vocab_size - 4, (BATCH, SEQ, 1 + cfg.num_codebooks), generator=g)
+    return {"input_ids": ids}
+
+
 #: model type -> inputs (cfg, generator) -> dict, where the mapping's generic inputs do not fit.
 INPUTS = {
+    "kyutai_speech_to_text": _text_and_codes_inputs,
+    "dia": _dia_inputs,
+    "voxtral_realtime": _realtime_audio_inputs,
     "siglip2": _siglip2_inputs,
     "shieldgemma2": _image_text_inputs,
 }
