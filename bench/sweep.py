@@ -145,6 +145,8 @@ _MOE = {
     "n_routed_experts": 4,
     "moe_num_experts": 4,
     "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,
+    "num_expert_group": 1,
     "moe_topk": 2,
     "moe_k": 2,
     "top_k": 2,
@@ -291,7 +293,7 @@ def shrink_dict(d: dict, depth: int = 0) -> dict:
                 "num_attention_heads", d.get("n_head", -1)
             ):
                 table_value = HEADS  # multi-head (no grouping): stays multi-head
-            if key == "num_experts_per_tok" or key == "moe_topk" or key == "top_k":
+            if key in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"):
                 table_value = min(value, 2)
             out[key] = table_value
         elif (
@@ -518,6 +520,52 @@ FAMILY: dict[str, dict] = {
             "cross_num_key_value_heads": HEADS,
             "cross_head_dim": HIDDEN // HEADS,
         }
+    },
+    # Hybrids whose attention layers are placed by a period/offset or a list: one of each kind.
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "mamba_dt_rank": 8,
+    },
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},  # default: no attention
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": 8},
+    "mamba2": {"num_heads": 8},  # num_heads x head_dim = expand x hidden
+    "zamba": {
+        "attention_hidden_size": 2 * HIDDEN,  # attention over [hidden, original embeddings]
+        "attention_head_dim": 2 * HIDDEN // HEADS,
+        "mamba_dt_rank": 8,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "num_hidden_layers": 3,  # two hybrid layers share one transformer (tied weights)
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+    },
+    "zamba2": {
+        "attention_hidden_size": 2 * HIDDEN,
+        "attention_head_dim": 2 * HIDDEN // HEADS,
+        "mamba_headdim": 16,
+        "n_mamba_heads": 8,
+        "hybrid_layer_ids": [1],
+        "layers_block_type": ["linear_attention", "hybrid"],
+    },
+    "rwkv": {"attention_hidden_size": HIDDEN, "context_length": 128},
+    "xlstm": {"embedding_dim": HIDDEN, "num_blocks": LAYERS, "chunk_size": SEQ, "qk_dim_factor": 1.0},
+    # One layer per stack; the cache holds one slot per layer and cycle: 1 x H 2 x (L 1 + 1).
+    "hrm_text": {
+        "num_layers_per_stack": 1,
+        "H_cycles": 2,
+        "L_cycles": 1,
+        "L_bp_cycles": [1],
+        "num_hidden_layers": 4,
+    },
+    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
+    "qwen4_exp_text": {  # the indexed-attention layers' indexer (left to the checkpoint)
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 2,
     },
     "dory": {
         "layer_types": None,
