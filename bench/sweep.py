@@ -284,6 +284,11 @@ def shrink_dict(d: dict, depth: int = 0) -> dict:
             table_value = _WIDTH["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
         if key == "vocab_size" and value is None:
             value = VOCAB  # left unset in the default (ESM): the tiny vocab
+        if key in ("head_dim", "num_key_value_heads") and value is None and "num_attention_heads" in d:
+            # Left unset by the default and not derived by every model (hunyuan, ministral,
+            # nemotron): the tiny head size, and as many KV heads as heads (what unset means).
+            out[key] = HIDDEN // HEADS if key == "head_dim" else HEADS
+            continue
         if key in _MOE_UNSET and value is None and "moe_intermediate_size" in d:
             value = 1  # an MoE whose default leaves the expert counts unset (dots1, deepseek_v2)
         if table_value is not None and isinstance(value, int):
@@ -416,6 +421,15 @@ _OCR_DET = {
     "intraclass_block_config": _ocr_intraclass_blocks(),
     "scale_factor_list": [1, 2, 4, 8],
     "kernel_list": [3, 2, 2],
+}
+
+# Qwen4-exp's indexed-attention layers' indexer (left to the checkpoint by the default).
+_QSA_INDEXER = {
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 2,
 }
 
 # Per-family overrides applied on top of `shrink_dict` (keys of the top-level config).
@@ -560,13 +574,8 @@ FAMILY: dict[str, dict] = {
         "num_hidden_layers": 4,
     },
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
-    "qwen4_exp_text": {  # the indexed-attention layers' indexer (left to the checkpoint)
-        "indexer_n_heads": 2,
-        "indexer_kv_heads": 1,
-        "indexer_head_dim": 16,
-        "indexer_budget": 8,
-        "indexer_compress_ratio": 2,
-    },
+    "qwen4_exp_text": _QSA_INDEXER,
+    "qwen4_exp": {"text_config": _QSA_INDEXER},
     "dory": {
         "layer_types": None,
         "num_hidden_layers": 3,
@@ -625,11 +634,13 @@ def make_config(model_type: str):
         over.pop("model_type", None)
         cfg = cls(**over)
     _fix_token_ids(cfg, VOCAB)
-    if getattr(cfg, "pad_token_id", None) is None:
-        try:
-            cfg.pad_token_id = 0  # batched classifiers find the last token by the pad id
-        except Exception:
-            pass
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for c in {id(cfg): cfg, id(text): text}.values():
+        if getattr(c, "pad_token_id", None) is None:
+            try:
+                c.pad_token_id = 0  # batched classifiers find the last token by the pad id
+            except Exception:
+                pass
     if getattr(cfg, "is_encoder_decoder", False) and getattr(cfg, "decoder_start_token_id", None) is None:
         cfg.decoder_start_token_id = 0
     return cfg
@@ -663,6 +674,13 @@ def build(mapping: str, model_type: str):
     torch.manual_seed(SEED)
     cls = _model_class(mapping, model_type)
     cfg = make_config(model_type)
+    want = getattr(cls, "config_class", None)
+    if isinstance(want, type) and not isinstance(cfg, want) and hasattr(cfg, "get_text_config"):
+        # A multimodal type mapped to its text model's class (qwen3_5 -> Qwen3_5ForCausalLM): the
+        # class takes the text config, as AutoModelForCausalLM.from_config gives it.
+        text = cfg.get_text_config()
+        if isinstance(text, want):
+            cfg = text
     impl = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     _set_attn(cfg, impl)
     try:
