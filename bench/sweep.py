@@ -576,6 +576,17 @@ FAMILY: dict[str, dict] = {
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
     "qwen4_exp_text": _QSA_INDEXER,
     "qwen4_exp": {"text_config": _QSA_INDEXER},
+    "xmod": {"default_language": "en_XX"},  # its adapters are per language
+    "reformer": {
+        "attn_layers": ["local", "lsh"],
+        "axial_pos_shape": [8, 16],  # product: max_position_embeddings
+        "axial_pos_embds_dim": [HIDDEN // 2, HIDDEN // 2],  # sum: hidden_size
+        "local_attn_chunk_length": 4,
+        "lsh_attn_chunk_length": 4,
+        "num_buckets": 2,
+        "feed_forward_size": 2 * HIDDEN,
+    },
+    "causal_lm/reformer": {"is_decoder": True},  # (its masked LM requires is_decoder=False)
     "dory": {
         "layer_types": None,
         "num_hidden_layers": 3,
@@ -614,7 +625,9 @@ def _sub_config_keys(cfg) -> list[str]:
     return [k for k, v in vars(cfg).items() if isinstance(v, PretrainedConfig)]
 
 
-def make_config(model_type: str):
+def make_config(model_type: str, mapping: str = ""):
+    """The tiny config: `shrink_dict` over the default, then FAMILY[model_type], then
+    FAMILY["mapping/model_type"] (what one mapping's class needs)."""
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
@@ -622,6 +635,7 @@ def make_config(model_type: str):
     d = default.to_dict()
     over = shrink_dict(d)
     _deep_update(over, copy.deepcopy(FAMILY.get(model_type, {})))
+    _deep_update(over, copy.deepcopy(FAMILY.get(f"{mapping}/{model_type}", {})))
     merged = _deep_update(copy.deepcopy(d), over)
     merged.pop("model_type", None)
     for k in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"):
@@ -673,7 +687,7 @@ def build(mapping: str, model_type: str):
     """`(model, kwargs)`: the tiny model in eval mode and its inputs."""
     torch.manual_seed(SEED)
     cls = _model_class(mapping, model_type)
-    cfg = make_config(model_type)
+    cfg = make_config(model_type, mapping)
     want = getattr(cls, "config_class", None)
     if isinstance(want, type) and not isinstance(cfg, want) and hasattr(cfg, "get_text_config"):
         # A multimodal type mapped to its text model's class (qwen3_5 -> Qwen3_5ForCausalLM): the
