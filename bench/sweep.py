@@ -587,6 +587,11 @@ FAMILY: dict[str, dict] = {
         "feed_forward_size": 2 * HIDDEN,
     },
     "causal_lm/reformer": {"is_decoder": True},  # (its masked LM requires is_decoder=False)
+    "layoutlmv3": {"coordinate_size": 11, "shape_size": 10},  # 4 x coordinate + 2 x shape = hidden
+    "lilt": {"hidden_size": 96, "intermediate_size": 192},  # six layout embeddings of hidden / 6
+    "dbrx": {"attn_config": {"rope_theta": 1e4, "clip_qkv": 8.0}},  # read by the attention, unset by default
+    # MLA whose rotary part is half of head_dim (partial_rotary_factor 0.5): 8 + 8.
+    "mistral4": {"head_dim": 16, "qk_head_dim": 16, "qk_nope_head_dim": 8},
     "dory": {
         "layer_types": None,
         "num_hidden_layers": 3,
@@ -619,6 +624,14 @@ def _fix_token_ids(cfg, vocab: int) -> None:
                 setattr(obj, name, [x if x < v else v - 1 for x in val])
 
 
+def _text_config(cfg):
+    """The config's text (decoder) config, or the config itself where it has none or several."""
+    try:
+        return cfg.get_text_config(decoder=True)
+    except Exception:
+        return cfg
+
+
 def _sub_config_keys(cfg) -> list[str]:
     from transformers import PretrainedConfig
 
@@ -648,7 +661,7 @@ def make_config(model_type: str, mapping: str = ""):
         over.pop("model_type", None)
         cfg = cls(**over)
     _fix_token_ids(cfg, VOCAB)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = _text_config(cfg)
     for c in {id(cfg): cfg, id(text): text}.values():
         if getattr(c, "pad_token_id", None) is None:
             try:
@@ -689,12 +702,11 @@ def build(mapping: str, model_type: str):
     cls = _model_class(mapping, model_type)
     cfg = make_config(model_type, mapping)
     want = getattr(cls, "config_class", None)
-    if isinstance(want, type) and not isinstance(cfg, want) and hasattr(cfg, "get_text_config"):
-        # A multimodal type mapped to its text model's class (qwen3_5 -> Qwen3_5ForCausalLM): the
-        # class takes the text config, as AutoModelForCausalLM.from_config gives it.
-        text = cfg.get_text_config()
-        if isinstance(text, want):
-            cfg = text
+    if isinstance(want, type) and not isinstance(cfg, want):
+        # A multimodal type mapped to its text model's class (qwen3_5 -> Qwen3_5ForCausalLM,
+        # musicgen -> MusicgenForCausalLM): the class takes that sub-config.
+        subs = [getattr(cfg, k) for k in _sub_config_keys(cfg)] + [_text_config(cfg)]
+        cfg = next((c for c in subs if isinstance(c, want)), cfg)
     impl = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     _set_attn(cfg, impl)
     try:
@@ -786,8 +798,15 @@ def _text_and_codes_inputs(cfg, g) -> dict:
     return {"input_ids": ids}
 
 
+def _codebook_rows_inputs(cfg, g) -> dict:
+    """MusicGen's decoder: one row of codes per (batch, codebook)."""
+    return {"input_ids": _text_ids(cfg, batch=BATCH * cfg.num_codebooks)}
+
+
 #: model type -> inputs (cfg, generator) -> dict, where the mapping's generic inputs do not fit.
 INPUTS = {
+    "musicgen_decoder": _codebook_rows_inputs,
+    "musicgen_melody_decoder": _codebook_rows_inputs,
     "kyutai_speech_to_text": _text_and_codes_inputs,
     "dia": _dia_inputs,
     "voxtral_realtime": _realtime_audio_inputs,
