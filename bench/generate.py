@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_runner  # noqa: E402
+import tiny  # noqa: E402
 
 VOCAB = 256
 PROMPT = 7
@@ -137,37 +138,11 @@ def excluded() -> list[str]:
     ]
 
 
-def _shrink_layer_list(values: list, n: int) -> list:
-    """A per-layer list cut to `n` entries that keeps each kind of layer it has, in order."""
-    keep = []
-    for i, v in enumerate(values):
-        if v not in [values[j] for j in keep]:
-            keep.append(i)
-    keep = sorted(keep[:n])
-    while len(keep) < n:
-        keep.append(keep[-1] if keep else 0)
-    return [values[i] for i in keep]
-
-
-def _configs(cfg):
-    """The config and every sub-config it holds (text, vision, ...)."""
-    from transformers import PretrainedConfig
-
-    seen, todo = [], [cfg]
-    while todo:
-        c = todo.pop()
-        if any(c is s for s in seen):
-            continue
-        seen.append(c)
-        todo.extend(v for v in vars(c).values() if isinstance(v, PretrainedConfig))
-    return seen
-
-
 def tiny_config(model_type: str):
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type)
-    for c in _configs(cfg):
+    for c in tiny.sub_configs(cfg):
         layers = getattr(c, "num_hidden_layers", None)
         for k, v in (TINY | TWEAKS.get(model_type, {})).items():
             if (
@@ -180,30 +155,24 @@ def tiny_config(model_type: str):
                 setattr(c, k, v)
         for k, v in list(vars(c).items()):
             if isinstance(v, list) and isinstance(layers, int) and len(v) == layers and layers > 2:
-                setattr(c, k, _shrink_layer_list(v, 2))
+                setattr(c, k, tiny.layer_list(v, 2))
         if isinstance(getattr(c, "qk_rope_head_dim", None), int) and "head_dim" in vars(c):
             c.head_dim = c.qk_rope_head_dim  # MLA families: head_dim is the rope part
         for k, v in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
             if isinstance(getattr(c, k, None), int) and getattr(c, k) >= VOCAB:
                 setattr(c, k, v)
-        for k in (
-            "dropout",
-            "attention_dropout",
-            "hidden_dropout",
-            "resid_pdrop",
-            "embd_pdrop",
-            "attn_pdrop",
-        ):
+        for k in tiny.DROPOUT_KEYS:
             if isinstance(getattr(c, k, None), float):
                 setattr(c, k, 0.0)
     cfg = type(cfg).from_dict(cfg.to_dict())
     return cfg
 
 
-def build(model_type: str):
+def from_config(cfg):
+    """The causal LM of `cfg` with seeded random weights, in eval mode, generating exactly the
+    tokens asked for (no end-of-sequence token)."""
     import transformers
 
-    cfg = tiny_config(model_type)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.generation_config.eos_token_id = None
@@ -211,18 +180,27 @@ def build(model_type: str):
     return model
 
 
-def _generate(model, ids, **kw):
+def build(model_type: str):
+    return from_config(tiny_config(model_type))
+
+
+def generate(model, ids, new_tokens: int = NEW_TOKENS, **kw):
+    """Greedy generation of `new_tokens` tokens with a static KV cache, `model.forward` as it is
+    (Transformers' own compile switched off: the caller decides what is compiled)."""
     with torch.no_grad():
         return model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
             cache_implementation="static",
             disable_compile=True,
             **kw,
         )
+
+
+_generate = generate
 
 
 def work_family(model_type: str) -> dict:
@@ -344,6 +322,10 @@ def logging_off() -> None:
     warnings.filterwarnings("ignore")
 
 
+def _aot_note(r: dict) -> str:
+    return sweep_runner.cell(f" (aot_eager: {r['aot_eager_error']})") if r.get("aot_eager_error") else ""
+
+
 def markdown(results: list[dict]) -> str:
     fam = [r for r in results if not r["name"].startswith("buckets/")]
     buck = [r for r in results if r["name"].startswith("buckets/")]
@@ -356,19 +338,35 @@ def markdown(results: list[dict]) -> str:
         f'with a static cache: {built}; tokens identical to eager with backend="tpu": {ok}. '
         f'Greedy, prompt {PROMPT} tokens, {NEW_TOKENS} new tokens, fallback="error".',
         "",
-        "| family | class | built | tokens identical | graphs | XLA compiles | aot_eager | wall s | error |",
-        "|---|---|---|---|---:|---:|---|---:|---|",
     ]
+    rows = []
     for r in fam:
-        err = (r.get("error") or "").replace("|", "\\|")
-        if r.get("aot_eager_error"):
-            err += f" (aot_eager: {r['aot_eager_error']})".replace("|", "\\|")
         aot = {True: "ok", False: "**fails**"}.get(r.get("aot_eager_ok"), "")
-        tok = {True: "yes", False: "**no**"}.get(r.get("tpu_ok"), "-")
-        lines.append(
-            f"| {r['name']} | {r.get('class', '')} | {'yes' if r.get('built') else '**no**'} | {tok} | "
-            f"{r.get('graphs', '')} | {r.get('xla_compiles', '')} | {aot} | {r.get('wall_s', '')} | {err} |"
+        rows.append(
+            [
+                r["name"],
+                r.get("class", ""),
+                sweep_runner.cell(bool(r.get("built"))),
+                sweep_runner.cell(r.get("tpu_ok")),
+                r.get("graphs", ""),
+                r.get("xla_compiles", ""),
+                aot,
+                r.get("wall_s", ""),
+                sweep_runner.error_cell({"error": r.get("error")}) + _aot_note(r),
+            ]
         )
+    header = [
+        "family",
+        "class",
+        "built",
+        "tokens identical",
+        "graphs",
+        "XLA compiles",
+        "aot_eager",
+        "wall s",
+        "error",
+    ]
+    lines += sweep_runner.table(header, rows, right=(4, 5, 7))
     if buck:
         lines += [
             "",

@@ -33,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 RTOL = 1e-4
 ATOL_REL = 1e-4  # atol = ATOL_REL x the output's largest magnitude
@@ -190,33 +193,7 @@ _SIZES = {
 }
 # Set wherever the key exists (booleans and strings included).
 _FORCE = {"use_timm_backbone": False, "use_pretrained_backbone": False}
-_ZERO = (
-    "dropout",
-    "hidden_dropout",
-    "hidden_dropout_prob",
-    "attention_dropout",
-    "attention_probs_dropout_prob",
-    "attn_pdrop",
-    "resid_pdrop",
-    "embd_pdrop",
-    "activation_dropout",
-    "classifier_dropout",
-    "dropout_rate",
-    "drop_path_rate",
-    "layerdrop",
-    "encoder_layerdrop",
-    "decoder_layerdrop",
-    "final_dropout",
-    "feat_proj_dropout",
-    "mask_time_prob",
-    "mask_feature_prob",
-    "ffn_dropout",
-    "emb_dropout",
-    "summary_first_dropout",
-    "attention_dropout_prob",
-    "hidden_dropout_rate",
-    "drop_path",
-)
+_ZERO = tiny.DROPOUT_KEYS
 
 
 # Per-stage lists of hierarchical vision models (ConvNeXt, Swin, PVT, Segformer ...).
@@ -238,18 +215,6 @@ _KEEP_WIDTHS = ("hgnet_v2",)
 
 def _int_list(value) -> bool:
     return isinstance(value, list) and bool(value) and all(type(v) is int for v in value)
-
-
-def _layer_list(values: list, n: int) -> list:
-    """The first `n` entries of a per-layer list, keeping each distinct kind of entry once where
-    the list has several (so a 2-layer model still has a sliding and a full attention layer)."""
-    out: list = []
-    for v in values:
-        if v not in out:
-            out.append(v)
-    while len(out) < n:
-        out.append(values[len(out) % len(values)])
-    return out[:n] if len(out) >= n else out
 
 
 def shrink_dict(d: dict, depth: int = 0) -> dict:
@@ -331,7 +296,7 @@ def shrink_dict(d: dict, depth: int = 0) -> dict:
             and old_layers > LAYERS
             and not key.endswith("token_id")
         ):
-            out[key] = _layer_list(value, LAYERS)
+            out[key] = tiny.layer_list(value, LAYERS)
     picks = d.get("out_indices") or d.get("out_features")
     if isinstance(picks, list) and picks and "num_hidden_layers" in out:
         # A ViT-like backbone whose stages are its layers: as many layers as features read.
@@ -622,8 +587,7 @@ def _fix_token_ids(cfg, vocab: int) -> None:
         for name in list(vars(obj)):
             val = getattr(obj, name, None)
             if (name.endswith("_token_id") or name.endswith("_token_index")) and isinstance(val, int):
-                if val >= v:
-                    setattr(obj, name, v - 1 - (hash(name) % 8))
+                setattr(obj, name, tiny.fix_token_id(val, v, name))
             elif name.endswith("_token_id") and isinstance(val, list):
                 setattr(obj, name, [x if x < v else v - 1 for x in val])
 
