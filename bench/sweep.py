@@ -1125,7 +1125,29 @@ def save(results: dict, out_path: Path) -> None:
     out_path.with_suffix(".md").write_text(report(results))
 
 
+# Types that cannot run as the sweep runs them, and why (the report says so next to their error).
+NOT_STANDALONE = {
+    "gemma4_assistant": "a draft model: its forward takes the target model's embeddings and shared KV "
+    "states, not tokens",
+    "gemma4_unified_assistant": "a draft model: its forward takes the target model's embeddings and "
+    "shared KV states, not tokens",
+}
+
+
+def _missing_package(error: str) -> str | None:
+    """The package a Transformers import error asks for ("requires the timm library")."""
+    import re
+
+    m = re.search(r"requires the (\w+) library", error)
+    return m.group(1) if m else None
+
+
 def _reason(rec: dict) -> str:
+    if rec.get("type") in NOT_STANDALONE:
+        return f"not standalone ({NOT_STANDALONE[rec['type']]})"
+    pkg = _missing_package(rec.get("error", ""))
+    if pkg:
+        return f"needs the `{pkg}` package, not installed here"
     if not rec.get("built"):
         return f"build: {rec.get('error', '?')}"
     if not rec.get("eager_ok"):

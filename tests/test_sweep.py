@@ -27,6 +27,9 @@ SUBSET = [
     ("semantic_seg", "segformer"),  # hierarchical vision transformer, upsampling head
     ("ctc", "wav2vec2"),  # raw audio: strided conv feature extractor, conv position embedding
     ("speech_seq2seq", "moonshine"),  # audio encoder-decoder
+    ("causal_lm", "zamba2"),  # Mamba2 layers and a shared attention block (a per-family recipe)
+    ("image_cls", "siglip2"),  # NaFlex patch inputs with spatial shapes (a per-family input recipe)
+    ("image_cls", "pp_lcnet"),  # activations kept out of the denormals XLA flushes (its recipe)
 ]
 
 # Ops an MoE's default experts implementation runs in PyTorch: transformers' own custom op
