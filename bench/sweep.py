@@ -1179,25 +1179,36 @@ def report(results: dict) -> str:
             )
     lines += [
         "",
-        "| mapping | types | built + eager ok | tpuc pass | aot_eager run | aot_eager pass | tpuc fails, aot_eager passes |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| mapping | types | swept | built + eager ok | built % | tpuc pass | aot_eager run | aot_eager pass "
+        "| tpuc fails, aot_eager passes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    tot = [0] * 6
+    tot = [0] * 8
     for mapping in MAPPINGS:
         rs = [r for r in recs if r.get("mapping") == mapping]
         if not rs:
             continue
+        try:
+            n = len(types_of(mapping))
+        except Exception:  # noqa: BLE001 - a report without transformers: the swept ones
+            n = len(rs)
         row = [
+            n,
             len(rs),
             sum(1 for r in rs if r.get("eager_ok")),
+            0,
             sum(1 for r in rs if r.get("tpu_ok")),
             sum(1 for r in rs if "aot_eager_ok" in r),
             sum(1 for r in rs if r.get("aot_eager_ok")),
             sum(1 for r in rs if r.get("aot_eager_ok") and not r.get("tpu_ok")),
         ]
         tot = [a + b for a, b in zip(tot, row, strict=True)]
-        lines.append(f"| {mapping} | " + " | ".join(map(str, row)) + " |")
-    lines.append("| **all** | " + " | ".join(f"**{x}**" for x in tot) + " |")
+        cells = [str(x) for x in row]
+        cells[3] = f"{100 * row[2] / max(n, 1):.0f}%"
+        lines.append(f"| {mapping} | " + " | ".join(cells) + " |")
+    tot_cells = [str(x) for x in tot]
+    tot_cells[3] = f"{100 * tot[2] / max(tot[0], 1):.0f}%"
+    lines.append("| **all** | " + " | ".join(f"**{x}**" for x in tot_cells) + " |")
     lines += [
         "",
         "aot_eager runs on every type with `--aot-eager always` and only where tpuc does not pass with "
