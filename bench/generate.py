@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep  # noqa: E402
 import sweep_runner  # noqa: E402
 import tiny  # noqa: E402
 
-VOCAB = 256
+VOCAB = sweep.VOCAB
+SLIDING = 8
 PROMPT = 7
 NEW_TOKENS = 16
 MAX_PROMPT = 32
@@ -33,52 +35,6 @@ MAX_CACHE = MAX_PROMPT + NEW_TOKENS
 BUCKET_LENGTHS = (3, 5, 7, 9, 12, 17, 23, 30)
 BUCKET_FAMILIES = ("llama", "qwen3_moe")
 
-# Small sizes for every config attribute of these names that a family has (in the top config and
-# its text config): hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MoE with 4 experts of which 2
-# are active.
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "n_embd": 64,
-    "d_model": 64,
-    "intermediate_size": 128,
-    "ffn_dim": 128,
-    "n_inner": 128,
-    "num_hidden_layers": 2,
-    "n_layer": 2,
-    "num_layers": 2,
-    "num_attention_heads": 4,
-    "n_head": 4,
-    "num_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 128,
-    "n_positions": 128,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "expert_intermediate_size": 32,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_topk": 2,
-    "top_k": 2,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_group": 1,
-    "topk_group": 1,
-    "sliding_window": 8,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-}
 # Widely used families run first (the sweep is resumable; the rest follow in mapping order).
 PRIORITY = (
     "llama",
@@ -110,8 +66,6 @@ PRIORITY = (
     "gpt_oss",
     "llama4_text",
 )
-# Per-family changes on top of TINY (config attribute -> value).
-TWEAKS: dict[str, dict] = {}
 
 
 def families() -> list[str]:
@@ -139,32 +93,14 @@ def excluded() -> list[str]:
 
 
 def tiny_config(model_type: str):
-    import transformers
-
-    cfg = transformers.AutoConfig.for_model(model_type)
+    """The family's tiny causal-LM config exactly as bench/sweep.py builds it (hidden 64, 2 layers,
+    4 heads of 16, 2 KV heads, 4 experts with 2 per token, vocab 512, the per-family recipes),
+    with a sliding window of SLIDING where the family has one, so that a prompt and its new tokens
+    cross it."""
+    cfg = sweep.config_for("causal_lm", model_type)
     for c in tiny.sub_configs(cfg):
-        layers = getattr(c, "num_hidden_layers", None)
-        for k, v in (TINY | TWEAKS.get(model_type, {})).items():
-            if (
-                k in vars(c)
-                and (isinstance(getattr(c, k), int) or getattr(c, k) is None)
-                and k not in ("sliding_window",)
-            ):
-                setattr(c, k, v)
-            elif k == "sliding_window" and isinstance(getattr(c, k, None), int):
-                setattr(c, k, v)
-        for k, v in list(vars(c).items()):
-            if isinstance(v, list) and isinstance(layers, int) and len(v) == layers and layers > 2:
-                setattr(c, k, tiny.layer_list(v, 2))
-        if isinstance(getattr(c, "qk_rope_head_dim", None), int) and "head_dim" in vars(c):
-            c.head_dim = c.qk_rope_head_dim  # MLA families: head_dim is the rope part
-        for k, v in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
-            if isinstance(getattr(c, k, None), int) and getattr(c, k) >= VOCAB:
-                setattr(c, k, v)
-        for k in tiny.DROPOUT_KEYS:
-            if isinstance(getattr(c, k, None), float):
-                setattr(c, k, 0.0)
-    cfg = type(cfg).from_dict(cfg.to_dict())
+        if isinstance(vars(c).get("sliding_window"), int):
+            c.sliding_window = SLIDING
     return cfg
 
 

@@ -696,17 +696,24 @@ def _set_attn(cfg, impl: str) -> None:
             pass
 
 
-def build(mapping: str, model_type: str):
-    """`(model, kwargs)`: the tiny model in eval mode and its inputs."""
-    torch.manual_seed(SEED)
+def config_for(mapping: str, model_type: str):
+    """The tiny config that the mapping's class for `model_type` takes: `make_config`'s, or for a
+    multimodal type mapped to its text model's class (qwen3_5 -> Qwen3_5ForCausalLM, musicgen ->
+    MusicgenForCausalLM) the sub-config of that class."""
     cls = _model_class(mapping, model_type)
     cfg = make_config(model_type, mapping)
     want = getattr(cls, "config_class", None)
     if isinstance(want, type) and not isinstance(cfg, want):
-        # A multimodal type mapped to its text model's class (qwen3_5 -> Qwen3_5ForCausalLM,
-        # musicgen -> MusicgenForCausalLM): the class takes that sub-config.
         subs = [getattr(cfg, k) for k in _sub_config_keys(cfg)] + [_text_config(cfg)]
         cfg = next((c for c in subs if isinstance(c, want)), cfg)
+    return cfg
+
+
+def build(mapping: str, model_type: str):
+    """`(model, kwargs)`: the tiny model in eval mode and its inputs."""
+    torch.manual_seed(SEED)
+    cls = _model_class(mapping, model_type)
+    cfg = config_for(mapping, model_type)
     impl = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     _set_attn(cfg, impl)
     try:
