@@ -1222,16 +1222,22 @@ def report(results: dict) -> str:
         "`--aot-eager on-failure` (a type tpuc passes went through the same Dynamo and AOTAutograd graph).",
     ]
     lines += ["", "## tpuc failures where aot_eager passes", ""]
+    n_section = len(lines)
     for r in sorted(recs, key=lambda r: (r["mapping"], r["type"])):
         if r.get("aot_eager_ok") and not r.get("tpu_ok"):
             fb = r.get("tpu_fallback_ops") or {}
             fbs = f" (fallback: {', '.join(f'{k} x{v}' for k, v in fb.items())})" if fb else ""
             lines.append(f"- {r['mapping']}/{r['type']}: {r.get('tpu_error', '?')}{fbs}")
+    if len(lines) == n_section:
+        lines.append("(none)")
     lines += ["", "## Failing in torch itself (aot_eager fails or mismatches; tpuc result in brackets)", ""]
+    n_section = len(lines)
     for r in sorted(recs, key=lambda r: (r["mapping"], r["type"])):
         if r.get("eager_ok") and "aot_eager_ok" in r and not r["aot_eager_ok"]:
             tpu = "tpuc ok" if r.get("tpu_ok") else f"tpuc: {r.get('tpu_error', '?')[:100]}"
             lines.append(f"- {r['mapping']}/{r['type']}: {r.get('aot_eager_error', '?')[:200]} [{tpu}]")
+    if len(lines) == n_section:
+        lines.append("(none)")
     lines += ["", "## Not built / eager fails", ""]
     for r in sorted(recs, key=lambda r: (r["mapping"], r["type"])):
         if not r.get("eager_ok"):
