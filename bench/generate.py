@@ -104,20 +104,23 @@ def tiny_config(model_type: str):
     return cfg
 
 
-def from_config(cfg):
-    """The causal LM of `cfg` with seeded random weights, in eval mode, generating exactly the
-    tokens asked for (no end-of-sequence token)."""
+def from_config(cfg, cls=None):
+    """The causal LM of `cfg` (of class `cls`, else AutoModelForCausalLM's for `cfg`) with seeded
+    random weights, in eval mode, generating exactly the tokens asked for (no end-of-sequence
+    token)."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = (cls._from_config(cfg) if cls else transformers.AutoModelForCausalLM.from_config(cfg)).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
 def build(model_type: str):
-    return from_config(tiny_config(model_type))
+    # The mapping's own class: a multimodal type's text config need not be one AutoModelForCausalLM
+    # knows (emu3 -> Emu3ForCausalLM takes Emu3TextConfig).
+    return from_config(tiny_config(model_type), sweep._model_class("causal_lm", model_type))
 
 
 def generate(model, ids, new_tokens: int = NEW_TOKENS, **kw):
