@@ -22,9 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sweep  # noqa: E402
 import sweep_runner  # noqa: E402
+import tiny  # noqa: E402
 
-VOCAB = 256
+VOCAB = sweep.VOCAB
+SLIDING = 8
 PROMPT = 7
 NEW_TOKENS = 16
 MAX_PROMPT = 32
@@ -32,52 +35,6 @@ MAX_CACHE = MAX_PROMPT + NEW_TOKENS
 BUCKET_LENGTHS = (3, 5, 7, 9, 12, 17, 23, 30)
 BUCKET_FAMILIES = ("llama", "qwen3_moe")
 
-# Small sizes for every config attribute of these names that a family has (in the top config and
-# its text config): hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MoE with 4 experts of which 2
-# are active.
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "n_embd": 64,
-    "d_model": 64,
-    "intermediate_size": 128,
-    "ffn_dim": 128,
-    "n_inner": 128,
-    "num_hidden_layers": 2,
-    "n_layer": 2,
-    "num_layers": 2,
-    "num_attention_heads": 4,
-    "n_head": 4,
-    "num_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 128,
-    "n_positions": 128,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "expert_intermediate_size": 32,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_topk": 2,
-    "top_k": 2,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_group": 1,
-    "topk_group": 1,
-    "sliding_window": 8,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-}
 # Widely used families run first (the sweep is resumable; the rest follow in mapping order).
 PRIORITY = (
     "llama",
@@ -109,8 +66,6 @@ PRIORITY = (
     "gpt_oss",
     "llama4_text",
 )
-# Per-family changes on top of TINY (config attribute -> value).
-TWEAKS: dict[str, dict] = {}
 
 
 def families() -> list[str]:
@@ -137,92 +92,54 @@ def excluded() -> list[str]:
     ]
 
 
-def _shrink_layer_list(values: list, n: int) -> list:
-    """A per-layer list cut to `n` entries that keeps each kind of layer it has, in order."""
-    keep = []
-    for i, v in enumerate(values):
-        if v not in [values[j] for j in keep]:
-            keep.append(i)
-    keep = sorted(keep[:n])
-    while len(keep) < n:
-        keep.append(keep[-1] if keep else 0)
-    return [values[i] for i in keep]
-
-
-def _configs(cfg):
-    """The config and every sub-config it holds (text, vision, ...)."""
-    from transformers import PretrainedConfig
-
-    seen, todo = [], [cfg]
-    while todo:
-        c = todo.pop()
-        if any(c is s for s in seen):
-            continue
-        seen.append(c)
-        todo.extend(v for v in vars(c).values() if isinstance(v, PretrainedConfig))
-    return seen
-
-
 def tiny_config(model_type: str):
-    import transformers
-
-    cfg = transformers.AutoConfig.for_model(model_type)
-    for c in _configs(cfg):
-        layers = getattr(c, "num_hidden_layers", None)
-        for k, v in (TINY | TWEAKS.get(model_type, {})).items():
-            if (
-                k in vars(c)
-                and (isinstance(getattr(c, k), int) or getattr(c, k) is None)
-                and k not in ("sliding_window",)
-            ):
-                setattr(c, k, v)
-            elif k == "sliding_window" and isinstance(getattr(c, k, None), int):
-                setattr(c, k, v)
-        for k, v in list(vars(c).items()):
-            if isinstance(v, list) and isinstance(layers, int) and len(v) == layers and layers > 2:
-                setattr(c, k, _shrink_layer_list(v, 2))
-        if isinstance(getattr(c, "qk_rope_head_dim", None), int) and "head_dim" in vars(c):
-            c.head_dim = c.qk_rope_head_dim  # MLA families: head_dim is the rope part
-        for k, v in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
-            if isinstance(getattr(c, k, None), int) and getattr(c, k) >= VOCAB:
-                setattr(c, k, v)
-        for k in (
-            "dropout",
-            "attention_dropout",
-            "hidden_dropout",
-            "resid_pdrop",
-            "embd_pdrop",
-            "attn_pdrop",
-        ):
-            if isinstance(getattr(c, k, None), float):
-                setattr(c, k, 0.0)
-    cfg = type(cfg).from_dict(cfg.to_dict())
+    """The family's tiny causal-LM config exactly as bench/sweep.py builds it (hidden 64, 2 layers,
+    4 heads of 16, 2 KV heads, 4 experts with 2 per token, vocab 512, the per-family recipes),
+    with a sliding window of SLIDING where the family has one, so that a prompt and its new tokens
+    cross it."""
+    cfg = sweep.config_for("causal_lm", model_type)
+    for c in tiny.sub_configs(cfg):
+        if isinstance(vars(c).get("sliding_window"), int):
+            c.sliding_window = SLIDING
     return cfg
 
 
-def build(model_type: str):
+def from_config(cfg, cls=None):
+    """The causal LM of `cfg` (of class `cls`, else AutoModelForCausalLM's for `cfg`) with seeded
+    random weights, in eval mode, generating exactly the tokens asked for (no end-of-sequence
+    token)."""
     import transformers
 
-    cfg = tiny_config(model_type)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = (cls._from_config(cfg) if cls else transformers.AutoModelForCausalLM.from_config(cfg)).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
-def _generate(model, ids, **kw):
+def build(model_type: str):
+    # The mapping's own class: a multimodal type's text config need not be one AutoModelForCausalLM
+    # knows (emu3 -> Emu3ForCausalLM takes Emu3TextConfig).
+    return from_config(tiny_config(model_type), sweep._model_class("causal_lm", model_type))
+
+
+def generate(model, ids, new_tokens: int = NEW_TOKENS, **kw):
+    """Greedy generation of `new_tokens` tokens with a static KV cache, `model.forward` as it is
+    (Transformers' own compile switched off: the caller decides what is compiled)."""
     with torch.no_grad():
         return model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
             cache_implementation="static",
             disable_compile=True,
             **kw,
         )
+
+
+_generate = generate
 
 
 def work_family(model_type: str) -> dict:
@@ -344,6 +261,10 @@ def logging_off() -> None:
     warnings.filterwarnings("ignore")
 
 
+def _aot_note(r: dict) -> str:
+    return sweep_runner.cell(f" (aot_eager: {r['aot_eager_error']})") if r.get("aot_eager_error") else ""
+
+
 def markdown(results: list[dict]) -> str:
     fam = [r for r in results if not r["name"].startswith("buckets/")]
     buck = [r for r in results if r["name"].startswith("buckets/")]
@@ -356,19 +277,35 @@ def markdown(results: list[dict]) -> str:
         f'with a static cache: {built}; tokens identical to eager with backend="tpu": {ok}. '
         f'Greedy, prompt {PROMPT} tokens, {NEW_TOKENS} new tokens, fallback="error".',
         "",
-        "| family | class | built | tokens identical | graphs | XLA compiles | aot_eager | wall s | error |",
-        "|---|---|---|---|---:|---:|---|---:|---|",
     ]
+    rows = []
     for r in fam:
-        err = (r.get("error") or "").replace("|", "\\|")
-        if r.get("aot_eager_error"):
-            err += f" (aot_eager: {r['aot_eager_error']})".replace("|", "\\|")
         aot = {True: "ok", False: "**fails**"}.get(r.get("aot_eager_ok"), "")
-        tok = {True: "yes", False: "**no**"}.get(r.get("tpu_ok"), "-")
-        lines.append(
-            f"| {r['name']} | {r.get('class', '')} | {'yes' if r.get('built') else '**no**'} | {tok} | "
-            f"{r.get('graphs', '')} | {r.get('xla_compiles', '')} | {aot} | {r.get('wall_s', '')} | {err} |"
+        rows.append(
+            [
+                r["name"],
+                r.get("class", ""),
+                sweep_runner.cell(bool(r.get("built"))),
+                sweep_runner.cell(r.get("tpu_ok")),
+                r.get("graphs", ""),
+                r.get("xla_compiles", ""),
+                aot,
+                r.get("wall_s", ""),
+                sweep_runner.error_cell({"error": r.get("error")}) + _aot_note(r),
+            ]
         )
+    header = [
+        "family",
+        "class",
+        "built",
+        "tokens identical",
+        "graphs",
+        "XLA compiles",
+        "aot_eager",
+        "wall s",
+        "error",
+    ]
+    lines += sweep_runner.table(header, rows, right=(4, 5, 7))
     if buck:
         lines += [
             "",

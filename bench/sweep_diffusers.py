@@ -198,6 +198,18 @@ def _ids(n, axes=3):
     return torch.zeros(n, axes)
 
 
+# CogVideoX-style video transformers: 5 frames (2 latent frames) of SIDE x SIDE, TEXT text tokens.
+_COGVIDEO = Recipe(
+    dict(
+        sample_frames=5,
+        sample_height=SIDE,
+        sample_width=SIDE,
+        max_text_seq_length=TEXT,
+        time_embed_dim=WIDTH,
+    ),
+    x_shape=(B, 2, 16, SIDE, SIDE),
+)
+
 # Classes whose generic shrink and inputs need help. Shapes use B, TEXT, WIDTH, SIDE, FRAMES.
 RECIPES: dict[str, Recipe] = {
     "UNet2DConditionModel": Recipe(
@@ -238,26 +250,8 @@ RECIPES: dict[str, Recipe] = {
         cond={"encoder_hidden_states": (B, TEXT, WIDTH)},
         fixed={"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}},
     ),
-    "CogVideoXTransformer3DModel": Recipe(
-        dict(
-            sample_frames=5,
-            sample_height=SIDE,
-            sample_width=SIDE,
-            max_text_seq_length=TEXT,
-            time_embed_dim=WIDTH,
-        ),
-        x_shape=(B, 2, 16, SIDE, SIDE),
-    ),
-    "ConsisIDTransformer3DModel": Recipe(
-        dict(
-            sample_frames=5,
-            sample_height=SIDE,
-            sample_width=SIDE,
-            max_text_seq_length=TEXT,
-            time_embed_dim=WIDTH,
-        ),
-        x_shape=(B, 2, 16, SIDE, SIDE),
-    ),
+    "CogVideoXTransformer3DModel": _COGVIDEO,
+    "ConsisIDTransformer3DModel": _COGVIDEO,  # CogVideoX's transformer with identity inputs
     "LTXVideoTransformer3DModel": Recipe(
         dict(in_channels=8, out_channels=8, caption_channels=WIDTH, cross_attention_dim=HEADS * HEAD_DIM),
         x_shape=(B, 2 * 4 * 4, 8),
@@ -626,10 +620,6 @@ def work(name: str) -> dict:
     return res
 
 
-def _cell(v) -> str:
-    return {True: "yes", False: "**no**", None: "-"}.get(v, str(v)) if isinstance(v, bool | None) else str(v)
-
-
 def markdown(results: list[dict]) -> str:
     n = len(results)
     built = sum(bool(r.get("built")) for r in results)
@@ -644,21 +634,35 @@ def markdown(results: list[dict]) -> str:
         f"({tpu_of_aot} of the {len(both)} aot_eager compiles). {STEPS} Euler steps per class, "
         f"rtol {RTOL:g}, atol {ATOL_REL:g} x max |eager output|.",
         "",
-        "| class | built | aot_eager | tpu | max abs err | max |out| | graphs | wall s | error |",
-        "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
+    rows = []
     for r in results:
-        err = r.get("error") or r.get("aot_eager_error") or ""
-        if r.get("aot_eager_error") and r.get("error") and r["error"] != r["aot_eager_error"]:
-            err = f"{r['error']} (aot_eager: {r['aot_eager_error']})"
-        err = err.replace("|", "\\|").replace("\n", " ")
-        e = r.get("max_abs_err")
-        m = r.get("max_ref")
-        lines.append(
-            f"| {r['name']} | {_cell(r.get('built'))} | {_cell(r.get('aot_eager_ok'))} | "
-            f"{_cell(r.get('tpu_ok'))} | {'' if e is None else f'{e:.2g}'} | "
-            f"{'' if m is None else f'{m:.3g}'} | {r.get('graphs', '')} | {r.get('wall_s', '')} | {err} |"
+        e, m = r.get("max_abs_err"), r.get("max_ref")
+        rows.append(
+            [
+                r["name"],
+                sweep_runner.cell(r.get("built")),
+                sweep_runner.cell(r.get("aot_eager_ok")),
+                sweep_runner.cell(r.get("tpu_ok")),
+                "" if e is None else f"{e:.2g}",
+                "" if m is None else f"{m:.3g}",
+                r.get("graphs", ""),
+                r.get("wall_s", ""),
+                sweep_runner.error_cell(r),
+            ]
         )
+    header = [
+        "class",
+        "built",
+        "aot_eager",
+        "tpu",
+        "max abs err",
+        "max \\|out\\|",
+        "graphs",
+        "wall s",
+        "error",
+    ]
+    lines += sweep_runner.table(header, rows, right=(4, 5, 6, 7))
     return "\n".join(lines) + "\n"
 
 

@@ -35,6 +35,31 @@ def short_error(exc: BaseException, limit: int = 240) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
+def cell(v, none: str = "-") -> str:
+    """A Markdown table cell: yes / **no** for booleans, `none` for None, text with its pipes
+    escaped and its newlines joined."""
+    if v is None:
+        return none
+    if isinstance(v, bool):
+        return "yes" if v else "**no**"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def error_cell(r: dict) -> str:
+    """A result's error, with aot_eager's where it differs (the reference's failure is torch's)."""
+    err, aot = r.get("error") or "", r.get("aot_eager_error") or ""
+    text = f"{err} (aot_eager: {aot})" if err and aot and aot != err else err or aot
+    return cell(text)
+
+
+def table(header: list[str], rows: list[list], right: tuple[int, ...] = ()) -> list[str]:
+    """Markdown table lines; `right`: the indices of right-aligned (numeric) columns."""
+    lines = ["| " + " | ".join(header) + " |"]
+    lines.append("|" + "|".join("---:" if i in right else "---" for i in range(len(header))) + "|")
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
 def run_child(work: Callable[[str], dict], name: str) -> None:
     t0 = time.time()
     try:

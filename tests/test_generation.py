@@ -7,7 +7,9 @@ per bucket; and the fixes the generation sweep needed, each on its own.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,43 +18,22 @@ import tpuc
 from tpuc import backend, buckets
 
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+import generate  # noqa: E402
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
-VOCAB = 256
+VOCAB = generate.VOCAB
 NEW = 12
 
 
 def _lm(family: str):
-    small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-    small |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    if family == "llama":
-        cfg = transformers.LlamaConfig(**small)
-    elif family == "qwen3_moe":  # MoE: experts through transformers' grouped_mm fallback op
-        cfg = transformers.Qwen3MoeConfig(
-            **small, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2
-        )
-    elif family == "gemma3_text":  # sliding-window and full layers: the masks bound ints above
-        cfg = transformers.Gemma3TextConfig(
-            **small, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
-        )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    """The family's tiny model exactly as bench/generate.py builds it (its `tiny_config`)."""
+    return generate.build(family)
 
 
 def _generate(model, ids):
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            do_sample=False,
-            cache_implementation="static",
-            disable_compile=True,
-        )
+    return generate.generate(model, ids, NEW)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text"])

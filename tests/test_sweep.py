@@ -27,6 +27,9 @@ SUBSET = [
     ("semantic_seg", "segformer"),  # hierarchical vision transformer, upsampling head
     ("ctc", "wav2vec2"),  # raw audio: strided conv feature extractor, conv position embedding
     ("speech_seq2seq", "moonshine"),  # audio encoder-decoder
+    ("causal_lm", "zamba2"),  # Mamba2 layers and a shared attention block (a per-family recipe)
+    ("image_cls", "siglip2"),  # NaFlex patch inputs with spatial shapes (a per-family input recipe)
+    ("image_cls", "pp_lcnet"),  # activations kept out of the denormals XLA flushes (its recipe)
 ]
 
 # Ops an MoE's default experts implementation runs in PyTorch: transformers' own custom op
@@ -42,3 +45,20 @@ def test_sweep_subset_matches_eager(mapping, model_type):
     assert rec["tpu_ok"], f"{rec.get('tpu_error')} (fallback ops: {rec.get('tpu_fallback_ops')})"
     allowed = MOE_FALLBACKS if model_type == "deepseek_v3" else set()
     assert set(rec["tpu_fallback_ops"]) <= allowed, "every other op of these types has a lowering rule"
+
+
+def test_report_and_reference_backfill():
+    """A reference-only rerun (`--aot-eager always` over a type an on-failure run left without its
+    aot_eager result) keeps the record's tpuc result and adds aot_eager's; the report lists as
+    failing in torch only the types where aot_eager ran and failed."""
+    old = {"mapping": "ctc", "type": "a", "built": True, "eager_ok": True, "tpu_ok": True, "seconds": 3}
+    new = {"mapping": "ctc", "type": "a", "built": True, "eager_ok": True, "aot_eager_ok": True, "seconds": 1}
+    merged = sweep._merge(old, new, ("aot_eager",))
+    assert merged["tpu_ok"] and merged["aot_eager_ok"] and merged["seconds"] == 3
+    crashed = sweep._merge(old, {"built": False, "error": "timeout", "stage": "timeout"}, ("aot_eager",))
+    assert crashed["tpu_ok"] and crashed["aot_eager_ok"] is False and "timeout" in crashed["aot_eager_error"]
+    assert sweep._merge(old, new, ("aot_eager", "tpu")) is new  # a full run replaces the record
+    torch_fails = dict(old, type="b", aot_eager_ok=False, aot_eager_error="boom")
+    text = sweep.report({"ctc/a": old, "ctc/b": torch_fails})
+    section = text.split("## Failing in torch itself")[1].split("##")[0]
+    assert "ctc/b: boom" in section and "ctc/a" not in section

@@ -57,6 +57,24 @@ def test_unsorted_topk_runs_in_pytorch():
         _compiled(lambda x: torch.topk(x.exp(), 4, sorted=False))(x)
 
 
+@pytest.mark.parametrize("n", [2, 4, 7, 32, 100])
+def test_unsorted_topk_of_two_is_sorted_topk(n):
+    """k <= 2: PyTorch's kernel runs the same nth_element for sorted=False as for sorted=True (whose
+    extra sort covers k - 1 elements), so the unsorted topk of a DeepSeek-style router compiles,
+    ties included (checked and run again in PyTorch like any topk)."""
+    gen = torch.Generator().manual_seed(n)
+    for x in (torch.randn(64, n, generator=gen), torch.randint(0, 3, (64, n), generator=gen).float()):
+        for k in (1, 2):
+            if k > n:
+                continue
+            expected = torch.topk(x, k, dim=-1, sorted=False)
+            assert torch.equal(expected[1], torch.topk(x, k, dim=-1, sorted=True)[1])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = _compiled(lambda x, k=k: torch.topk(x, k, dim=-1, sorted=False))(x)
+            _same(out, expected)
+
+
 def test_moe_router_with_a_zero_gate_matches_eager():
     # Every expert scores sigmoid(0): the expert choice is topk's tie order alone.
     torch.manual_seed(0)

@@ -8,8 +8,11 @@ selected values and the one after them are all distinct, which is almost always.
 rewritten to select one value more, and the graph reports whether any two of those neighbours tie
 (NaNs tie with NaNs): a call where one does is run again by PyTorch itself (counted in
 `tpuc.stats()["eager_reruns"]`), so results always equal eager's. `sorted=False` with k*64 > n
-returns `nth_element`'s partition order, which no sort reproduces: such a `topk` runs in PyTorch
-(see `pytorch_order`). The same holds for `kthvalue` (quickselect: checked for another element
+and k > 2 returns `nth_element`'s partition order, which no sort reproduces: such a `topk` runs in
+PyTorch (see `pytorch_order`). With k <= 2 it is sorted=True's order exactly: PyTorch's kernel
+runs the same `nth_element(begin, begin + k - 1, end)` either way, and sorted=True only adds
+`sort(begin, begin + k - 1)`, a range of at most one element (DeepSeek-style MoE routers pick
+their experts with `topk(..., sorted=False)`). The same holds for `kthvalue` (quickselect: checked for another element
 equal to the one selected) and for `sort(stable=False)` over more than 16 elements (introsort;
 16 or fewer are insertion-sorted, which is stable): its indices come from PyTorch. Only ops whose
 indices are read are concerned: values do not depend on the tie order."""
@@ -80,7 +83,8 @@ def _sort_args(n: torch.fx.Node) -> tuple:
 
 def pytorch_order(n: torch.fx.Node) -> bool:
     """Whether `n`'s indices are in an order only PyTorch's kernel gives, whatever the values:
-    a topk returning `nth_element`'s unsorted output (k > 1 and k*64 > n), an unstable sort of
+    a topk returning `nth_element`'s unsorted output (k > 2 and k*64 > n: with k <= 2 the kernel
+    runs the same code as for sorted=True, whose extra sort covers k - 1 <= 1 element), an unstable sort of
     more than 16 elements whose indices are read, or either over a dim of symbolic size. Such an
     op runs in PyTorch."""
     if n.op != "call_function":
@@ -90,7 +94,7 @@ def pytorch_order(n: torch.fx.Node) -> bool:
         size = _static_size(n)
         if size is None or not isinstance(k, int):
             return True
-        return not sorted_ and k > 1 and k * 64 > size
+        return not sorted_ and k > 2 and k * 64 > size
     if n.target in (_SORT, _SORT_STABLE):
         x, dim, stable = _sort_args(n)
         if stable or not _indices_read(n):
