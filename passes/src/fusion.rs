@@ -283,8 +283,8 @@ fn is(n: &Node, ops: &[&str]) -> bool {
 
 /// Every unit to emit as a composite, found from the last node backwards (a unit never
 /// overlaps another): attention (`bmm(softmax(bmm(q, k) ...), v)` with the views, scaling and
-/// masking between, or PyTorch's fused CPU attention kernel), MLPs (two or three matmuls around an activation), RMS norms, and single
-/// layer norm / GELU / SiLU / softmax nodes.
+/// masking between, or PyTorch's fused CPU attention kernel), MLPs (two or three matmuls around
+/// an activation), RMS norms, and single layer norm / GELU / SiLU / softmax nodes.
 pub fn fusion_groups(g: &Graph) -> Vec<FusionGroup> {
     let mut taken: HashSet<NodeId> = HashSet::new();
     let mut groups = Vec::new();

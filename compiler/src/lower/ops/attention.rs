@@ -2,6 +2,7 @@
 //! CPU flash-attention decomposition returns the attention weights where the op's second result
 //! is the logsumexp).
 
+use crate::lower::emit::Emitter;
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
@@ -89,11 +90,7 @@ fn flash_attention_cpu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 }
 
 /// `t` (b, hk, s, d) with each head repeated to `h` heads, consecutive copies side by side.
-fn repeat_heads<'c, 'b>(
-    e: &crate::lower::emit::Emitter<'c, 'b>,
-    t: &T<'c, 'b>,
-    h: i64,
-) -> R<T<'c, 'b>> {
+fn repeat_heads<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, h: i64) -> R<T<'c, 'b>> {
     let (b, hk, s, d) = (t.shape[0], t.shape[1], t.shape[2], t.shape[3]);
     if hk == h {
         return Ok(t.clone());
@@ -126,7 +123,7 @@ fn query_block(heads: i64, l: i64, s: i64) -> i64 {
 /// queries, for the causal mask.
 #[allow(clippy::too_many_arguments)]
 fn attend<'c, 'b>(
-    e: &crate::lower::emit::Emitter<'c, 'b>,
+    e: &Emitter<'c, 'b>,
     q: &T<'c, 'b>,
     k: &T<'c, 'b>,
     v: &T<'c, 'b>,

@@ -663,6 +663,13 @@ fn max_pool2d_with_indices_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b
     let indices = cx.tensor(7, "indices")?;
     let (shape, out) = cx.out(0)?;
     let e = cx.e;
+    let acc = acc_dtype(out);
+    let ga = e.convert(&g, acc)?;
+    let w = window_at(cx, 2, Some(5), 2)?;
+    if w.taps().len() <= MAX_POOL_GRAD_TAPS {
+        let grad = max_pool_grad_by_taps(e, &ga, &indices, &w, &x.shape)?;
+        return Ok(vec![e.convert(&grad, out)?]);
+    }
     let r = x.rank();
     let plane = x.shape[r - 2] * x.shape[r - 1];
     let lead: Vec<i64> = x.shape[..r - 2].to_vec();
@@ -670,13 +677,7 @@ fn max_pool2d_with_indices_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b
     flat_x.push(plane);
     let mut flat_g = lead.clone();
     flat_g.push(g.shape[r - 2] * g.shape[r - 1]);
-    let acc = acc_dtype(out);
-    let w = window_at(cx, 2, Some(5), 2)?;
-    if w.taps().len() <= MAX_POOL_GRAD_TAPS {
-        let grad = max_pool_grad_by_taps(e, &e.convert(&g, acc)?, &indices, &w, &x.shape)?;
-        return Ok(vec![e.convert(&grad, out)?]);
-    }
-    let gf = e.reshape(&e.convert(&g, acc)?, &flat_g)?;
+    let gf = e.reshape(&ga, &flat_g)?;
     let idx = e.reshape(&indices, &flat_g)?;
     let coords = along_dim_coords(e, &idx, r - 2, plane)?;
     let zeros = e.splat(Scalar::Int(0), &flat_x, acc)?;
@@ -706,6 +707,11 @@ fn max_pool_grad_by_taps<'c, 'b>(
     let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
     let rows = e.iota(&g.shape, (r - 2) as i64, DType::Int64)?;
     let cols = e.iota(&g.shape, (r - 1) as i64, DType::Int64)?;
+    // Flat index of each output's window corner (before padding); a tap adds a constant to it.
+    let corner = e.add(
+        &e.mul(&rows, &i64k(w.stride[0] * wd)?)?,
+        &e.mul(&cols, &i64k(w.stride[1])?)?,
+    )?;
     let zero = e.splat(Scalar::Int(0), &[], g.dtype)?;
     let mut interior = vec![0; r];
     interior[r - 2] = w.stride[0] - 1;
@@ -718,9 +724,7 @@ fn max_pool_grad_by_taps<'c, 'b>(
         ];
         // The input element this tap reads for each output; an out-of-range coordinate may
         // alias another element's flat index, but the pad below crops that position away.
-        let row = e.add(&e.mul(&rows, &i64k(w.stride[0])?)?, &i64k(off[0])?)?;
-        let col = e.add(&e.mul(&cols, &i64k(w.stride[1])?)?, &i64k(off[1])?)?;
-        let flat = e.add(&e.mul(&row, &i64k(wd)?)?, &col)?;
+        let flat = e.add(&corner, &i64k(off[0] * wd + off[1])?)?;
         let hit = e.compare(indices, &flat, "EQ")?;
         let picked = e.select(&hit, g, &zero, g.dtype)?;
         let (mut lo, mut hi) = (vec![0; r], vec![0; r]);
