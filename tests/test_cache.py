@@ -192,6 +192,50 @@ def test_xla_flags_are_part_of_the_key(tmp_path):
     assert keys_of(again) == keys_of(flagged)
 
 
+_LARGE_TEMPORARIES = """
+import json, os, torch, tpuc
+torch.manual_seed(0)
+x, w = torch.randn(4096, 1024), torch.randn(1024, 1024) / 32
+def g(x, w):
+    a = x @ w
+    b = a.relu() @ w
+    return (a * b) @ w
+f = torch.compile(g, backend="tpu")
+torch.testing.assert_close(f(x, w), g(x, w), rtol=1e-4, atol=1e-4)
+s = tpuc.stats()
+print(json.dumps({"flags": os.environ.get("XLA_FLAGS"), "xla_compiles": s["xla_compiles"],
+                  "cache_hits_disk": s["cache_hits_disk"]}))
+"""
+
+
+def test_executable_with_large_temporaries_is_cached(tmp_path):
+    """An executable whose temporaries (two 16 MiB products alive at once) are above a heap's size still goes
+    to the disk cache, and tpuc leaves XLA_FLAGS alone. Splitting temporaries into heaps
+    (--xla_multiheap_size_constraint_per_heap, which tpuc once set by default) made XLA refuse
+    to serialize such executables: with it set, the warning says so."""
+    d = tmp_path / "cache"
+
+    def run(**env):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"TPUC_CACHE_DIR": str(d), **env}
+        p = subprocess.run(
+            [sys.executable, "-c", _LARGE_TEMPORARIES], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+    first, err = run()
+    assert first["flags"] is None
+    assert (first["xla_compiles"], first["cache_hits_disk"]) == (1, 0)
+    assert "could not write cache entry" not in err, err[-2000:]
+    assert len(entries(d)) == 1
+    second, _ = run()
+    assert (second["xla_compiles"], second["cache_hits_disk"]) == (0, 1)
+
+    split, err = run(XLA_FLAGS="--xla_multiheap_size_constraint_per_heap=31457280")
+    assert split["xla_compiles"] == 1
+    assert "could not write cache entry" in err and "remove the flag to cache it" in err, err[-2000:]
+
+
 def test_sixteen_concurrent_processes(tmp_path, zygote):
     """16 processes at once into one folder: 8 race on one key (mlp, batch 4), 8 write one key
     each (batches 5..12)."""

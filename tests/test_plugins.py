@@ -208,30 +208,3 @@ def test_every_xla_cpu_plugin_starts_and_matches_eager(name):
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "bytecode" in out.stdout, out.stdout
-
-
-_PRINT_FLAGS = """
-import os, torch, tpuc
-f = torch.compile(lambda x: x @ x + 1, backend="tpu")
-x = torch.randn(64, 64)
-torch.testing.assert_close(f(x), x @ x + 1)
-print(os.environ.get("XLA_FLAGS"))
-"""
-
-
-@pytest.mark.parametrize("given", [None, "--xla_multiheap_size_constraint_per_heap=-1"])
-def test_cpu_plugin_splits_temporaries_into_heaps_unless_told(given):
-    """The CPU plugin starts with XLA's temporaries split into heaps glibc can keep (see
-    runtime.CPU_HEAP_FLAG); a value the user put in XLA_FLAGS stays as given."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if given:
-        env["XLA_FLAGS"] = given
-    out = subprocess.run(
-        [sys.executable, "-c", _PRINT_FLAGS], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    flags = out.stdout.strip().splitlines()[-1]
-    if given:
-        assert flags == given
-    else:
-        assert flags == f"{runtime.CPU_HEAP_FLAG}={runtime.CPU_HEAP_BYTES}"

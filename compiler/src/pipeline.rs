@@ -515,7 +515,11 @@ impl Engine {
                 disk.put(key, &meta, &bytes).map_err(|e| e.to_string())
             });
         if let Err(e) = result {
-            tracing::warn!("could not write cache entry {}: {e}", key.hex());
+            tracing::warn!(
+                "could not write cache entry {}: {e}{}",
+                key.hex(),
+                serialize_hint(&e)
+            );
         }
     }
 
@@ -845,4 +849,18 @@ fn check_arity(sig: &Lowered, inputs: usize, outputs: usize) -> Result<(), Compi
         )));
     }
     Ok(())
+}
+
+/// What to do about a serialization failure whose cause is the user's XLA_FLAGS: XLA's CPU
+/// executables serialize only with one temporary allocation, and
+/// `--xla_multiheap_size_constraint_per_heap` splits temporaries above its size into several.
+fn serialize_hint(error: &str) -> &'static str {
+    let split = std::env::var("XLA_FLAGS")
+        .is_ok_and(|flags| flags.contains("xla_multiheap_size_constraint_per_heap"));
+    if split && error.contains("Multiple temp buffer allocations") {
+        " (XLA_FLAGS sets --xla_multiheap_size_constraint_per_heap, which splits this \
+         executable's temporaries; XLA serializes only unsplit ones: remove the flag to cache it)"
+    } else {
+        ""
+    }
 }

@@ -100,9 +100,7 @@ fn repeat_heads<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, h: i64) -> R<T<'c, '
 }
 
 /// Scores per query block: blocks of 4M f32 scores (16 MiB) measured as fast as 2-8M ones and
-/// 1.8x faster than one 4096x4096x8-head block (UNet's attention at 64x64 latents); they also stay
-/// under the heap size XLA's CPU temporaries are split into (runtime.py `CPU_HEAP_BYTES`, 30 MiB):
-/// a larger block is a buffer of its own, mapped and zeroed afresh on every call.
+/// 1.8x faster than one 4096x4096x8-head block (UNet's attention at 64x64 latents).
 const BLOCK_SCORES: i64 = 1 << 22;
 
 /// Query rows per block: all `l` when the whole score matrix fits [`BLOCK_SCORES`], else the
