@@ -9,7 +9,7 @@ import struct
 import threading
 from pathlib import Path
 
-from . import _native
+from . import _native, host_malloc
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, _native.Runtime] = {}
@@ -239,6 +239,9 @@ def get_runtime(
         if rt is None:
             check_hardware(path, family)
             check_plugin_file(path)
+            if family == "cpu":
+                # Before the client exists, so that XLA's threads start on the tuned heap.
+                host_malloc.tune_for_xla_cpu()
             try:
                 rt = _native.Runtime(str(path), options)
             except _native.PjrtError as e:

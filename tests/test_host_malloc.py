@@ -1,0 +1,70 @@
+"""tpuc tunes glibc's malloc for XLA's CPU executables (python/tpuc/host_malloc.py): a large block
+freed and taken again is not page-faulted in afresh, unless the user opted out or chose settings."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+
+# Starts the CPU plugin through torch.compile, then times page faults while a 64 MiB block is
+# taken, written, freed and taken again: glibc's default maps each one afresh (16k faults each).
+CHILD = r"""
+import ctypes, resource, torch, tpuc
+from tpuc import host_malloc
+f = torch.compile(lambda x: x * 2 + 1, backend="tpu")
+x = torch.randn(8)
+torch.testing.assert_close(f(x), x * 2 + 1)
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+n = 64 << 20
+p = libc.malloc(n); ctypes.memset(p, 1, n); libc.free(p)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    p = libc.malloc(n); ctypes.memset(p, 1, n); libc.free(p)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(host_malloc.tune_for_xla_cpu(), "|", faults)
+"""
+
+
+def _run(**env_changes) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.pop("TPUC_MALLOC", None)
+    env.update(env_changes)
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    state, faults = out.stdout.strip().splitlines()[-1].rsplit("|", 1)
+    return state.strip(), int(faults)
+
+
+def test_a_freed_large_block_is_reused_without_page_faults():
+    state, faults = _run()
+    assert state == "tuned"
+    assert faults < 1000, faults
+
+
+def test_tpuc_malloc_default_leaves_the_allocator_alone():
+    state, faults = _run(TPUC_MALLOC="default")
+    assert state == "left alone (TPUC_MALLOC=default)"
+    assert faults > 3 * 10_000, faults
+
+
+def test_the_users_own_malloc_settings_win():
+    state, faults = _run(MALLOC_ARENA_MAX="2")
+    assert state == "left alone (the environment sets MALLOC_ARENA_MAX)"
+    assert faults > 3 * 10_000, faults
+
+
+def test_a_wrong_tpuc_malloc_value_is_a_clear_error():
+    env = dict(os.environ, TPUC_MALLOC="jemalloc")
+    child = "import torch, tpuc\nprint(torch.compile(lambda x: x + 1, backend='tpu')(torch.ones(2)))"
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "TPUC_MALLOC must be 'tuned' or 'default', got 'jemalloc'" in out.stderr
