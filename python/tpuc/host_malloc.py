@@ -4,11 +4,12 @@ XLA's CPU executables take their temporaries (and outputs) from the C heap on ev
 serves each block of more than 32 MiB with a fresh `mmap` and returns it with `munmap`, and its
 per-thread arenas unmap whole heaps when they empty, so every call of a large graph page-faults
 its temporaries in again: 260-300k faults per ResNet-50 batch-8 training step, half of its time.
-One arena that keeps freed memory (what `MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
-MALLOC_TRIM_THRESHOLD_=1073741824` set at process start) takes that to no faults: GPT-2 124M
-training step 750-1200 -> 380-440 ms, ResNet-50 batch-8 training step 1440-2020 -> 920-940 ms
-(README "Real-size models"). Freed memory, up to 1 GiB at the top of the heap, stays with the
-process instead of going back to the system.
+One arena that keeps freed memory (what `MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0` and a
+`MALLOC_TRIM_THRESHOLD_` above the peak heap set at process start) takes that to no faults: GPT-2 124M training step
+750-1200 -> 380-440 ms, ResNet-50 batch-8 training step 1440-2020 -> 920-940 ms, the diffusion UNet
+step (1 GiB of attention temporaries) 740 -> 370 ms (README "Real-size models"). The process keeps
+its peak heap instead of returning freed memory to the system (a bound, such as 1 GiB, was measured
+to bring every fault back as soon as one graph's temporaries exceed it).
 
 The settings are process-wide, so tpuc leaves them alone when the user chose any (`MALLOC_*` or
 `GLIBC_TUNABLES` in the environment) or set `TPUC_MALLOC=default`, and off glibc.
@@ -28,7 +29,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 
-KEEP_FREED_BYTES = 1 << 30
+# mallopt(3): a trim threshold of -1 disables trimming.
+NEVER_TRIM = -1
 
 _USER_SETTINGS = (
     "GLIBC_TUNABLES",
@@ -68,7 +70,7 @@ def _tune() -> str:
     for param, value in (
         (_M_ARENA_MAX, 1),
         (_M_MMAP_MAX, 0),
-        (_M_TRIM_THRESHOLD, KEEP_FREED_BYTES),
+        (_M_TRIM_THRESHOLD, NEVER_TRIM),
     ):
         if libc.mallopt(param, value) != 1:
             return f"left partly tuned (mallopt({param}, {value}) failed)"
