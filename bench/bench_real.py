@@ -163,15 +163,25 @@ def _max_rel_err(torch, got, want) -> float:
     return (got.float() - want.float()).abs().max().item() / scale
 
 
-def _interleave(fns: dict, call, iters: int) -> dict:
+def _interleave(fns: dict, call, iters: int, out: dict) -> dict:
+    """Each backend's call times; its page faults per call go to out[b]["faults_per_call"]
+    (a large graph whose temporaries the C heap maps afresh every call spends much of its time
+    in them, and in one process the backends change each other's heap)."""
+    import resource
+
     samples = {b: [] for b in fns}
+    faults = dict.fromkeys(fns, 0)
     order = list(fns)
     for i in range(iters):
         k = i % len(order)
         for b in order[k:] + order[:k]:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             call(fns[b])
             samples[b].append(time.perf_counter() - t0)
+            faults[b] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    for b in fns:
+        out[b]["faults_per_call"] = faults[b] // max(iters, 1)
     return samples
 
 
@@ -191,7 +201,9 @@ def run_infer(torch, model, inputs, pick, plugin, iters, backends, timed) -> dic
                 fns[b] = fn
             except Exception as e:  # recorded: the row says what failed
                 out[b]["error"] = _error(e)
-        samples = _interleave({b: f for b, f in fns.items() if b in timed}, lambda fn: fn(*inputs), iters)
+        samples = _interleave(
+            {b: f for b, f in fns.items() if b in timed}, lambda fn: fn(*inputs), iters, out
+        )
     for b, times in samples.items():
         out[b]["median_ms"] = statistics.median(times) * 1e3
         out[b]["min_ms"] = min(times) * 1e3
@@ -232,7 +244,7 @@ def run_train(torch, model, inputs, pick, plugin, iters, backends, timed) -> dic
             out[b]["error"] = _error(e)
     for b, loss in losses.items():
         out[b]["max_rel_err"] = abs(loss.item() - losses["eager"].item()) / abs(losses["eager"].item())
-    samples = _interleave({b: f for b, f in steps.items() if b in timed}, lambda step: step(), iters)
+    samples = _interleave({b: f for b, f in steps.items() if b in timed}, lambda step: step(), iters, out)
     for b, times in samples.items():
         out[b]["median_ms"] = statistics.median(times) * 1e3
         out[b]["min_ms"] = min(times) * 1e3
@@ -273,7 +285,7 @@ def run_generate(torch, model, inputs, pick, plugin, iters, backends, timed, new
         for b, t in tokens.items():
             out[b]["tokens_identical"] = bool(torch.equal(t, tokens["eager"]))
             out[b]["max_rel_err"] = 0.0 if out[b]["tokens_identical"] else 1.0
-        samples = _interleave({b: f for b, f in fns.items() if b in timed}, generate, iters)
+        samples = _interleave({b: f for b, f in fns.items() if b in timed}, generate, iters, out)
     for b, times in samples.items():
         out[b]["median_ms"] = statistics.median(times) * 1e3
         out[b]["min_ms"] = min(times) * 1e3
@@ -355,6 +367,7 @@ def _run_separately(case: str, args, cache: Path) -> dict:
                 if key in timed[0]:
                     entry[key] = statistics.median(x[key] for x in timed)
             entry["min_ms"] = min(x["min_ms"] for x in timed)
+            entry["faults_per_call"] = statistics.median(x.get("faults_per_call", 0) for x in timed)
             entry["round_medians_ms"] = [x["median_ms"] for x in timed]
         result[b] = entry
     return result
@@ -368,6 +381,12 @@ def _geomean(xs):
 def _ratio(r: dict, a: str, b: str):
     x, y = r.get(a, {}).get("median_ms"), r.get(b, {}).get("median_ms")
     return x / y if x and y else None
+
+
+def _count(n) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 1000:.0f}k" if n >= 10_000 else f"{n:.0f}"
 
 
 def markdown(report: dict) -> str:
@@ -386,8 +405,9 @@ def markdown(report: dict) -> str:
         + f". Command: `{info['command']}`.",
         "",
         "| case | params | eager ms | Inductor ms | tpuc ms | tpuc/Inductor | tpuc/eager | "
-        "first call s (eager / Inductor / tpuc) | tpuc error |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "first call s (eager / Inductor / tpuc) | page faults per call (eager / Inductor / tpuc) | "
+        "tpuc error |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
 
     def ms(r, b):
@@ -400,6 +420,7 @@ def markdown(report: dict) -> str:
         if ti:
             groups[r.get("kind", "infer")].append(ti)
         first = " / ".join(f"{r.get(b, {}).get('first_call_s', float('nan')):.1f}" for b in BACKENDS)
+        faults = " / ".join(_count(r.get(b, {}).get("faults_per_call")) for b in BACKENDS)
         err = r.get("tpuc", {}).get("max_rel_err")
         if r.get("kind") == "generate":
             tps = [r.get(b, {}).get("tokens_per_s") for b in BACKENDS]
@@ -411,7 +432,7 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {case} | {r.get('params_m', 0):.0f}M | {ms(r, 'eager')} | {ms(r, 'inductor')} | "
             f"{ms(r, 'tpuc')}{extra} | {f'{ti:.2f}x' if ti else '-'} | {f'{te:.2f}x' if te else '-'} | "
-            f"{first} | {err_text} |"
+            f"{first} | {faults} | {err_text} |"
         )
     lines.append("")
     for kind, ratios in groups.items():

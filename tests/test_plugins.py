@@ -34,6 +34,7 @@ def test_plugin_family_from_the_file_name(name, family):
 
 def test_each_family_gets_only_its_own_create_options():
     assert runtime.create_options("cpu", 2) == {"cpu_device_count": 2}
+    assert runtime.create_options("cpu", 1) == {"cpu_device_count": 1, "asynchronous": False}
     assert runtime.create_options("cuda", 2) == {"preallocate": False}
     assert runtime.create_options("rocm", 2) == {"preallocate": False}
     assert runtime.create_options("tpu", 2) == {}

@@ -26,11 +26,14 @@ _log = logging.getLogger("tpuc")
 
 # mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 
 # mallopt(3): a trim threshold of -1 disables trimming.
 NEVER_TRIM = -1
+# glibc's per-thread heaps are at most 64 MiB; a top pad that large keeps emptied ones.
+THREAD_HEAP_BYTES = 64 << 20
 
 _USER_SETTINGS = (
     "GLIBC_TUNABLES",
@@ -71,6 +74,7 @@ def _tune() -> str:
         (_M_ARENA_MAX, 1),
         (_M_MMAP_MAX, 0),
         (_M_TRIM_THRESHOLD, NEVER_TRIM),
+        (_M_TOP_PAD, THREAD_HEAP_BYTES),
     ):
         if libc.mallopt(param, value) != 1:
             return f"left partly tuned (mallopt({param}, {value}) failed)"

@@ -155,12 +155,18 @@ def check_hardware(path: Path, family: str) -> None:
 
 def create_options(family: str, devices: int | None, overrides: dict | None = None) -> dict:
     """`PJRT_Client_Create` options for a plugin family: only names the family's plugin accepts
-    (each plugin rejects the others). CPU: its device count. CUDA/ROCm: no preallocation (torch's
-    allocator shares the GPU). TPU and unknown plugins: none. `overrides` (option
-    'plugin_options') are added last, as given."""
+    (each plugin rejects the others). CPU: its device count, and synchronous calls when it is one.
+    CUDA/ROCm: no preallocation (torch's allocator shares the GPU). TPU and unknown plugins: none.
+    `overrides` (option 'plugin_options') are added last, as given."""
     options: dict = {}
     if family == "cpu" and devices is not None:
         options["cpu_device_count"] = devices
+    if family == "cpu" and devices in (None, 1):
+        # Run each call on the calling thread, not handed to XLA's pool: its temporaries then
+        # come from the caller's malloc arena (host_malloc keeps that one's memory), where a pool
+        # thread may have inherited another arena, whose blocks over 64 MiB glibc maps afresh
+        # every call. Several devices keep the pool: their partitions must run concurrently.
+        options["asynchronous"] = False
     elif family in ("cuda", "rocm"):
         options["preallocate"] = False
     options.update(overrides or {})
