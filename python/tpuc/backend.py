@@ -878,25 +878,30 @@ def _compile_or_fallback(
         return None
 
 
-def _hoist_linalg_checks(gm: torch.fx.GraphModule) -> list[tuple]:
-    """Takes the effectful `_linalg_check_errors` calls (`with_effects` nodes: linalg.inv,
-    solve, cholesky ... raising on singular or non-positive-definite input) out of `gm`: each
-    one's `info` tensor becomes an extra graph output and its token passes through unchanged.
-    Returns the checks' (args, kwargs) after `info`, in output order, for `_Checked` to run on
-    the host after each call, so errors are raised exactly as PyTorch raises them."""
+def _hoist_checks(gm: torch.fx.GraphModule) -> list[tuple]:
+    """Takes the graph's runtime checks out of `gm`, to run on the host after each call, so
+    errors are raised exactly as PyTorch raises them:
+    - the effectful `_linalg_check_errors` calls (`with_effects` nodes: linalg.inv, solve,
+      cholesky ... raising on singular or non-positive-definite input): each one's `info`
+      tensor becomes an extra graph output and its token passes through unchanged;
+    - `_assert_async` (`torch._assert_async(cond, msg)`, which diffusers' models call on
+      data-dependent conditions; XLA has no way to raise): its condition becomes an extra
+      graph output.
+    Returns one (check function, args after the tensor, kwargs) per extra output, in output
+    order, for `_Checked`."""
     check = torch.ops.aten._linalg_check_errors.default
-    nodes = [
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and n.target is torch.ops.higher_order.with_effects
-        and len(n.args) >= 3
-        and n.args[1] is check
-    ]
-    if not nodes:
-        return []
-    checks, infos = [], []
-    for n in nodes:
+    asserts = (torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg)
+    checks, tensors = [], []
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target in asserts and not n.users:
+            checks.append((torch._assert_async, tuple(n.args[1:]), dict(n.kwargs)))
+            tensors.append(n.args[0])
+            gm.graph.erase_node(n)
+            continue
+        if not (n.target is torch.ops.higher_order.with_effects and len(n.args) >= 3 and n.args[1] is check):
+            continue
         token, info, rest = n.args[0], n.args[2], n.args[3:]
         for user in list(n.users):
             if user.op == "call_function" and user.target.__name__ == "getitem" and user.args[1] == 0:
@@ -905,19 +910,21 @@ def _hoist_linalg_checks(gm: torch.fx.GraphModule) -> list[tuple]:
         if n.users:
             raise _native.TpucError(f"unexpected use of the result of `{n.name}` ({check})")
         gm.graph.erase_node(n)
-        checks.append((tuple(rest), dict(n.kwargs)))
-        infos.append(info)
+        checks.append((torch._linalg_check_errors, tuple(rest), dict(n.kwargs)))
+        tensors.append(info)
+    if not checks:
+        return []
     out = next(n for n in gm.graph.nodes if n.op == "output")
     outs = out.args[0]
-    out.args = ((*outs, *infos),) if isinstance(outs, list | tuple) else ((outs, *infos),)
+    out.args = ((*outs, *tensors),) if isinstance(outs, list | tuple) else ((outs, *tensors),)
     gm.graph.lint()
     gm.recompile()
     return checks
 
 
 class _Checked:
-    """Runs a compiled graph whose `_linalg_check_errors` calls were hoisted out, then the
-    checks on the returned `info` tensors (raising PyTorch's own errors)."""
+    """Runs a compiled graph whose checks (`_linalg_check_errors`, `_assert_async`) were
+    hoisted out, then the checks on the returned tensors (raising PyTorch's own errors)."""
 
     _boxed_call = True
 
@@ -932,8 +939,8 @@ class _Checked:
             args = [token if a is None else a for a in args]
         outs = list(self.inner(args))
         k = len(self.checks)
-        for info, (rest, kwargs) in zip(outs[len(outs) - k :], self.checks, strict=True):
-            torch._linalg_check_errors(info, *rest, **kwargs)
+        for t, (fn, rest, kwargs) in zip(outs[len(outs) - k :], self.checks, strict=True):
+            fn(t, *rest, **kwargs)
         return outs[: len(outs) - k]
 
 
@@ -949,7 +956,7 @@ def compile_graph(
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set."""
-    checks = _hoist_linalg_checks(gm)
+    checks = _hoist_checks(gm)
     _rebase_storage_ops(gm)
     n_ties = 0
     tie_nodes = ties.checked_nodes(gm)
