@@ -144,6 +144,63 @@ for _op in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.d
     _BUCKET_DECOMPOSITIONS[_op] = _index_put_by_select
 
 
+def _index_put_by_mask(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
+    """`index_put` whose one index is a boolean mask (`x[mask] = values`, `x[:, mask] += v`), in
+    ops with static shapes: each True position's rank among the True positions (a cumulative
+    sum) picks its value, `where` writes it. The values' count along the mask's dim must equal
+    the number of True elements, which only the data knows: a `_assert_async` checks it (tpuc
+    checks it on the host after the call), so a mismatch raises instead of writing clamped or
+    unused values. A mask followed by other indices keeps the op."""
+    live = [i for i, t in enumerate(indices) if t is not None]
+    if len(live) != 1 or indices[live[0]].dtype != torch.bool:
+        return NotImplemented
+    k = live[0]
+    mask = indices[k]
+    r = mask.dim()
+    if tuple(mask.shape) != tuple(target.shape[k : k + r]):
+        return NotImplemented
+    rest = list(target.shape[k + r :])
+    result = [*target.shape[:k], -1, *rest]  # the indexing result's shape, N = the True count
+    if values.dim() > len(result):
+        return NotImplemented
+    vshape = [1] * (len(result) - values.dim()) + list(values.shape)
+    n = vshape[k]
+    flat = mask.reshape(-1)
+    m = flat.shape[0]
+    if n == 1:  # one value broadcast to every True position
+        picked = values.reshape(vshape).expand([*target.shape[:k], 1, *rest]).expand(
+            [*target.shape[:k], m, *rest]
+        )
+    else:
+        torch._assert_async(
+            flat.sum() == n,
+            f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+            f"the indexing result (the boolean mask's number of True elements is not {n})",
+        )
+        rank = (torch.cumsum(flat.to(torch.int64), 0) - 1).clamp(0, n - 1)
+        full = values.reshape(vshape).expand([*target.shape[:k], n, *rest])
+        picked = full.index_select(k, rank)
+    picked = picked.reshape(target.shape).to(target.dtype)
+    where = mask.reshape([1] * k + list(mask.shape) + [1] * len(rest))
+    if accumulate:
+        return target + torch.where(where, picked, torch.zeros((), dtype=target.dtype))
+    return torch.where(where, picked, target)
+
+
+def _index_put(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
+    return _index_put_by_mask(target, indices, values, accumulate)
+
+
+def _bucket_index_put(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
+    out = _index_put_by_mask(target, indices, values, accumulate)
+    return out if out is not NotImplemented else _index_put_by_select(target, indices, values, accumulate)
+
+
+for _op in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default):
+    _DECOMPOSITIONS[_op] = _index_put
+    _BUCKET_DECOMPOSITIONS[_op] = _bucket_index_put
+
+
 def _decompositions(bucketed: bool) -> dict:
     """The decomposition table, plus transformers' opaque MoE expert product
     (`transformers::grouped_mm_fallback`: a Python loop over the groups with a host sync, which
