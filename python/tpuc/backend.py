@@ -705,7 +705,7 @@ _COMPLEX_OPS = frozenset(
         # frequencies are repeated, gathered and copied, QwenImage's split;
         # tests/test_sweep_diffusers.py).
         "repeat.default gather.default full.default copy.default split_with_sizes.default "
-        "split.Tensor"
+        "split.Tensor index.Tensor index_select.default"
     ).split()
 )
 
