@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_runner  # noqa: E402
+from sweep_diffusers_configs import TESTED  # noqa: E402
 
 STEPS = 3
 RTOL = 1e-4
@@ -462,12 +463,79 @@ class Case:
     cond_names: list
     cond: list
     fixed: dict
+    x_in_list: bool = False  # the model takes x as a one-element list
+
+
+_SPECS = ("randn", "full", "tensor", "list")
+
+
+def _is_spec(v) -> bool:
+    return isinstance(v, tuple) and len(v) >= 2 and v[0] in _SPECS
+
+
+def _make(spec):
+    """The value of a `TESTED` input spec (module docstring of sweep_diffusers_configs)."""
+    if _is_spec(spec):
+        kind = spec[0]
+        if kind == "randn":
+            return torch.randn(spec[1])
+        if kind == "full":
+            return torch.full(spec[1], spec[2], dtype=getattr(torch, spec[3]))
+        if kind == "tensor":
+            return torch.tensor(spec[1], dtype=getattr(torch, spec[2]))
+        return [_make(s) for s in spec[1]]
+    if isinstance(spec, dict):
+        return {k: _make(v) for k, v in spec.items()}
+    return spec
+
+
+def _t_max(spec) -> float:
+    if spec[0] == "full":
+        return abs(float(spec[2]))
+    if spec[0] == "tensor":
+        return max(abs(float(v)) for v in torch.tensor(spec[1]).flatten().tolist())
+    return 1.0  # randn
+
+
+def build_tested(name: str) -> Case:
+    """A class from `TESTED`: its tiny config and one call's inputs; x is the sample input (the
+    first known name), t the timestep (stepped over the test's scale: [0, 1] where the test's
+    timestep is at most 1, else 1000), tensors (and lists of them) are conditioning, the rest is
+    passed as is."""
+    import diffusers
+
+    cls = getattr(diffusers, name)
+    entry = TESTED[name]
+    torch.manual_seed(0)
+    model = cls(**entry["config"]).eval()
+    inputs = dict(entry["inputs"])
+    x_name = next((n for n in _X_NAMES if n in inputs), next(iter(inputs)))
+    x_spec = inputs.pop(x_name)
+    x_in_list = x_spec[0] == "list"
+    x = _make(x_spec[1][0] if x_in_list else x_spec)
+    t_name = next((n for n in _T_NAMES if n in inputs and _is_spec(inputs[n])), None)
+    t_values = [None] * STEPS
+    if t_name is not None:
+        t_spec = inputs.pop(t_name)
+        shape = t_spec[1] if t_spec[0] != "tensor" else tuple(torch.tensor(t_spec[1]).shape)
+        scale = 1.0 if _t_max(t_spec) <= 1.0 else 1000.0
+        t_values = [torch.full(shape, scale * (0.9 - 0.3 * i)) for i in range(STEPS)]
+    names, values, fixed = [], [], {}
+    for k, v in inputs.items():
+        if _is_spec(v):
+            names.append(k)
+            values.append(_make(v))
+        else:
+            fixed[k] = _make(v)
+    return Case(model, x_name, x, t_name, t_values, names, values, fixed, x_in_list)
 
 
 def build(name: str) -> Case:
     import diffusers
     import torch
 
+    if name in TESTED and name not in RECIPES:
+        return build_tested(name)
     cls = getattr(diffusers, name)
     r = RECIPES.get(name, Recipe())
     config = (shrink(cls) if r.shrink else {}) | r.config
@@ -510,11 +578,12 @@ class Step(torch.nn.Module):
         self.model = case.model
         self.case_names = (case.x_name, case.t_name, tuple(case.cond_names))
         self.fixed = case.fixed
+        self.x_in_list = case.x_in_list
         self.return_dict = "return_dict" in inspect.signature(case.model.forward).parameters
 
     def forward(self, x, t, *cond):
         x_name, t_name, cond_names = self.case_names
-        kw = {x_name: x, **dict(zip(cond_names, cond, strict=True)), **self.fixed}
+        kw = {x_name: [x] if self.x_in_list else x, **dict(zip(cond_names, cond, strict=True)), **self.fixed}
         if t_name is not None:
             kw[t_name] = t
         if self.return_dict:

@@ -401,6 +401,25 @@ def test_antialiased_bilinear_resize():
     check(f, x, rtol=1e-5, atol=1e-5)
 
 
+def test_antialiased_bicubic_resize():
+    """`_upsample_bicubic2d_aa`: Keys' cubic filter (a = -0.5, support 2 x the scale when
+    downsampling), taps normalized to sum 1, as PyTorch's separable CPU kernel."""
+    x = torch.randn(2, 3, 10, 20, generator=torch.Generator().manual_seed(12))
+    op = torch.ops.aten._upsample_bicubic2d_aa.default
+
+    def f(x):
+        return (
+            op(x, [3, 3], False),
+            op(x, [17, 34], False),
+            op(x, [4, 7], True),
+            op(x, [17, 18], False, 1.7, 0.9),
+            torch.nn.functional.interpolate(x, size=(5, 6), mode="bicubic", antialias=True),
+            torch.nn.functional.interpolate(x, scale_factor=0.5, mode="bicubic", antialias=True),
+        )
+
+    check(f, x, rtol=1e-5, atol=1e-5)
+
+
 def test_histogram_and_histogramdd():
     g = torch.Generator().manual_seed(12)
     x = torch.randn(50, generator=g) * 3

@@ -218,6 +218,49 @@ def test_scatter_reduce_and_index_reduce_modes(include_self):
     check(f, x, src, idx, index, fallback="error")
 
 
+def test_index_put_with_boolean_mask():
+    """`x[mask] = values` with one value per True element (leading and inner masks, accumulate,
+    one broadcast value): each True position's rank picks its value, in static shapes."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 5, 3, generator=g)
+    m2 = torch.randn(4, 5, generator=g) > 0
+    m1 = torch.tensor([True, False, True, True, False])
+    v2 = torch.randn(int(m2.sum()), 3, generator=g)
+    v1 = torch.randn(4, 3, 3, generator=g)
+
+    def f(x, m2, m1, v2, v1):
+        op = torch.ops.aten.index_put.default
+        y = x.clone()
+        y[m2] = v2
+        return (
+            y,
+            op(x, [m2], v2, True),
+            op(x, [None, m1], v1),
+            op(x, [None, m1], v1, True),
+            op(x, [m2], torch.tensor([2.5])),
+        )
+
+    check(f, x, m2, m1, v2, v1, fallback="error")
+
+
+def test_index_put_with_boolean_mask_checks_the_value_count():
+    """A value count other than the mask's True count raises, as in eager, instead of writing
+    clamped or unused values (the count is checked on the host after the call)."""
+
+    def f(x, m, v):
+        return torch.ops.aten.index_put.default(x, [m], v)
+
+    x = torch.randn(6)
+    m = torch.tensor([True, False, True, True, False, False])
+    fn = torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})
+    torch.testing.assert_close(fn(x, m, torch.ones(3)), f(x, m, torch.ones(3)))
+    for wrong in (torch.tensor([True, True, True, True, False, False]), torch.tensor([True] + [False] * 5)):
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            f(x, wrong, torch.ones(3))
+        with pytest.raises(RuntimeError, match="shape mismatch"):
+            fn(x, wrong, torch.ones(3))
+
+
 def test_pooling_variants_and_transposed_convolution():
     x = torch.randn(2, 4, 7, 9)
     w = torch.randn(4, 3, 3, 2)

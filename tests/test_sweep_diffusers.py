@@ -35,15 +35,25 @@ def test_denoising_steps_match_eager(name):
 
 
 def test_complex_data_movement_compiles():
-    """`repeat`, `gather`, `full`, `copy` and `split` of complex tensors (Lumina2's and
-    QwenImage's rotary frequencies) are lowered, not sent back to PyTorch."""
+    """`repeat`, `gather`, `full`, `copy`, `split`, `index` and `index_select` of complex
+    tensors (Lumina2's, QwenImage's and HunyuanVideo 1.5's rotary frequencies) are lowered, not
+    sent back to PyTorch."""
 
     def f(z, idx, dst):
         r = z.repeat(2, 1, 3)
         g = torch.gather(r, 1, idx)
         filled = torch.full((2, 3), 2.0, dtype=torch.complex64)
         a, b = torch.split(z, [1, 3], dim=1)
-        return g * 2, filled + z[0, :2, :3], dst.copy_(z[:, :1, :1]), a * 2, b + 1
+        rows = idx[0, :, 0] % 4
+        return (
+            g * 2,
+            filled + z[0, :2, :3],
+            dst.copy_(z[:, :1, :1]),
+            a * 2,
+            b + 1,
+            z[:, rows] * 2,
+            z.index_select(1, rows) + 1,
+        )
 
     gen = torch.Generator().manual_seed(5)
     z = torch.complex(torch.randn(2, 4, 3, generator=gen), torch.randn(2, 4, 3, generator=gen))

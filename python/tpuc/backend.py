@@ -144,6 +144,63 @@ for _op in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.d
     _BUCKET_DECOMPOSITIONS[_op] = _index_put_by_select
 
 
+def _index_put_by_mask(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
+    """`index_put` whose one index is a boolean mask (`x[mask] = values`, `x[:, mask] += v`), in
+    ops with static shapes: each True position's rank among the True positions (a cumulative
+    sum) picks its value, `where` writes it. The values' count along the mask's dim must equal
+    the number of True elements, which only the data knows: a `_assert_async` checks it (tpuc
+    checks it on the host after the call), so a mismatch raises instead of writing clamped or
+    unused values. A mask followed by other indices keeps the op."""
+    live = [i for i, t in enumerate(indices) if t is not None]
+    if len(live) != 1 or indices[live[0]].dtype != torch.bool:
+        return NotImplemented
+    k = live[0]
+    mask = indices[k]
+    r = mask.dim()
+    if tuple(mask.shape) != tuple(target.shape[k : k + r]):
+        return NotImplemented
+    rest = list(target.shape[k + r :])
+    result = [*target.shape[:k], -1, *rest]  # the indexing result's shape, N = the True count
+    if values.dim() > len(result):
+        return NotImplemented
+    vshape = [1] * (len(result) - values.dim()) + list(values.shape)
+    n = vshape[k]
+    flat = mask.reshape(-1)
+    m = flat.shape[0]
+    if n == 1:  # one value broadcast to every True position
+        picked = values.reshape(vshape).expand([*target.shape[:k], 1, *rest]).expand(
+            [*target.shape[:k], m, *rest]
+        )
+    else:
+        torch._assert_async(
+            flat.sum() == n,
+            f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+            f"the indexing result (the boolean mask's number of True elements is not {n})",
+        )
+        rank = (torch.cumsum(flat.to(torch.int64), 0) - 1).clamp(0, n - 1)
+        full = values.reshape(vshape).expand([*target.shape[:k], n, *rest])
+        picked = full.index_select(k, rank)
+    picked = picked.reshape(target.shape).to(target.dtype)
+    where = mask.reshape([1] * k + list(mask.shape) + [1] * len(rest))
+    if accumulate:
+        return target + torch.where(where, picked, torch.zeros((), dtype=target.dtype))
+    return torch.where(where, picked, target)
+
+
+def _index_put(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
+    return _index_put_by_mask(target, indices, values, accumulate)
+
+
+def _bucket_index_put(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
+    out = _index_put_by_mask(target, indices, values, accumulate)
+    return out if out is not NotImplemented else _index_put_by_select(target, indices, values, accumulate)
+
+
+for _op in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.default):
+    _DECOMPOSITIONS[_op] = _index_put
+    _BUCKET_DECOMPOSITIONS[_op] = _bucket_index_put
+
+
 def _decompositions(bucketed: bool) -> dict:
     """The decomposition table, plus transformers' opaque MoE expert product
     (`transformers::grouped_mm_fallback`: a Python loop over the groups with a host sync, which
@@ -648,7 +705,7 @@ _COMPLEX_OPS = frozenset(
         # frequencies are repeated, gathered and copied, QwenImage's split;
         # tests/test_sweep_diffusers.py).
         "repeat.default gather.default full.default copy.default split_with_sizes.default "
-        "split.Tensor"
+        "split.Tensor index.Tensor index_select.default"
     ).split()
 )
 
@@ -878,25 +935,30 @@ def _compile_or_fallback(
         return None
 
 
-def _hoist_linalg_checks(gm: torch.fx.GraphModule) -> list[tuple]:
-    """Takes the effectful `_linalg_check_errors` calls (`with_effects` nodes: linalg.inv,
-    solve, cholesky ... raising on singular or non-positive-definite input) out of `gm`: each
-    one's `info` tensor becomes an extra graph output and its token passes through unchanged.
-    Returns the checks' (args, kwargs) after `info`, in output order, for `_Checked` to run on
-    the host after each call, so errors are raised exactly as PyTorch raises them."""
+def _hoist_checks(gm: torch.fx.GraphModule) -> list[tuple]:
+    """Takes the graph's runtime checks out of `gm`, to run on the host after each call, so
+    errors are raised exactly as PyTorch raises them:
+    - the effectful `_linalg_check_errors` calls (`with_effects` nodes: linalg.inv, solve,
+      cholesky ... raising on singular or non-positive-definite input): each one's `info`
+      tensor becomes an extra graph output and its token passes through unchanged;
+    - `_assert_async` (`torch._assert_async(cond, msg)`, which diffusers' models call on
+      data-dependent conditions; XLA has no way to raise): its condition becomes an extra
+      graph output.
+    Returns one (check function, args after the tensor, kwargs) per extra output, in output
+    order, for `_Checked`."""
     check = torch.ops.aten._linalg_check_errors.default
-    nodes = [
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and n.target is torch.ops.higher_order.with_effects
-        and len(n.args) >= 3
-        and n.args[1] is check
-    ]
-    if not nodes:
-        return []
-    checks, infos = [], []
-    for n in nodes:
+    asserts = (torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg)
+    checks, tensors = [], []
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target in asserts and not n.users:
+            checks.append((torch._assert_async, tuple(n.args[1:]), dict(n.kwargs)))
+            tensors.append(n.args[0])
+            gm.graph.erase_node(n)
+            continue
+        if not (n.target is torch.ops.higher_order.with_effects and len(n.args) >= 3 and n.args[1] is check):
+            continue
         token, info, rest = n.args[0], n.args[2], n.args[3:]
         for user in list(n.users):
             if user.op == "call_function" and user.target.__name__ == "getitem" and user.args[1] == 0:
@@ -905,19 +967,21 @@ def _hoist_linalg_checks(gm: torch.fx.GraphModule) -> list[tuple]:
         if n.users:
             raise _native.TpucError(f"unexpected use of the result of `{n.name}` ({check})")
         gm.graph.erase_node(n)
-        checks.append((tuple(rest), dict(n.kwargs)))
-        infos.append(info)
+        checks.append((torch._linalg_check_errors, tuple(rest), dict(n.kwargs)))
+        tensors.append(info)
+    if not checks:
+        return []
     out = next(n for n in gm.graph.nodes if n.op == "output")
     outs = out.args[0]
-    out.args = ((*outs, *infos),) if isinstance(outs, list | tuple) else ((outs, *infos),)
+    out.args = ((*outs, *tensors),) if isinstance(outs, list | tuple) else ((outs, *tensors),)
     gm.graph.lint()
     gm.recompile()
     return checks
 
 
 class _Checked:
-    """Runs a compiled graph whose `_linalg_check_errors` calls were hoisted out, then the
-    checks on the returned `info` tensors (raising PyTorch's own errors)."""
+    """Runs a compiled graph whose checks (`_linalg_check_errors`, `_assert_async`) were
+    hoisted out, then the checks on the returned tensors (raising PyTorch's own errors)."""
 
     _boxed_call = True
 
@@ -932,8 +996,8 @@ class _Checked:
             args = [token if a is None else a for a in args]
         outs = list(self.inner(args))
         k = len(self.checks)
-        for info, (rest, kwargs) in zip(outs[len(outs) - k :], self.checks, strict=True):
-            torch._linalg_check_errors(info, *rest, **kwargs)
+        for t, (fn, rest, kwargs) in zip(outs[len(outs) - k :], self.checks, strict=True):
+            fn(t, *rest, **kwargs)
         return outs[: len(outs) - k]
 
 
@@ -949,7 +1013,7 @@ def compile_graph(
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set."""
-    checks = _hoist_linalg_checks(gm)
+    checks = _hoist_checks(gm)
     _rebase_storage_ops(gm)
     n_ties = 0
     tie_nodes = ties.checked_nodes(gm)

@@ -16,6 +16,7 @@ pub static RULES: &[(&str, Rule)] = &[
         "aten._upsample_bilinear2d_aa.default",
         upsample_bilinear2d_aa,
     ),
+    ("aten._upsample_bicubic2d_aa.default", upsample_bicubic2d_aa),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -329,10 +330,52 @@ fn area_scale(align: bool, input: i64, output: i64, scale: Option<f64>) -> f32 {
     }
 }
 
-/// The taps (input index, weight) of each output position of antialiased linear resampling:
-/// PyTorch's `_compute_indices_min_size_weights_aa` with the triangle filter.
-fn aa_taps(input: i64, output: i64, scale: f32) -> Vec<Vec<(i64, f32)>> {
-    let support: f32 = if scale >= 1.0 { scale } else { 1.0 };
+/// The filters of antialiased resampling (PyTorch's `UpSampleKernel.cpp`): linear (the triangle,
+/// support 1) and cubic (Keys' cubic convolution with a = -0.5, support 2).
+#[derive(Clone, Copy)]
+enum AaFilter {
+    Linear,
+    Cubic,
+}
+
+impl AaFilter {
+    /// Half the filter's width in input pixels at scale 1 (`interp_size / 2`).
+    fn half_size(self) -> f32 {
+        match self {
+            AaFilter::Linear => 1.0,
+            AaFilter::Cubic => 2.0,
+        }
+    }
+
+    fn weight(self, x: f32) -> f32 {
+        let x = x.abs();
+        match self {
+            AaFilter::Linear => {
+                if x < 1.0 {
+                    1.0 - x
+                } else {
+                    0.0
+                }
+            }
+            AaFilter::Cubic => {
+                const A: f32 = -0.5;
+                if x < 1.0 {
+                    ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+                } else if x < 2.0 {
+                    ((A * x - 5.0 * A) * x + 8.0 * A) * x - 4.0 * A
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
+/// The taps (input index, weight) of each output position of antialiased resampling:
+/// PyTorch's `_compute_indices_min_size_weights_aa` with `filter`.
+fn aa_taps(input: i64, output: i64, scale: f32, filter: AaFilter) -> Vec<Vec<(i64, f32)>> {
+    let half = filter.half_size();
+    let support: f32 = if scale >= 1.0 { half * scale } else { half };
     let invscale: f32 = if scale >= 1.0 { 1.0 / scale } else { 1.0 };
     (0..output)
         .map(|i| {
@@ -342,8 +385,7 @@ fn aa_taps(input: i64, output: i64, scale: f32) -> Vec<Vec<(i64, f32)>> {
             let mut taps: Vec<(i64, f32)> = (0..xsize.max(0))
                 .map(|j| {
                     let x = ((j + xmin) as f32 - center + 0.5) * invscale;
-                    let x = x.abs();
-                    (xmin + j, if x < 1.0 { 1.0 - x } else { 0.0 })
+                    (xmin + j, filter.weight(x))
                 })
                 .collect();
             let total: f32 = taps.iter().map(|t| t.1).sum();
@@ -425,6 +467,16 @@ fn resample_dim<'c, 'b>(
 
 /// `_upsample_bilinear2d_aa`: antialiased bilinear resizing, width first, then height.
 fn upsample_bilinear2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    upsample_2d_aa(cx, AaFilter::Linear)
+}
+
+/// `_upsample_bicubic2d_aa` (`F.interpolate(mode="bicubic", antialias=True)`): the same
+/// separable resampling with the cubic filter.
+fn upsample_bicubic2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    upsample_2d_aa(cx, AaFilter::Cubic)
+}
+
+fn upsample_2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, filter: AaFilter) -> V<'c, 'b> {
     let e = cx.e;
     let x = cx.tensor(0, "self")?;
     let size = cx.ints(1, "output_size")?;
@@ -447,8 +499,8 @@ fn upsample_bilinear2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let d = crate::lower::ops::reduce::acc_dtype(out_dtype);
     let xd = e.convert(&x, d)?;
     let (h, w) = (x.shape[2], x.shape[3]);
-    let tw = aa_taps(w, size[1], area_scale(align, w, size[1], sw));
-    let th = aa_taps(h, size[0], area_scale(align, h, size[0], sh));
+    let tw = aa_taps(w, size[1], area_scale(align, w, size[1], sw), filter);
+    let th = aa_taps(h, size[0], area_scale(align, h, size[0], sh), filter);
     let y = resample_dim(e, &xd, 3, &tw)?;
     let y = resample_dim(e, &y, 2, &th)?;
     Ok(vec![e.convert(&y, out_dtype)?])
