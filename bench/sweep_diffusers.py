@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_runner  # noqa: E402
-from sweep_diffusers_configs import TESTED  # noqa: E402
+from sweep_diffusers_configs import CONFIGS, TESTED  # noqa: E402
 
 STEPS = 3
 RTOL = 1e-4
@@ -191,6 +191,9 @@ class Recipe:
     t_scale: float = 1000.0  # t runs over t_scale * (0.9, 0.6, 0.3)
     cond: dict = field(default_factory=dict)  # name -> shape (float randn) or a callable(model)
     fixed: dict = field(default_factory=dict)  # non-tensor keyword arguments
+    # Wrappers of other models (Multi*ControlNet, MultiAdapter): makes the model from built
+    # entries, `sub(name)` returning the model of another entry.
+    model: object = None
 
 
 def _ids(n, axes=3):
@@ -283,11 +286,6 @@ RECIPES: dict[str, Recipe] = {
             )
         },
     ),
-    "ControlNetModel": Recipe(
-        {k: v for k, v in unet2d_cond().items() if k not in ("up_block_types", "sample_size")}
-        | {"conditioning_embedding_out_channels": (8, 16)},
-        shrink=False,
-    ),
     "QwenImageTransformer2DModel": Recipe(
         dict(in_channels=16, out_channels=4, joint_attention_dim=WIDTH),
         x_shape=(B, 16, 16),
@@ -314,6 +312,80 @@ RECIPES: dict[str, Recipe] = {
     "SD3Transformer2DModel": Recipe(
         dict(caption_projection_dim=HEADS * HEAD_DIM),
         cond={"encoder_hidden_states": (B, TEXT, WIDTH), "pooled_projections": (B, WIDTH)},
+    ),
+    # Below: classes built from a pipeline test's config (CONFIGS) whose inputs the forward
+    # signature does not tell: shapes follow those configs.
+    # Audio token (de)tokenizers: (batch, tokens, hidden) / (batch, patches, window 2, acoustic 8).
+    "AceStepAudioTokenDetokenizer": Recipe(x_shape=(B, 4, 32), t=None),
+    "AceStepAudioTokenizer": Recipe(x_shape=(B, 3, 2, 8), t=None),
+    # Two text encoders' states (widths 16 and 32) projected for the language model.
+    "AudioLDM2ProjectionModel": Recipe(
+        x="hidden_states", x_shape=(B, TEXT, 16), t=None, cond={"hidden_states_1": (B, TEXT, 32)}
+    ),
+    # A UNet with two cross-attention streams (widths 8 and 16) on 4-channel latents.
+    "AudioLDM2UNet2DConditionModel": Recipe(
+        x_shape=(B, 4, 16, 16),
+        cond={"encoder_hidden_states": (B, TEXT, 16), "encoder_hidden_states_1": (B, TEXT, 8)},
+    ),
+    # Stereo waveform; the test config's decoder input is widened for its pipeline: match the
+    # encoder's latent (6 / 2 channels) to autoencode.
+    "AutoencoderOobleck": Recipe({"decoder_input_channels": 3}, x_shape=(B, 2, 32), t=None),
+    # A conditioning image at 2x the latents' side (its embedding downsamples once).
+    "ControlNetModel": Recipe(
+        {k: v for k, v in unet2d_cond().items() if k not in ("up_block_types", "sample_size")}
+        | {"conditioning_embedding_out_channels": (8, 16)},
+        shrink=False,
+        cond={"encoder_hidden_states": (B, TEXT, WIDTH), "controlnet_cond": (B, 3, 2 * SIDE, 2 * SIDE)},
+    ),
+    # QwenImage's transformer inputs plus a control latent of the sample's shape.
+    "QwenImageControlNetModel": Recipe(
+        x_shape=(B, 16, 16),
+        cond={
+            "controlnet_cond": (B, 16, 16),
+            "encoder_hidden_states": (B, TEXT, 16),
+            "encoder_hidden_states_mask": lambda m: torch.ones(B, TEXT),
+        },
+        fixed={"img_shapes": [[(1, 4, 4)]]},
+        t_scale=1.0,
+    ),
+    "SanaControlNetModel": Recipe(
+        x_shape=(B, 4, SIDE, SIDE),
+        cond={"encoder_hidden_states": (B, TEXT, 8), "controlnet_cond": (B, 4, SIDE, SIDE)},
+    ),
+    # CLIP image embedding prior: (batch, embedding_dim) sample, text states of 77 tokens.
+    "PriorTransformer": Recipe(
+        x_shape=(B, 32), cond={"proj_embedding": (B, 32), "encoder_hidden_states": (B, 77, 32)}
+    ),
+    # Four levels (three downsamplings), t as a ratio in [0, 1], pooled CLIP text (B, 1, 32).
+    "StableCascadeUNet": Recipe(x_shape=(B, 4, 16, 16), t_scale=1.0, cond={"clip_text_pooled": (B, 1, 32)}),
+    # Wrappers of one model each, called with one-element lists of conditions and scales.
+    "MultiControlNetModel": Recipe(
+        model=lambda sub: __import__("diffusers").MultiControlNetModel([sub("ControlNetModel")]),
+        x_shape=(B, 4, SIDE, SIDE),
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "controlnet_cond": lambda m: [torch.randn(B, 3, 2 * SIDE, 2 * SIDE)],
+        },
+        fixed={"conditioning_scale": [1.0]},
+    ),
+    "QwenImageMultiControlNetModel": Recipe(
+        model=lambda sub: __import__("diffusers").QwenImageMultiControlNetModel(
+            [sub("QwenImageControlNetModel")]
+        ),
+        x_shape=(B, 16, 16),
+        cond={
+            "controlnet_cond": lambda m: [torch.randn(B, 16, 16)],
+            "encoder_hidden_states": (B, TEXT, 16),
+            "encoder_hidden_states_mask": lambda m: torch.ones(B, TEXT),
+        },
+        fixed={"img_shapes": [[(1, 4, 4)]], "conditioning_scale": [1.0]},
+        t_scale=1.0,
+    ),
+    "MultiAdapter": Recipe(
+        model=lambda sub: __import__("diffusers").MultiAdapter([sub("T2IAdapter"), sub("T2IAdapter")]),
+        x="xs",
+        x_shape=(2, B, 3, 64, 64),  # one image per adapter (forward zips over dim 0)
+        t=None,
     ),
 }
 
@@ -538,10 +610,21 @@ def build(name: str) -> Case:
         return build_tested(name)
     cls = getattr(diffusers, name)
     r = RECIPES.get(name, Recipe())
-    config = (shrink(cls) if r.shrink else {}) | r.config
+    if r.model is not None:
+        torch.manual_seed(0)
+        model = r.model(lambda n: build(n).model).eval()
+        return _inputs(name, r, model)
+    if name in CONFIGS:  # a pipeline test's tiny config, under the recipe's own settings
+        config = CONFIGS[name] | r.config
+    else:
+        config = (shrink(cls) if r.shrink else {}) | r.config
     torch.manual_seed(0)
     model = cls(**config).eval()
-    cfg = dict(model.config)
+    return _inputs(name, r, model)
+
+
+def _inputs(name: str, r: Recipe, model) -> Case:
+    cfg = dict(getattr(model, "config", {}))
     params = inspect.signature(model.forward).parameters
     x_name = r.x or next((n for n in _X_NAMES if n in params), None)
     if x_name is None:
