@@ -358,6 +358,94 @@ RECIPES: dict[str, Recipe] = {
     ),
     # Four levels (three downsamplings), t as a ratio in [0, 1], pooled CLIP text (B, 1, 32).
     "StableCascadeUNet": Recipe(x_shape=(B, 4, 16, 16), t_scale=1.0, cond={"clip_text_pooled": (B, 1, 32)}),
+    # Projections and heads on (batch, [tokens,] width) inputs.
+    "CLIPImageProjection": Recipe(x_shape=(B, 32), t=None),
+    "ReduxImageEncoder": Recipe({"txt_in_features": 32}, x_shape=(B, 4, 32), t=None),
+    "Ideogram4PromptEnhancerHead": Recipe(x_shape=(B, 4, 32), t=None),
+    "StableAudio3DurationEmbedder": Recipe(x="seconds", x_shape=(B,), t=None),
+    "StableAudioProjectionModel": Recipe(
+        {"text_encoder_dim": 32, "conditioning_dim": 32, "min_value": 0, "max_value": 10},
+        x="text_hidden_states",
+        x_shape=(B, TEXT, 32),
+        t=None,
+        cond={
+            "start_seconds": lambda m: torch.full((B,), 1.0),
+            "end_seconds": lambda m: torch.full((B,), 5.0),
+        },
+    ),
+    # Audio DiT: 64 latent channels, cross-attention and global conditioning of width 32.
+    "StableAudioDiTModel": Recipe(
+        x_shape=(B, 64, 16),
+        cond={"encoder_hidden_states": (B, TEXT, WIDTH), "global_hidden_states": (B, 1, WIDTH)},
+    ),
+    # Continuous-input transformers need their latent channels.
+    "Transformer2DModel": Recipe({"in_channels": 4}),
+    "DreamLiteTransformer2DModel": Recipe({"in_channels": 4}),
+    "Kandinsky3UNet": Recipe(
+        x_shape=(B, 4, 16, 16),
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "encoder_attention_mask": lambda m: torch.ones(B, TEXT),
+        },
+    ),
+    # Video UNet conditioned on fps, the first frame's latents and an image embedding.
+    "I2VGenXLUNet": Recipe(
+        x_shape=(B, 4, FRAMES, SIDE, SIDE),
+        cond={
+            "fps": lambda m: torch.full((B,), 8, dtype=torch.long),
+            "image_latents": (B, 4, FRAMES, SIDE, SIDE),
+            "image_embeddings": (B, WIDTH),
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+        },
+    ),
+    # Controlnets of the transformers above: their inputs plus a latent-space control input.
+    "FluxControlNetModel": Recipe(
+        dict(in_channels=16, joint_attention_dim=WIDTH, pooled_projection_dim=WIDTH),
+        x_shape=(B, 16, 16),
+        t_scale=1.0,
+        cond={
+            "controlnet_cond": (B, 16, 16),
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+            "img_ids": lambda m: _ids(16),
+            "txt_ids": lambda m: _ids(TEXT),
+        },
+    ),
+    "SD3ControlNetModel": Recipe(
+        dict(caption_projection_dim=HEADS * HEAD_DIM),
+        cond={
+            "controlnet_cond": (B, 16, SIDE, SIDE),
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+        },
+    ),
+    "FluxMultiControlNetModel": Recipe(
+        # One net runs as ControlNet-Union: it needs modes (num_mode).
+        model=lambda sub: __import__("diffusers").FluxMultiControlNetModel(
+            [_with(sub("FluxControlNetModel"), num_mode=2)]
+        ),
+        x_shape=(B, 16, 16),
+        t_scale=1.0,
+        cond={
+            "controlnet_cond": lambda m: [torch.randn(B, 16, 16)],
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+            "img_ids": lambda m: _ids(16),
+            "txt_ids": lambda m: _ids(TEXT),
+            "controlnet_mode": lambda m: [torch.zeros(B, dtype=torch.long)],
+        },
+        fixed={"conditioning_scale": [1.0]},
+    ),
+    "SD3MultiControlNetModel": Recipe(
+        model=lambda sub: __import__("diffusers").SD3MultiControlNetModel([sub("SD3ControlNetModel")]),
+        x_shape=(B, 16, SIDE, SIDE),
+        cond={
+            "controlnet_cond": lambda m: [torch.randn(B, 16, SIDE, SIDE)],
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+        },
+        fixed={"conditioning_scale": [1.0]},
+    ),
     # Wrappers of one model each, called with one-element lists of conditions and scales.
     "MultiControlNetModel": Recipe(
         model=lambda sub: __import__("diffusers").MultiControlNetModel([sub("ControlNetModel")]),
@@ -388,6 +476,13 @@ RECIPES: dict[str, Recipe] = {
         t=None,
     ),
 }
+
+
+def _with(model, **config):
+    """`model`'s class rebuilt with its config changed."""
+    torch.manual_seed(0)
+    cfg = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    return type(model)(**(cfg | config)).eval()
 
 
 def _full(n, v):
