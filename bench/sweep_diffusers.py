@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -214,6 +214,40 @@ _COGVIDEO = Recipe(
     x_shape=(B, 2, 16, SIDE, SIDE),
 )
 
+# HunyuanDiT at 8x8 latents, TEXT tokens of both text encoders, the rotary table passed in.
+_HUNYUAN_DIT = Recipe(
+    dict(
+        in_channels=4,
+        patch_size=2,
+        use_style_cond_and_image_meta_size=False,
+        text_len=TEXT,
+        text_len_t5=TEXT,
+        cross_attention_dim=WIDTH,
+        cross_attention_dim_t5=WIDTH,
+        pooled_projection_dim=WIDTH,
+    ),
+    x_shape=(B, 4, SIDE, SIDE),
+    cond={
+        "encoder_hidden_states": (B, TEXT, WIDTH),
+        "text_embedding_mask": lambda m: torch.ones(B, TEXT, dtype=torch.long),
+        "encoder_hidden_states_t5": (B, TEXT, WIDTH),
+        "text_embedding_mask_t5": lambda m: torch.ones(B, TEXT, dtype=torch.long),
+    },
+    fixed={
+        "image_rotary_emb": (
+            torch.randn((SIDE // 2) ** 2, HEAD_DIM),
+            torch.randn((SIDE // 2) ** 2, HEAD_DIM),
+        )
+    },
+)
+# Its controlnet: the same inputs and a control latent (its multi-net wrapper: lists of them).
+_HUNYUAN_DIT_CONTROL = replace(
+    _HUNYUAN_DIT,
+    config=_HUNYUAN_DIT.config | {"conditioning_channels": 4},
+    cond=_HUNYUAN_DIT.cond | {"controlnet_cond": (B, 4, SIDE, SIDE)},
+)
+
+
 # Classes whose generic shrink and inputs need help. Shapes use B, TEXT, WIDTH, SIDE, FRAMES.
 RECIPES: dict[str, Recipe] = {
     "UNet2DConditionModel": Recipe(
@@ -261,31 +295,7 @@ RECIPES: dict[str, Recipe] = {
         x_shape=(B, 2 * 4 * 4, 8),
         fixed={"num_frames": 2, "height": 4, "width": 4},
     ),
-    "HunyuanDiT2DModel": Recipe(
-        dict(
-            in_channels=4,
-            patch_size=2,
-            use_style_cond_and_image_meta_size=False,
-            text_len=TEXT,
-            text_len_t5=TEXT,
-            cross_attention_dim=WIDTH,
-            cross_attention_dim_t5=WIDTH,
-            pooled_projection_dim=WIDTH,
-        ),
-        x_shape=(B, 4, SIDE, SIDE),
-        cond={
-            "encoder_hidden_states": (B, TEXT, WIDTH),
-            "text_embedding_mask": lambda m: torch.ones(B, TEXT, dtype=torch.long),
-            "encoder_hidden_states_t5": (B, TEXT, WIDTH),
-            "text_embedding_mask_t5": lambda m: torch.ones(B, TEXT, dtype=torch.long),
-        },
-        fixed={
-            "image_rotary_emb": (
-                torch.randn((SIDE // 2) ** 2, HEAD_DIM),
-                torch.randn((SIDE // 2) ** 2, HEAD_DIM),
-            )
-        },
-    ),
+    "HunyuanDiT2DModel": _HUNYUAN_DIT,
     "QwenImageTransformer2DModel": Recipe(
         dict(in_channels=16, out_channels=4, joint_attention_dim=WIDTH),
         x_shape=(B, 16, 16),
@@ -445,6 +455,15 @@ RECIPES: dict[str, Recipe] = {
             "pooled_projections": (B, WIDTH),
         },
         fixed={"conditioning_scale": [1.0]},
+    ),
+    "HunyuanDiT2DControlNetModel": _HUNYUAN_DIT_CONTROL,
+    "HunyuanDiT2DMultiControlNetModel": replace(
+        _HUNYUAN_DIT_CONTROL,
+        model=lambda sub: __import__("diffusers").HunyuanDiT2DMultiControlNetModel(
+            [sub("HunyuanDiT2DControlNetModel")]
+        ),
+        cond=_HUNYUAN_DIT.cond | {"controlnet_cond": lambda m: [torch.randn(B, 4, SIDE, SIDE)]},
+        fixed=_HUNYUAN_DIT.fixed | {"conditioning_scale": [1.0]},
     ),
     # Wrappers of one model each, called with one-element lists of conditions and scales.
     "MultiControlNetModel": Recipe(
