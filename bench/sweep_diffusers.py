@@ -391,13 +391,19 @@ RECIPES: dict[str, Recipe] = {
     # Continuous-input transformers need their latent channels.
     "Transformer2DModel": Recipe({"in_channels": 4}),
     "DreamLiteTransformer2DModel": Recipe({"in_channels": 4}),
+    # Its blocks' skip widths assume 3 layers per block.
     "Kandinsky3UNet": Recipe(
+        dict(layers_per_block=3),
         x_shape=(B, 4, 16, 16),
-        cond={
-            "encoder_hidden_states": (B, TEXT, WIDTH),
-            "encoder_attention_mask": lambda m: torch.ones(B, TEXT),
-        },
+        cond={"encoder_hidden_states": (B, TEXT, WIDTH), "encoder_attention_mask": lambda m: torch.ones(B, TEXT)},
     ),
+    # Autoencoders whose downsampling needs larger samples than the generic ones: a waveform of
+    # one hop (the encoder rates' product, 960) x 2; video at 32 x 32 (16x spatial compression);
+    # QwenImage 2.1's 4-channel single frame.
+    "AutoencoderKLKVAEAudio": Recipe(x_shape=(B, 1, 1920), t=None),
+    "AutoencoderKLHunyuanVideo15": Recipe(x_shape=(B, 3, 5, 32, 32), t=None),
+    "AutoencoderKLHunyuanImageRefiner": Recipe(x_shape=(B, 3, 5, 32, 32), t=None),
+    "AutoencoderKLQwenImage21": Recipe(x_shape=(B, 4, 1, 32, 32), t=None),
     # Video UNet conditioned on fps, the first frame's latents and an image embedding.
     "I2VGenXLUNet": Recipe(
         x_shape=(B, 4, FRAMES, SIDE, SIDE),
