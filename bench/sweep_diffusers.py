@@ -194,6 +194,7 @@ class Recipe:
     # Wrappers of other models (Multi*ControlNet, MultiAdapter): makes the model from built
     # entries, `sub(name)` returning the model of another entry.
     model: object = None
+    x_make: object = None  # a callable making x (integer token inputs), instead of randn
 
 
 def _ids(n, axes=3):
@@ -395,7 +396,10 @@ RECIPES: dict[str, Recipe] = {
     "Kandinsky3UNet": Recipe(
         dict(layers_per_block=3),
         x_shape=(B, 4, 16, 16),
-        cond={"encoder_hidden_states": (B, TEXT, WIDTH), "encoder_attention_mask": lambda m: torch.ones(B, TEXT)},
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "encoder_attention_mask": lambda m: torch.ones(B, TEXT),
+        },
     ),
     # Autoencoders whose downsampling needs larger samples than the generic ones: a waveform of
     # one hop (the encoder rates' product, 960) x 2; video at 32 x 32 (16x spatial compression);
@@ -470,6 +474,35 @@ RECIPES: dict[str, Recipe] = {
         ),
         cond=_HUNYUAN_DIT.cond | {"controlnet_cond": lambda m: [torch.randn(B, 4, SIDE, SIDE)]},
         fixed=_HUNYUAN_DIT.fixed | {"conditioning_scale": [1.0]},
+    ),
+    # Masked-token transformer: an 8 x 8 grid of codebook ids, pooled text and one micro-condition
+    # (its embedding is sized for one at these widths).
+    "UVit2DModel": Recipe(
+        x="input_ids",
+        x_make=lambda: torch.randint(0, 32, (B, SIDE, SIDE)),
+        t=None,
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_text_emb": (B, WIDTH),
+            "micro_conds": (B, 1),
+        },
+    ),
+    # AnimateDiff's sparse controlnet: text states per frame, a control image at 2x the latents
+    # with its mask.
+    "SparseControlNetModel": Recipe(
+        x_shape=(B, 4, FRAMES, SIDE, SIDE),
+        cond={
+            "encoder_hidden_states": (B * FRAMES, TEXT, 8),
+            "controlnet_cond": (B, 3, FRAMES, 2 * SIDE, 2 * SIDE),
+            "conditioning_mask": (B, 1, FRAMES, 2 * SIDE, 2 * SIDE),
+        },
+    ),
+    # Audio decoders: (batch, channels, frames) latents or mel spectrograms; the vocoder's first
+    # width must halve six times.
+    "MiniMaxMusic3RVQDepthDecoder": Recipe(x="inputs_embeds", x_shape=(B, 8, 32), t=None),
+    "MiniMaxMusic3Vocoder": Recipe(x_shape=(B, 32, 8), t=None),
+    "MMAudioVocoder": Recipe(
+        {"upsample_initial_channel": 64, "num_mels": 16}, x="mel", x_shape=(B, 16, 8), t=None
     ),
     # Wrappers of one model each, called with one-element lists of conditions and scales.
     "MultiControlNetModel": Recipe(
@@ -749,7 +782,7 @@ def _inputs(name: str, r: Recipe, model) -> Case:
     x_name = r.x or next((n for n in _X_NAMES if n in params), None)
     if x_name is None:
         raise TypeError(f"no known sample input among forward's {list(params)}")
-    x = torch.randn(r.x_shape or _x_shape(name, cfg, params))
+    x = r.x_make() if r.x_make else torch.randn(r.x_shape or _x_shape(name, cfg, params))
     t_name = next((n for n in _T_NAMES if n in params), None) if r.t == "auto" else r.t
     t_values = [torch.full((B,), r.t_scale * (0.9 - 0.3 * i)) for i in range(STEPS)]
     cond = dict(r.cond)
