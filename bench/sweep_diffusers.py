@@ -691,7 +691,7 @@ class Case:
     x_in_list: bool = False  # the model takes x as a one-element list
 
 
-_SPECS = ("randn", "full", "tensor", "list")
+_SPECS = ("randn", "full", "tensor", "list", "tuple")
 
 
 def _is_spec(v) -> bool:
@@ -708,7 +708,8 @@ def _make(spec):
             return torch.full(spec[1], spec[2], dtype=getattr(torch, spec[3]))
         if kind == "tensor":
             return torch.tensor(spec[1], dtype=getattr(torch, spec[2]))
-        return [_make(s) for s in spec[1]]
+        made = [_make(s) for s in spec[1]]
+        return tuple(made) if kind == "tuple" else made
     if isinstance(spec, dict):
         return {k: _make(v) for k, v in spec.items()}
     return spec

@@ -2,7 +2,7 @@
 (bench/sweep_diffusers.py, `TESTED`): each class's constructor arguments and one forward call's
 inputs, at the sizes diffusers' own model tests use (their `get_init_dict` / dummy inputs,
 recorded as data). Inputs are specs: ("randn", shape), ("full", shape, value, dtype),
-("tensor", values, dtype), ("list", [specs]); anything else is passed as is."""
+("tensor", values, dtype), ("list", [specs]), ("tuple", [specs]); anything else is passed as is."""
 
 TESTED = {
     "AceStepTransformer1DModel": {
@@ -380,7 +380,7 @@ TESTED = {
             "controls_latents": ("randn", (1, 16, 1, 16, 16)),
             "latents": ("randn", (1, 16, 1, 16, 16)),
             "timestep": ("full", (1,), 0.5, "float32"),
-            "encoder_hidden_states": ("list", [("randn", (1, 12, 32)), ("randn", (1, 4, 32))]),
+            "encoder_hidden_states": ("tuple", [("randn", (1, 12, 32)), ("randn", (1, 4, 32))]),
             "condition_mask": ("full", (1, 1, 1, 16, 16), 1.0, "float32"),
             "conditioning_scale": 1.0,
             "padding_mask": ("full", (1, 1, 16, 16), 0.0, "float32"),
