@@ -504,6 +504,36 @@ RECIPES: dict[str, Recipe] = {
     "MMAudioVocoder": Recipe(
         {"upsample_initial_channel": 64, "num_mels": 16}, x="mel", x_shape=(B, 16, 8), t=None
     ),
+    # Waveform autoencoder: the encoder's latent (encoder_latent_dim) is mean and scale of the
+    # decoder's (latent_dim); two hops of its 2048x downsampling.
+    "LongCatAudioDiTVae": Recipe({"latent_dim": 16, "encoder_latent_dim": 32}, x_shape=(B, 1, 4096), t=None),
+    # UniDiffuser's caption decoder: a one-layer GPT-2 after 4 prefix embeddings.
+    "UniDiffuserTextDecoder": Recipe(
+        dict(
+            prefix_length=4,
+            prefix_inner_dim=32,
+            vocab_size=64,
+            n_positions=32,
+            n_embd=32,
+            n_layer=1,
+            n_head=2,
+        ),
+        x="input_ids",
+        x_make=lambda: torch.randint(0, 64, (B, 6)),
+        t=None,
+        cond={"prefix_embeds": (B, 4, 32)},
+    ),
+    # Video autoencoder: 16x spatial and 4x temporal compression (5 frames of 32 x 32).
+    "Kandinsky6SRVAE": Recipe(
+        dict(
+            encoder_block_out_channels=(8, 16, 16, 16, 16),
+            decoder_block_out_channels=(8, 16, 16, 16, 16),
+            latent_channels=8,
+            layers_per_block=1,
+        ),
+        x_shape=(B, 3, 5, 32, 32),
+        t=None,
+    ),
     # Wrappers of one model each, called with one-element lists of conditions and scales.
     "MultiControlNetModel": Recipe(
         model=lambda sub: __import__("diffusers").MultiControlNetModel([sub("ControlNetModel")]),
