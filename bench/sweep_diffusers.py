@@ -507,6 +507,7 @@ RECIPES: dict[str, Recipe] = {
     # Waveform autoencoder: the encoder's latent (encoder_latent_dim) is mean and scale of the
     # decoder's (latent_dim); two hops of its 2048x downsampling.
     "LongCatAudioDiTVae": Recipe({"latent_dim": 16, "encoder_latent_dim": 32}, x_shape=(B, 1, 4096), t=None),
+    "MMAudioVAE": Recipe(x_shape=(B, 8192), t=None),  # a waveform; encodes its mel spectrogram
     # UniDiffuser's caption decoder: a one-layer GPT-2 after 4 prefix embeddings.
     "UniDiffuserTextDecoder": Recipe(
         dict(
