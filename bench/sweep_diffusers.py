@@ -535,6 +535,29 @@ RECIPES: dict[str, Recipe] = {
         x_shape=(B, 3, 5, 32, 32),
         t=None,
     ),
+    # UniDiffuser's joint transformer: patched 4-channel image latents stepped with their own
+    # timestep, a CLIP image embedding, TEXT prompt tokens with a text timestep.
+    "UniDiffuserModel": Recipe(
+        dict(in_channels=4, out_channels=4, sample_size=SIDE, patch_size=2, num_text_tokens=TEXT),
+        x="latent_image_embeds",
+        x_shape=(B, 4, SIDE, SIDE),
+        t="timestep_img",
+        cond={
+            "image_embeds": (B, 1, 32),
+            "prompt_embeds": (B, TEXT, 32),
+            "timestep_text": lambda m: torch.full((B,), 500.0),
+        },
+    ),
+    # Spectrogram diffusion decoder: 16 frames of 8 mel bins, noise time in [0, 1), one encoder
+    # stream (states and mask) passed as is.
+    "T5FilmDecoder": Recipe(
+        dict(input_dims=8, targets_length=16, d_model=32, num_heads=2, d_kv=16, d_ff=64),
+        x="decoder_input_tokens",
+        x_shape=(B, 16, 8),
+        t="decoder_noise_time",
+        t_scale=1.0,
+        fixed={"encodings_and_masks": [(torch.randn(B, TEXT, 32), torch.ones(B, TEXT, dtype=torch.bool))]},
+    ),
     # Wrappers of one model each, called with one-element lists of conditions and scales.
     "MultiControlNetModel": Recipe(
         model=lambda sub: __import__("diffusers").MultiControlNetModel([sub("ControlNetModel")]),
