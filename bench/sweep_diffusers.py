@@ -558,6 +558,17 @@ RECIPES: dict[str, Recipe] = {
         t_scale=1.0,
         fixed={"encodings_and_masks": [(torch.randn(B, TEXT, 32), torch.ones(B, TEXT, dtype=torch.bool))]},
     ),
+    # QwenImage 2.1: TEXT vision-language positions then one image slot per 2 x 2 latent tokens
+    # (img_mask), a 4 x 4 target image, t in [0, 1].
+    "QwenImage21Transformer2DModel": Recipe(
+        x_shape=(B, 16, 64),
+        t_scale=1.0,
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "img_mask": lambda m: torch.arange(TEXT + 4).ge(TEXT).unsqueeze(0),
+        },
+        fixed={"img_shapes": [[(1, 4, 4)]]},
+    ),
     # Wrappers of one model each, called with one-element lists of conditions and scales.
     "MultiControlNetModel": Recipe(
         model=lambda sub: __import__("diffusers").MultiControlNetModel([sub("ControlNetModel")]),
