@@ -24,14 +24,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sweep_runner  # noqa: E402
-from sweep_diffusers_configs import TESTED  # noqa: E402
+from sweep_diffusers_configs import CONFIGS, TESTED  # noqa: E402
 
 STEPS = 3
 RTOL = 1e-4
@@ -191,6 +191,10 @@ class Recipe:
     t_scale: float = 1000.0  # t runs over t_scale * (0.9, 0.6, 0.3)
     cond: dict = field(default_factory=dict)  # name -> shape (float randn) or a callable(model)
     fixed: dict = field(default_factory=dict)  # non-tensor keyword arguments
+    # Wrappers of other models (Multi*ControlNet, MultiAdapter): makes the model from built
+    # entries, `sub(name)` returning the model of another entry.
+    model: object = None
+    x_make: object = None  # a callable making x (integer token inputs), instead of randn
 
 
 def _ids(n, axes=3):
@@ -210,6 +214,40 @@ _COGVIDEO = Recipe(
     ),
     x_shape=(B, 2, 16, SIDE, SIDE),
 )
+
+# HunyuanDiT at 8x8 latents, TEXT tokens of both text encoders, the rotary table passed in.
+_HUNYUAN_DIT = Recipe(
+    dict(
+        in_channels=4,
+        patch_size=2,
+        use_style_cond_and_image_meta_size=False,
+        text_len=TEXT,
+        text_len_t5=TEXT,
+        cross_attention_dim=WIDTH,
+        cross_attention_dim_t5=WIDTH,
+        pooled_projection_dim=WIDTH,
+    ),
+    x_shape=(B, 4, SIDE, SIDE),
+    cond={
+        "encoder_hidden_states": (B, TEXT, WIDTH),
+        "text_embedding_mask": lambda m: torch.ones(B, TEXT, dtype=torch.long),
+        "encoder_hidden_states_t5": (B, TEXT, WIDTH),
+        "text_embedding_mask_t5": lambda m: torch.ones(B, TEXT, dtype=torch.long),
+    },
+    fixed={
+        "image_rotary_emb": (
+            torch.randn((SIDE // 2) ** 2, HEAD_DIM),
+            torch.randn((SIDE // 2) ** 2, HEAD_DIM),
+        )
+    },
+)
+# Its controlnet: the same inputs and a control latent (its multi-net wrapper: lists of them).
+_HUNYUAN_DIT_CONTROL = replace(
+    _HUNYUAN_DIT,
+    config=_HUNYUAN_DIT.config | {"conditioning_channels": 4},
+    cond=_HUNYUAN_DIT.cond | {"controlnet_cond": (B, 4, SIDE, SIDE)},
+)
+
 
 # Classes whose generic shrink and inputs need help. Shapes use B, TEXT, WIDTH, SIDE, FRAMES.
 RECIPES: dict[str, Recipe] = {
@@ -258,36 +296,7 @@ RECIPES: dict[str, Recipe] = {
         x_shape=(B, 2 * 4 * 4, 8),
         fixed={"num_frames": 2, "height": 4, "width": 4},
     ),
-    "HunyuanDiT2DModel": Recipe(
-        dict(
-            in_channels=4,
-            patch_size=2,
-            use_style_cond_and_image_meta_size=False,
-            text_len=TEXT,
-            text_len_t5=TEXT,
-            cross_attention_dim=WIDTH,
-            cross_attention_dim_t5=WIDTH,
-            pooled_projection_dim=WIDTH,
-        ),
-        x_shape=(B, 4, SIDE, SIDE),
-        cond={
-            "encoder_hidden_states": (B, TEXT, WIDTH),
-            "text_embedding_mask": lambda m: torch.ones(B, TEXT, dtype=torch.long),
-            "encoder_hidden_states_t5": (B, TEXT, WIDTH),
-            "text_embedding_mask_t5": lambda m: torch.ones(B, TEXT, dtype=torch.long),
-        },
-        fixed={
-            "image_rotary_emb": (
-                torch.randn((SIDE // 2) ** 2, HEAD_DIM),
-                torch.randn((SIDE // 2) ** 2, HEAD_DIM),
-            )
-        },
-    ),
-    "ControlNetModel": Recipe(
-        {k: v for k, v in unet2d_cond().items() if k not in ("up_block_types", "sample_size")}
-        | {"conditioning_embedding_out_channels": (8, 16)},
-        shrink=False,
-    ),
+    "HunyuanDiT2DModel": _HUNYUAN_DIT,
     "QwenImageTransformer2DModel": Recipe(
         dict(in_channels=16, out_channels=4, joint_attention_dim=WIDTH),
         x_shape=(B, 16, 16),
@@ -315,7 +324,288 @@ RECIPES: dict[str, Recipe] = {
         dict(caption_projection_dim=HEADS * HEAD_DIM),
         cond={"encoder_hidden_states": (B, TEXT, WIDTH), "pooled_projections": (B, WIDTH)},
     ),
+    # Below: classes built from a pipeline test's config (CONFIGS) whose inputs the forward
+    # signature does not tell: shapes follow those configs.
+    # Audio token (de)tokenizers: (batch, tokens, hidden) / (batch, patches, window 2, acoustic 8).
+    "AceStepAudioTokenDetokenizer": Recipe(x_shape=(B, 4, 32), t=None),
+    "AceStepAudioTokenizer": Recipe(x_shape=(B, 3, 2, 8), t=None),
+    # Two text encoders' states (widths 16 and 32) projected for the language model.
+    "AudioLDM2ProjectionModel": Recipe(
+        x="hidden_states", x_shape=(B, TEXT, 16), t=None, cond={"hidden_states_1": (B, TEXT, 32)}
+    ),
+    # A UNet with two cross-attention streams (widths 8 and 16) on 4-channel latents.
+    "AudioLDM2UNet2DConditionModel": Recipe(
+        x_shape=(B, 4, 16, 16),
+        cond={"encoder_hidden_states": (B, TEXT, 16), "encoder_hidden_states_1": (B, TEXT, 8)},
+    ),
+    # Stereo waveform; the test config's decoder input is widened for its pipeline: match the
+    # encoder's latent (6 / 2 channels) to autoencode.
+    "AutoencoderOobleck": Recipe({"decoder_input_channels": 3}, x_shape=(B, 2, 32), t=None),
+    # A conditioning image at 2x the latents' side (its embedding downsamples once).
+    "ControlNetModel": Recipe(
+        {k: v for k, v in unet2d_cond().items() if k not in ("up_block_types", "sample_size")}
+        | {"conditioning_embedding_out_channels": (8, 16)},
+        shrink=False,
+        cond={"encoder_hidden_states": (B, TEXT, WIDTH), "controlnet_cond": (B, 3, 2 * SIDE, 2 * SIDE)},
+    ),
+    # QwenImage's transformer inputs plus a control latent of the sample's shape.
+    "QwenImageControlNetModel": Recipe(
+        x_shape=(B, 16, 16),
+        cond={
+            "controlnet_cond": (B, 16, 16),
+            "encoder_hidden_states": (B, TEXT, 16),
+            "encoder_hidden_states_mask": lambda m: torch.ones(B, TEXT),
+        },
+        fixed={"img_shapes": [[(1, 4, 4)]]},
+        t_scale=1.0,
+    ),
+    "SanaControlNetModel": Recipe(
+        x_shape=(B, 4, SIDE, SIDE),
+        cond={"encoder_hidden_states": (B, TEXT, 8), "controlnet_cond": (B, 4, SIDE, SIDE)},
+    ),
+    # CLIP image embedding prior: (batch, embedding_dim) sample, text states of 77 tokens.
+    "PriorTransformer": Recipe(
+        x_shape=(B, 32), cond={"proj_embedding": (B, 32), "encoder_hidden_states": (B, 77, 32)}
+    ),
+    # Four levels (three downsamplings), t as a ratio in [0, 1], pooled CLIP text (B, 1, 32).
+    "StableCascadeUNet": Recipe(x_shape=(B, 4, 16, 16), t_scale=1.0, cond={"clip_text_pooled": (B, 1, 32)}),
+    # Projections and heads on (batch, [tokens,] width) inputs.
+    "CLIPImageProjection": Recipe(x_shape=(B, 32), t=None),
+    "ReduxImageEncoder": Recipe({"txt_in_features": 32}, x_shape=(B, 4, 32), t=None),
+    "Ideogram4PromptEnhancerHead": Recipe(x_shape=(B, 4, 32), t=None),
+    "StableAudio3DurationEmbedder": Recipe(x="seconds", x_shape=(B,), t=None),
+    "StableAudioProjectionModel": Recipe(
+        {"text_encoder_dim": 32, "conditioning_dim": 32, "min_value": 0, "max_value": 10},
+        x="text_hidden_states",
+        x_shape=(B, TEXT, 32),
+        t=None,
+        cond={
+            "start_seconds": lambda m: torch.full((B,), 1.0),
+            "end_seconds": lambda m: torch.full((B,), 5.0),
+        },
+    ),
+    # Audio DiT: 64 latent channels, cross-attention and global conditioning of width 32.
+    "StableAudioDiTModel": Recipe(
+        x_shape=(B, 64, 16),
+        cond={"encoder_hidden_states": (B, TEXT, WIDTH), "global_hidden_states": (B, 1, WIDTH)},
+    ),
+    # Continuous-input transformers need their latent channels.
+    "Transformer2DModel": Recipe({"in_channels": 4}),
+    "DreamLiteTransformer2DModel": Recipe({"in_channels": 4}),
+    # Its blocks' skip widths assume 3 layers per block.
+    "Kandinsky3UNet": Recipe(
+        dict(layers_per_block=3),
+        x_shape=(B, 4, 16, 16),
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "encoder_attention_mask": lambda m: torch.ones(B, TEXT),
+        },
+    ),
+    # Autoencoders whose downsampling needs larger samples than the generic ones: a waveform of
+    # one hop (the encoder rates' product, 960) x 2; video at 32 x 32 (16x spatial compression);
+    # QwenImage 2.1's 4-channel single frame.
+    "AutoencoderKLKVAEAudio": Recipe(x_shape=(B, 1, 1920), t=None),
+    "AutoencoderKLHunyuanVideo15": Recipe(x_shape=(B, 3, 5, 32, 32), t=None),
+    "AutoencoderKLHunyuanImageRefiner": Recipe(x_shape=(B, 3, 5, 32, 32), t=None),
+    "AutoencoderKLQwenImage21": Recipe(x_shape=(B, 4, 1, 32, 32), t=None),
+    # Video UNet conditioned on fps, the first frame's latents and an image embedding.
+    "I2VGenXLUNet": Recipe(
+        x_shape=(B, 4, FRAMES, SIDE, SIDE),
+        cond={
+            "fps": lambda m: torch.full((B,), 8, dtype=torch.long),
+            "image_latents": (B, 4, FRAMES, SIDE, SIDE),
+            "image_embeddings": (B, WIDTH),
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+        },
+    ),
+    # Controlnets of the transformers above: their inputs plus a latent-space control input.
+    "FluxControlNetModel": Recipe(
+        dict(in_channels=16, joint_attention_dim=WIDTH, pooled_projection_dim=WIDTH),
+        x_shape=(B, 16, 16),
+        t_scale=1.0,
+        cond={
+            "controlnet_cond": (B, 16, 16),
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+            "img_ids": lambda m: _ids(16),
+            "txt_ids": lambda m: _ids(TEXT),
+        },
+    ),
+    "SD3ControlNetModel": Recipe(
+        dict(caption_projection_dim=HEADS * HEAD_DIM),
+        cond={
+            "controlnet_cond": (B, 16, SIDE, SIDE),
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+        },
+    ),
+    "FluxMultiControlNetModel": Recipe(
+        # One net runs as ControlNet-Union: it needs modes (num_mode).
+        model=lambda sub: __import__("diffusers").FluxMultiControlNetModel(
+            [_with(sub("FluxControlNetModel"), num_mode=2)]
+        ),
+        x_shape=(B, 16, 16),
+        t_scale=1.0,
+        cond={
+            "controlnet_cond": lambda m: [torch.randn(B, 16, 16)],
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+            "img_ids": lambda m: _ids(16),
+            "txt_ids": lambda m: _ids(TEXT),
+            "controlnet_mode": lambda m: [torch.zeros(B, dtype=torch.long)],
+        },
+        fixed={"conditioning_scale": [1.0]},
+    ),
+    "SD3MultiControlNetModel": Recipe(
+        model=lambda sub: __import__("diffusers").SD3MultiControlNetModel([sub("SD3ControlNetModel")]),
+        x_shape=(B, 16, SIDE, SIDE),
+        cond={
+            "controlnet_cond": lambda m: [torch.randn(B, 16, SIDE, SIDE)],
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_projections": (B, WIDTH),
+        },
+        fixed={"conditioning_scale": [1.0]},
+    ),
+    "HunyuanDiT2DControlNetModel": _HUNYUAN_DIT_CONTROL,
+    "HunyuanDiT2DMultiControlNetModel": replace(
+        _HUNYUAN_DIT_CONTROL,
+        model=lambda sub: __import__("diffusers").HunyuanDiT2DMultiControlNetModel(
+            [sub("HunyuanDiT2DControlNetModel")]
+        ),
+        cond=_HUNYUAN_DIT.cond | {"controlnet_cond": lambda m: [torch.randn(B, 4, SIDE, SIDE)]},
+        fixed=_HUNYUAN_DIT.fixed | {"conditioning_scale": [1.0]},
+    ),
+    # Masked-token transformer: an 8 x 8 grid of codebook ids, pooled text and one micro-condition
+    # (its embedding is sized for one at these widths).
+    "UVit2DModel": Recipe(
+        x="input_ids",
+        x_make=lambda: torch.randint(0, 32, (B, SIDE, SIDE)),
+        t=None,
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "pooled_text_emb": (B, WIDTH),
+            "micro_conds": (B, 1),
+        },
+    ),
+    # AnimateDiff's sparse controlnet: text states per frame, a control image at 2x the latents
+    # with its mask.
+    "SparseControlNetModel": Recipe(
+        x_shape=(B, 4, FRAMES, SIDE, SIDE),
+        cond={
+            "encoder_hidden_states": (B * FRAMES, TEXT, 8),
+            "controlnet_cond": (B, 3, FRAMES, 2 * SIDE, 2 * SIDE),
+            "conditioning_mask": (B, 1, FRAMES, 2 * SIDE, 2 * SIDE),
+        },
+    ),
+    # Audio decoders: (batch, channels, frames) latents or mel spectrograms; the vocoder's first
+    # width must halve six times.
+    "MiniMaxMusic3RVQDepthDecoder": Recipe(x="inputs_embeds", x_shape=(B, 8, 32), t=None),
+    "MiniMaxMusic3Vocoder": Recipe(x_shape=(B, 32, 8), t=None),
+    "MMAudioVocoder": Recipe(
+        {"upsample_initial_channel": 64, "num_mels": 16}, x="mel", x_shape=(B, 16, 8), t=None
+    ),
+    # Waveform autoencoder: the encoder's latent (encoder_latent_dim) is mean and scale of the
+    # decoder's (latent_dim); two hops of its 2048x downsampling.
+    "LongCatAudioDiTVae": Recipe({"latent_dim": 16, "encoder_latent_dim": 32}, x_shape=(B, 1, 4096), t=None),
+    "MMAudioVAE": Recipe(x_shape=(B, 8192), t=None),  # a waveform; encodes its mel spectrogram
+    # UniDiffuser's caption decoder: a one-layer GPT-2 after 4 prefix embeddings.
+    "UniDiffuserTextDecoder": Recipe(
+        dict(
+            prefix_length=4,
+            prefix_inner_dim=32,
+            vocab_size=64,
+            n_positions=32,
+            n_embd=32,
+            n_layer=1,
+            n_head=2,
+        ),
+        x="input_ids",
+        x_make=lambda: torch.randint(0, 64, (B, 6)),
+        t=None,
+        cond={"prefix_embeds": (B, 4, 32)},
+    ),
+    # Video autoencoder: 16x spatial and 4x temporal compression (5 frames of 32 x 32).
+    "Kandinsky6SRVAE": Recipe(
+        dict(
+            encoder_block_out_channels=(8, 16, 16, 16, 16),
+            decoder_block_out_channels=(8, 16, 16, 16, 16),
+            latent_channels=8,
+            layers_per_block=1,
+        ),
+        x_shape=(B, 3, 5, 32, 32),
+        t=None,
+    ),
+    # UniDiffuser's joint transformer: patched 4-channel image latents stepped with their own
+    # timestep, a CLIP image embedding, TEXT prompt tokens with a text timestep.
+    "UniDiffuserModel": Recipe(
+        dict(in_channels=4, out_channels=4, sample_size=SIDE, patch_size=2, num_text_tokens=TEXT),
+        x="latent_image_embeds",
+        x_shape=(B, 4, SIDE, SIDE),
+        t="timestep_img",
+        cond={
+            "image_embeds": (B, 1, 32),
+            "prompt_embeds": (B, TEXT, 32),
+            "timestep_text": lambda m: torch.full((B,), 500.0),
+        },
+    ),
+    # Spectrogram diffusion decoder: 16 frames of 8 mel bins, noise time in [0, 1), one encoder
+    # stream (states and mask) passed as is.
+    "T5FilmDecoder": Recipe(
+        dict(input_dims=8, targets_length=16, d_model=32, num_heads=2, d_kv=16, d_ff=64),
+        x="decoder_input_tokens",
+        x_shape=(B, 16, 8),
+        t="decoder_noise_time",
+        t_scale=1.0,
+        fixed={"encodings_and_masks": [(torch.randn(B, TEXT, 32), torch.ones(B, TEXT, dtype=torch.bool))]},
+    ),
+    # QwenImage 2.1: TEXT vision-language positions then one image slot per 2 x 2 latent tokens
+    # (img_mask), a 4 x 4 target image, t in [0, 1].
+    "QwenImage21Transformer2DModel": Recipe(
+        x_shape=(B, 16, 64),
+        t_scale=1.0,
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "img_mask": lambda m: torch.arange(TEXT + 4).ge(TEXT).unsqueeze(0),
+        },
+        fixed={"img_shapes": [[(1, 4, 4)]]},
+    ),
+    # Wrappers of one model each, called with one-element lists of conditions and scales.
+    "MultiControlNetModel": Recipe(
+        model=lambda sub: __import__("diffusers").MultiControlNetModel([sub("ControlNetModel")]),
+        x_shape=(B, 4, SIDE, SIDE),
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "controlnet_cond": lambda m: [torch.randn(B, 3, 2 * SIDE, 2 * SIDE)],
+        },
+        fixed={"conditioning_scale": [1.0]},
+    ),
+    "QwenImageMultiControlNetModel": Recipe(
+        model=lambda sub: __import__("diffusers").QwenImageMultiControlNetModel(
+            [sub("QwenImageControlNetModel")]
+        ),
+        x_shape=(B, 16, 16),
+        cond={
+            "controlnet_cond": lambda m: [torch.randn(B, 16, 16)],
+            "encoder_hidden_states": (B, TEXT, 16),
+            "encoder_hidden_states_mask": lambda m: torch.ones(B, TEXT),
+        },
+        fixed={"img_shapes": [[(1, 4, 4)]], "conditioning_scale": [1.0]},
+        t_scale=1.0,
+    ),
+    "MultiAdapter": Recipe(
+        model=lambda sub: __import__("diffusers").MultiAdapter([sub("T2IAdapter"), sub("T2IAdapter")]),
+        x="xs",
+        x_shape=(2, B, 3, 64, 64),  # one image per adapter (forward zips over dim 0)
+        t=None,
+    ),
 }
+
+
+def _with(model, **config):
+    """`model`'s class rebuilt with its config changed."""
+    torch.manual_seed(0)
+    cfg = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    return type(model)(**(cfg | config)).eval()
 
 
 def _full(n, v):
@@ -466,7 +756,7 @@ class Case:
     x_in_list: bool = False  # the model takes x as a one-element list
 
 
-_SPECS = ("randn", "full", "tensor", "list")
+_SPECS = ("randn", "full", "tensor", "list", "tuple")
 
 
 def _is_spec(v) -> bool:
@@ -483,7 +773,8 @@ def _make(spec):
             return torch.full(spec[1], spec[2], dtype=getattr(torch, spec[3]))
         if kind == "tensor":
             return torch.tensor(spec[1], dtype=getattr(torch, spec[2]))
-        return [_make(s) for s in spec[1]]
+        made = [_make(s) for s in spec[1]]
+        return tuple(made) if kind == "tuple" else made
     if isinstance(spec, dict):
         return {k: _make(v) for k, v in spec.items()}
     return spec
@@ -538,15 +829,26 @@ def build(name: str) -> Case:
         return build_tested(name)
     cls = getattr(diffusers, name)
     r = RECIPES.get(name, Recipe())
-    config = (shrink(cls) if r.shrink else {}) | r.config
+    if r.model is not None:
+        torch.manual_seed(0)
+        model = r.model(lambda n: build(n).model).eval()
+        return _inputs(name, r, model)
+    if name in CONFIGS:  # a pipeline test's tiny config, under the recipe's own settings
+        config = CONFIGS[name] | r.config
+    else:
+        config = (shrink(cls) if r.shrink else {}) | r.config
     torch.manual_seed(0)
     model = cls(**config).eval()
-    cfg = dict(model.config)
+    return _inputs(name, r, model)
+
+
+def _inputs(name: str, r: Recipe, model) -> Case:
+    cfg = dict(getattr(model, "config", {}))
     params = inspect.signature(model.forward).parameters
     x_name = r.x or next((n for n in _X_NAMES if n in params), None)
     if x_name is None:
         raise TypeError(f"no known sample input among forward's {list(params)}")
-    x = torch.randn(r.x_shape or _x_shape(name, cfg, params))
+    x = r.x_make() if r.x_make else torch.randn(r.x_shape or _x_shape(name, cfg, params))
     t_name = next((n for n in _T_NAMES if n in params), None) if r.t == "auto" else r.t
     t_values = [torch.full((B,), r.t_scale * (0.9 - 0.3 * i)) for i in range(STEPS)]
     cond = dict(r.cond)

@@ -168,8 +168,8 @@ def _index_put_by_mask(target: torch.Tensor, indices, values: torch.Tensor, accu
     flat = mask.reshape(-1)
     m = flat.shape[0]
     if n == 1:  # one value broadcast to every True position
-        picked = values.reshape(vshape).expand([*target.shape[:k], 1, *rest]).expand(
-            [*target.shape[:k], m, *rest]
+        picked = (
+            values.reshape(vshape).expand([*target.shape[:k], 1, *rest]).expand([*target.shape[:k], m, *rest])
         )
     else:
         torch._assert_async(
