@@ -101,5 +101,6 @@ def test_large_temporaries_reuse_memory_after_other_threads_made_arenas():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     faults = int(out.stdout.strip().splitlines()[-1])
-    # One 64 MiB temporary mapped afresh would be 16k faults per call.
-    assert faults < 10_000, faults
+    # The graph's three 64 MiB blocks mapped afresh are 49k faults per call (measured without
+    # the option); kept, 4-12k remain (smaller blocks, the result).
+    assert faults < 24_000, faults
