@@ -329,6 +329,20 @@ RECIPES: dict[str, Recipe] = {
     # Audio token (de)tokenizers: (batch, tokens, hidden) / (batch, patches, window 2, acoustic 8).
     "AceStepAudioTokenDetokenizer": Recipe(x_shape=(B, 4, 32), t=None),
     "AceStepAudioTokenizer": Recipe(x_shape=(B, 3, 2, 8), t=None),
+    # ACE-Step's condition encoder: TEXT text tokens, 8 lyric tokens, one packed 5-frame timbre
+    # reference (order mask: all of batch 0), each with its mask.
+    "AceStepConditionEncoder": Recipe(
+        x="text_hidden_states",
+        x_shape=(B, TEXT, 32),
+        t=None,
+        cond={
+            "text_attention_mask": lambda m: torch.ones(B, TEXT, dtype=torch.long),
+            "lyric_hidden_states": (B, 8, 32),
+            "lyric_attention_mask": lambda m: torch.ones(B, 8, dtype=torch.long),
+            "refer_audio_acoustic_hidden_states_packed": (B, 5, 8),
+            "refer_audio_order_mask": lambda m: torch.zeros(B, dtype=torch.long),
+        },
+    ),
     # Two text encoders' states (widths 16 and 32) projected for the language model.
     "AudioLDM2ProjectionModel": Recipe(
         x="hidden_states", x_shape=(B, TEXT, 16), t=None, cond={"hidden_states_1": (B, TEXT, 32)}
