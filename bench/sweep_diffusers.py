@@ -343,6 +343,15 @@ RECIPES: dict[str, Recipe] = {
             "refer_audio_order_mask": lambda m: torch.zeros(B, dtype=torch.long),
         },
     ),
+    # Anima's text conditioner: 8 T5 token ids as queries over TEXT Qwen3 states (its output
+    # padding, min_sequence_length, shrunk to the query count).
+    "AnimaTextConditioner": Recipe(
+        dict(min_sequence_length=8),
+        x="source_hidden_states",
+        x_shape=(B, TEXT, 32),
+        t=None,
+        cond={"target_input_ids": lambda m: torch.randint(0, 32, (B, 8))},
+    ),
     # Two text encoders' states (widths 16 and 32) projected for the language model.
     "AudioLDM2ProjectionModel": Recipe(
         x="hidden_states", x_shape=(B, TEXT, 16), t=None, cond={"hidden_states_1": (B, TEXT, 32)}
