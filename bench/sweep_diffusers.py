@@ -371,6 +371,25 @@ RECIPES: dict[str, Recipe] = {
         shrink=False,
         cond={"encoder_hidden_states": (B, TEXT, WIDTH), "controlnet_cond": (B, 3, 2 * SIDE, 2 * SIDE)},
     ),
+    # ControlNet-Union (SDXL's): the same UNet, one control image of 6 control types, a narrow
+    # control transformer, its control-type embedding sized by addition_time_embed_dim.
+    "ControlNetUnionModel": Recipe(
+        {k: v for k, v in unet2d_cond().items() if k not in ("up_block_types", "sample_size")}
+        | {
+            "conditioning_embedding_out_channels": (8, 16),
+            "num_trans_channel": 16,
+            "num_trans_head": 2,
+            "num_proj_channel": 16,
+            "addition_time_embed_dim": 8,
+        },
+        shrink=False,
+        cond={
+            "encoder_hidden_states": (B, TEXT, WIDTH),
+            "controlnet_cond": lambda m: [torch.randn(B, 3, 2 * SIDE, 2 * SIDE)],
+            "control_type": lambda m: torch.tensor([[1.0, 0, 0, 0, 0, 0]]),
+        },
+        fixed={"control_type_idx": [0]},
+    ),
     # QwenImage's transformer inputs plus a control latent of the sample's shape.
     "QwenImageControlNetModel": Recipe(
         x_shape=(B, 16, 16),
