@@ -371,6 +371,22 @@ RECIPES: dict[str, Recipe] = {
         shrink=False,
         cond={"encoder_hidden_states": (B, TEXT, WIDTH), "controlnet_cond": (B, 3, 2 * SIDE, 2 * SIDE)},
     ),
+    # Bria FIBO 2: text features come as one bundle for its Perceiver plus one per injection
+    # block (one injection, into the second of two layers); gist-token counts scaled down.
+    "BriaFibo2Transformer2DModel": Recipe(
+        dict(
+            n_layers=2,
+            injection_layer_ids=(1,),
+            min_num_gist_tokens=4,
+            max_num_gist_tokens=8,
+            gist_step=4,
+            gist_min_text_len=4,
+            gist_max_text_len=16,
+        ),
+        x_shape=(B, 32, SIDE, SIDE),
+        t_scale=1.0,
+        cond={"encoder_hidden_states": (B, 2, TEXT, 32)},
+    ),
     # ControlNet-Union (SDXL's): the same UNet, one control image of 6 control types, a narrow
     # control transformer, its control-type embedding sized by addition_time_embed_dim.
     "ControlNetUnionModel": Recipe(
