@@ -319,6 +319,7 @@ RECIPES: dict[str, Recipe] = {
             "Flux2Transformer2DModel",
             "Flux3Transformer2DModel",
             "Lumina2Transformer2DModel",
+            "LongCatImageTransformer2DModel",
         )
     },
     "SD3Transformer2DModel": Recipe(
