@@ -320,6 +320,7 @@ RECIPES: dict[str, Recipe] = {
             "Flux3Transformer2DModel",
             "Lumina2Transformer2DModel",
             "LongCatImageTransformer2DModel",
+            "OvisImageTransformer2DModel",
         )
     },
     "SD3Transformer2DModel": Recipe(
