@@ -195,7 +195,6 @@ class Recipe:
     # entries, `sub(name)` returning the model of another entry.
     model: object = None
     x_make: object = None  # a callable making x (integer token inputs), instead of randn
-    setup: object = None  # a callable run on the built model (e.g. enabling tiling)
 
 
 def _ids(n, axes=3):
@@ -462,8 +461,6 @@ RECIPES: dict[str, Recipe] = {
             "encoder_attention_mask": lambda m: torch.ones(B, TEXT),
         },
     ),
-    # Allegro's VAE encodes only tile by tile: 8 frames of 32 x 32 through its tiled path.
-    "AutoencoderKLAllegro": Recipe(setup=lambda m: m.enable_tiling(), x_shape=(B, 3, 8, 32, 32), t=None),
     # Autoencoders whose downsampling needs larger samples than the generic ones: a waveform of
     # one hop (the encoder rates' product, 960) x 2; video at 32 x 32 (16x spatial compression);
     # QwenImage 2.1's 4-channel single frame.
@@ -902,8 +899,6 @@ def build(name: str) -> Case:
         config = (shrink(cls) if r.shrink else {}) | r.config
     torch.manual_seed(0)
     model = cls(**config).eval()
-    if r.setup is not None:
-        r.setup(model)
     return _inputs(name, r, model)
 
 
