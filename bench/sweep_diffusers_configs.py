@@ -246,8 +246,9 @@ TESTED = {
     },
     "AutoencoderRAE": {
         "config": {
-            "encoder_type": "tiny_test",
-            "encoder_hidden_size": 16,
+            "encoder_type": "dinov2",  # the test registers its own tiny encoder; DINOv2 of one 64-wide head
+            "encoder_num_hidden_layers": 1,
+            "encoder_hidden_size": 64,
             "encoder_patch_size": 8,
             "encoder_input_size": 32,
             "patch_size": 4,

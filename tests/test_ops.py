@@ -254,6 +254,11 @@ def test_index_put_with_boolean_mask_checks_the_value_count():
     m = torch.tensor([True, False, True, True, False, False])
     fn = torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})
     torch.testing.assert_close(fn(x, m, torch.ones(3)), f(x, m, torch.ones(3)))
+    # No values for an all-False mask (GLM-Image's `emb[drop] *= 0` with nothing dropped).
+    none = torch.zeros(6, dtype=torch.bool)
+    torch.testing.assert_close(fn(x, none, torch.ones(0)), f(x, none, torch.ones(0)))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        fn(x, m, torch.ones(0))
     for wrong in (torch.tensor([True, True, True, True, False, False]), torch.tensor([True] + [False] * 5)):
         with pytest.raises(RuntimeError, match="shape mismatch"):
             f(x, wrong, torch.ones(3))

@@ -177,6 +177,8 @@ def _index_put_by_mask(target: torch.Tensor, indices, values: torch.Tensor, accu
             f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
             f"the indexing result (the boolean mask's number of True elements is not {n})",
         )
+        if n == 0:  # no values (an all-False mask, checked above): nothing is written
+            return target.clone()
         rank = (torch.cumsum(flat.to(torch.int64), 0) - 1).clamp(0, n - 1)
         full = values.reshape(vshape).expand([*target.shape[:k], n, *rest])
         picked = full.index_select(k, rank)
