@@ -34,13 +34,19 @@ print(host_malloc.tune_for_xla_cpu(), "|", faults)
 """
 
 
-def _run(**env_changes) -> tuple[str, int]:
+def _child_last_line(code: str, **env_changes) -> str:
+    """The last line `code` prints, run with no malloc settings of the user's and one CPU device."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env.pop("TPUC_MALLOC", None)
+    env.pop("TPUC_CPU_DEVICES", None)
     env.update(env_changes)
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    state, faults = out.stdout.strip().splitlines()[-1].rsplit("|", 1)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _run(**env_changes) -> tuple[str, int]:
+    state, faults = _child_last_line(CHILD, **env_changes).rsplit("|", 1)
     return state.strip(), int(faults)
 
 
@@ -93,14 +99,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 4)
 
 
 def test_large_temporaries_reuse_memory_after_other_threads_made_arenas():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    env.pop("TPUC_MALLOC", None)
-    env.pop("TPUC_CPU_DEVICES", None)
-    out = subprocess.run(
-        [sys.executable, "-c", ARENAS_CHILD], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    faults = int(out.stdout.strip().splitlines()[-1])
+    faults = int(_child_last_line(ARENAS_CHILD))
     # The graph's three 64 MiB blocks mapped afresh are 49k faults per call (measured without
     # the option); kept, 4-12k remain (smaller blocks, the result).
     assert faults < 24_000, faults
