@@ -3,7 +3,7 @@ with `model.forward` compiled, on every Transformers causal-LM family that can c
 as one graph (`_can_compile_fullgraph`), each built from a tiny config with random weights.
 
     python bench/generate.py --jobs 2                     # every family, resumable
-    python bench/generate.py --only llama mixtral --fresh
+    python bench/generate.py --only llama mixtral         # rerun these, keep the others
 
 Per family: greedy generation of NEW_TOKENS tokens from a PROMPT-token prompt; the tokens must be
 identical to eager's. Entries `buckets/<family>` generate from prompts of several lengths with one

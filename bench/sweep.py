@@ -400,6 +400,9 @@ _QSA_INDEXER = {
 # Per-family overrides applied on top of `shrink_dict` (keys of the top-level config).
 FAMILY: dict[str, dict] = {
     "bamba": {"attn_layer_indices": [1]},
+    # Group norms of 32 groups over the shrunk stage widths (16-128; a bottleneck's inner width
+    # is a quarter of that): 4 groups divide them all.
+    "bit": {"num_groups": 4},
     "cohere_compass_text": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
     },

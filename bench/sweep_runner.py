@@ -127,9 +127,11 @@ def main(
     p.add_argument("--only", nargs="*", help="entries to run (default: all)")
     p.add_argument("--jobs", type=int, default=1, help="entries run at once (one process each)")
     p.add_argument("--timeout", type=float, default=default_timeout, help="CPU seconds per entry")
-    p.add_argument("--fresh", action="store_true", help="rerun entries already in the results")
+    p.add_argument("--fresh", action="store_true", help="discard the results file and run every entry again")
     p.add_argument("--out", default=str(RESULTS / stem), help="results path without extension")
     args = p.parse_args()
+    if args.fresh and args.only:
+        p.error("--only already reruns its entries and keeps the others; --fresh would discard them")
     if args.one:
         run_child(work, args.one)
         return
