@@ -30,6 +30,7 @@ from . import (
     callprof,
     counters,
     dump,
+    flex,
     fx_export,
     precompiler,
     residency,
@@ -1015,6 +1016,7 @@ def compile_graph(
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set."""
+    flex.inline_flex_attention(gm, _decompositions(bool(maxima)))
     checks = _hoist_checks(gm)
     _rebase_storage_ops(gm)
     n_ties = 0
@@ -1133,7 +1135,10 @@ def _compile(gm, example_inputs, options, mode, kwargs):
                 return compiled
             from . import saved
 
-            graph = saved.pickle_graph(g)  # before compile_graph rewrites it
+            # Before compile_graph rewrites it, but with FlexAttention already inlined: loading
+            # cannot retrace it (the unpickled graph's fake tensors belong to other fake modes).
+            flex.inline_flex_attention(g, _decompositions(bool(maxima)))
+            graph = saved.pickle_graph(g)
             compiled = compile_graph(g, ins, opts, name, traces, maxima, shard)
             return saved.TpucOutputCode.capture(compiled, graph, options, mode, name)
 
