@@ -384,10 +384,14 @@ def test_regularized_incomplete_gamma():
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
-def test_antialiased_bilinear_resize():
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_antialiased_resize(mode):
+    """`_upsample_bilinear2d_aa` / `_upsample_bicubic2d_aa`: the triangle or Keys' cubic filter
+    (a = -0.5), support scaled when downsampling, taps normalized to sum 1, as PyTorch's
+    separable CPU kernel; an inf stays local."""
     x = torch.randn(2, 3, 10, 20, generator=torch.Generator().manual_seed(11))
-    x[0, 0, 2, 3] = float("inf")  # stays local, as in PyTorch's kernel
-    op = torch.ops.aten._upsample_bilinear2d_aa.default
+    x[0, 0, 2, 3] = float("inf")
+    op = getattr(torch.ops.aten, f"_upsample_{mode}2d_aa").default
 
     def f(x):
         return (
@@ -395,26 +399,8 @@ def test_antialiased_bilinear_resize():
             op(x, [17, 34], False),
             op(x, [4, 7], True),
             op(x, [17, 18], False, 1.7, 0.9),
-            torch.nn.functional.interpolate(x, size=(5, 6), mode="bilinear", antialias=True),
-        )
-
-    check(f, x, rtol=1e-5, atol=1e-5)
-
-
-def test_antialiased_bicubic_resize():
-    """`_upsample_bicubic2d_aa`: Keys' cubic filter (a = -0.5, support 2 x the scale when
-    downsampling), taps normalized to sum 1, as PyTorch's separable CPU kernel."""
-    x = torch.randn(2, 3, 10, 20, generator=torch.Generator().manual_seed(12))
-    op = torch.ops.aten._upsample_bicubic2d_aa.default
-
-    def f(x):
-        return (
-            op(x, [3, 3], False),
-            op(x, [17, 34], False),
-            op(x, [4, 7], True),
-            op(x, [17, 18], False, 1.7, 0.9),
-            torch.nn.functional.interpolate(x, size=(5, 6), mode="bicubic", antialias=True),
-            torch.nn.functional.interpolate(x, scale_factor=0.5, mode="bicubic", antialias=True),
+            torch.nn.functional.interpolate(x, size=(5, 6), mode=mode, antialias=True),
+            torch.nn.functional.interpolate(x, scale_factor=0.5, mode=mode, antialias=True),
         )
 
     check(f, x, rtol=1e-5, atol=1e-5)

@@ -11,8 +11,9 @@ step (1 GiB of attention temporaries) 740 -> 370 ms (README "Real-size models").
 its peak heap instead of returning freed memory to the system (a bound, such as 1 GiB, was measured
 to bring every fault back as soon as one graph's temporaries exceed it).
 
-The settings are process-wide, so tpuc leaves them alone when the user chose any (`MALLOC_*` or
-`GLIBC_TUNABLES` in the environment) or set `TPUC_MALLOC=default`, and off glibc.
+The settings are process-wide, so tpuc leaves them alone when the user tuned malloc
+(`_USER_SETTINGS`: glibc's malloc tunables in the environment; debugging ones such as
+`MALLOC_CHECK_` do not count) or set `TPUC_MALLOC=default`, and off glibc.
 """
 
 from __future__ import annotations
