@@ -113,7 +113,69 @@ pub struct Emitter<'c, 'b> {
     /// Broadcasts already in this block, by (operand, shape, dims): the same constant or
     /// per-channel vector is broadcast to one activation shape again and again.
     broadcasts: std::cell::RefCell<HashMap<BroadcastKey, T<'c, 'b>>>,
+    /// Values emitted as a transpose of a value in another physical layout (channels-last
+    /// convolutions), by the address of the transpose's result: `(physical value, permutation)`,
+    /// the logical value being `transpose(physical, permutation)`. See [`Emitter::layout_transpose`].
+    layouts: std::cell::RefCell<HashMap<usize, Layout<'c, 'b>>>,
+    /// Splats by the address of their value: `(value, dtype)`.
+    splat_of: std::cell::RefCell<HashMap<usize, (Scalar, DType)>>,
+    /// Broadcasts by the address of their result: `(operand, broadcast_dimensions)`.
+    broadcast_of: std::cell::RefCell<HashMap<usize, (T<'c, 'b>, Vec<i64>)>>,
+    /// Physical forms made by [`Emitter::materialize_physical`], by address.
+    materialized: std::cell::RefCell<rustc_hash::FxHashSet<usize>>,
 }
+
+/// A value's physical form: the logical value is `transpose(physical, permutation)` (logical dim
+/// `i` is physical dim `permutation[i]`).
+pub type Layout<'c, 'b> = (T<'c, 'b>, Vec<i64>);
+
+/// The address of a value, the key of the emitter's side tables.
+fn addr(t: &T) -> usize {
+    t.v.to_raw().ptr as usize
+}
+
+/// Elementwise ops a layout transpose sinks through (see [`Emitter::layout_transpose`]): their
+/// operands have the result's shape (or are 0-d, `clamp`'s bounds), their attributes name no
+/// dims, and each result element depends only on the operands' elements at its own index.
+const ELEMENTWISE: &[&str] = &[
+    "stablehlo.abs",
+    "stablehlo.add",
+    "stablehlo.and",
+    "stablehlo.atan2",
+    "stablehlo.cbrt",
+    "stablehlo.ceil",
+    "stablehlo.clamp",
+    "stablehlo.compare",
+    "stablehlo.convert",
+    "stablehlo.cosine",
+    "stablehlo.divide",
+    "stablehlo.exponential",
+    "stablehlo.exponential_minus_one",
+    "stablehlo.floor",
+    "stablehlo.is_finite",
+    "stablehlo.log",
+    "stablehlo.log_plus_one",
+    "stablehlo.logistic",
+    "stablehlo.maximum",
+    "stablehlo.minimum",
+    "stablehlo.multiply",
+    "stablehlo.negate",
+    "stablehlo.not",
+    "stablehlo.or",
+    "stablehlo.power",
+    "stablehlo.remainder",
+    "stablehlo.round_nearest_afz",
+    "stablehlo.round_nearest_even",
+    "stablehlo.rsqrt",
+    "stablehlo.select",
+    "stablehlo.sign",
+    "stablehlo.sine",
+    "stablehlo.sqrt",
+    "stablehlo.subtract",
+    "stablehlo.tan",
+    "stablehlo.tanh",
+    "stablehlo.xor",
+];
 
 /// Attributes built in one MLIR context, by their text: modules repeat the same few (dimension
 /// lists, comparison directions, constants), and parsing is most of what building an op costs.
@@ -373,6 +435,10 @@ impl<'c, 'b> Emitter<'c, 'b> {
             constants: Default::default(),
             splats: Default::default(),
             broadcasts: Default::default(),
+            layouts: Default::default(),
+            splat_of: Default::default(),
+            broadcast_of: Default::default(),
+            materialized: Default::default(),
         }
     }
 
@@ -388,6 +454,10 @@ impl<'c, 'b> Emitter<'c, 'b> {
             constants: Default::default(),
             splats: Default::default(),
             broadcasts: Default::default(),
+            layouts: Default::default(),
+            splat_of: Default::default(),
+            broadcast_of: Default::default(),
+            materialized: Default::default(),
         }
     }
 
@@ -434,6 +504,21 @@ impl<'c, 'b> Emitter<'c, 'b> {
 
     /// [`Emitter::op_n`] for an op with one result and no regions.
     pub fn op(
+        &self,
+        name: &str,
+        operands: &[&T<'c, 'b>],
+        attrs: &[(&str, String)],
+        shape: &[i64],
+        dtype: DType,
+    ) -> R<T<'c, 'b>> {
+        if let Some(t) = self.sink(name, operands, attrs, shape, dtype)? {
+            return Ok(t);
+        }
+        self.plain_op(name, operands, attrs, shape, dtype)
+    }
+
+    /// [`Emitter::op`] as given, with no layout sinking.
+    fn plain_op(
         &self,
         name: &str,
         operands: &[&T<'c, 'b>],
@@ -492,6 +577,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
         );
         let t = self.constant(value_attr, shape, dtype)?;
         self.splats.borrow_mut().insert(key, t.clone());
+        self.splat_of.borrow_mut().insert(addr(&t), (value, dtype));
         Ok(t)
     }
 
@@ -592,6 +678,9 @@ impl<'c, 'b> Emitter<'c, 'b> {
             t.dtype,
         )?;
         self.broadcasts.borrow_mut().insert(key, b.clone());
+        self.broadcast_of
+            .borrow_mut()
+            .insert(addr(&b), (t.clone(), dims.to_vec()));
         Ok(b)
     }
 
@@ -623,6 +712,126 @@ impl<'c, 'b> Emitter<'c, 'b> {
             &shape,
             t.dtype,
         )
+    }
+
+    /// `transpose(physical, perm)`, remembered as a value whose physical form is `physical`:
+    /// elementwise ops ([`ELEMENTWISE`]) whose operands are such transposes with one
+    /// permutation (the others splats or broadcasts, which are re-emitted in the physical
+    /// layout) are emitted on the physical operands and transposed after, and rules that know
+    /// layouts ([`Emitter::physical`]: convolution, batch norm, pooling, reductions) read the
+    /// physical form. So a chain of such ops between two channels-last convolutions carries no
+    /// transpose; a transpose nobody reads is dead code that XLA drops. Exact: each rewrite
+    /// computes the same elements with the same ops.
+    pub fn layout_transpose(&self, physical: &T<'c, 'b>, perm: &[i64]) -> R<T<'c, 'b>> {
+        let t = self.transpose(physical, perm)?;
+        if addr(&t) != addr(physical) {
+            self.layouts
+                .borrow_mut()
+                .insert(addr(&t), (physical.clone(), perm.to_vec()));
+        }
+        Ok(t)
+    }
+
+    /// The physical form of layout transpose `t` through a `stablehlo.optimization_barrier`,
+    /// which becomes its physical form from now on: every later reader of the physical form
+    /// reads one materialized buffer, and XLA cannot fuse (and so recompute) what made it into
+    /// each reader. A physical form that is already such a barrier is returned as it is.
+    pub fn materialize_physical(&self, t: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        let (p, perm) = self
+            .physical(t)
+            .ok_or_else(|| LowerError::internal("materialize_physical of a plain value"))?;
+        if self.materialized.borrow().contains(&addr(&p)) {
+            return Ok(p);
+        }
+        let b = self
+            .op_n(
+                "stablehlo.optimization_barrier",
+                &[&p],
+                &[],
+                &[(p.shape.clone(), p.dtype)],
+                Vec::new(),
+            )?
+            .remove(0);
+        self.materialized.borrow_mut().insert(addr(&b));
+        self.layouts.borrow_mut().insert(addr(t), (b.clone(), perm));
+        Ok(b)
+    }
+
+    /// The physical form of a value made by [`Emitter::layout_transpose`] (or sunk through one).
+    pub fn physical(&self, t: &T<'c, 'b>) -> Option<Layout<'c, 'b>> {
+        self.layouts.borrow().get(&addr(t)).cloned()
+    }
+
+    /// An elementwise op on layout transposes, emitted on their physical forms and transposed
+    /// after (see [`Emitter::layout_transpose`]); None when it does not apply.
+    fn sink(
+        &self,
+        name: &str,
+        operands: &[&T<'c, 'b>],
+        attrs: &[(&str, String)],
+        shape: &[i64],
+        dtype: DType,
+    ) -> R<Option<T<'c, 'b>>> {
+        if self.layouts.borrow().is_empty() || shape.is_empty() || !ELEMENTWISE.contains(&name) {
+            return Ok(None);
+        }
+        let perm = {
+            let layouts = self.layouts.borrow();
+            let mut perm: Option<&Vec<i64>> = None;
+            for t in operands {
+                if let Some((_, p)) = layouts.get(&addr(t)) {
+                    if perm.is_some_and(|q| q != p) {
+                        return Ok(None);
+                    }
+                    perm = Some(p);
+                }
+            }
+            match perm {
+                Some(p) if p.len() == shape.len() => p.clone(),
+                _ => return Ok(None),
+            }
+        };
+        let mut physical_shape = vec![0; shape.len()];
+        for (i, &p) in perm.iter().enumerate() {
+            physical_shape[p as usize] = shape[i];
+        }
+        // What each operand is in the physical layout, looked up before anything is emitted.
+        enum Form<'c, 'b> {
+            Same(T<'c, 'b>),
+            Splat(Scalar, DType),
+            Broadcast(T<'c, 'b>, Vec<i64>),
+        }
+        let mut forms = Vec::with_capacity(operands.len());
+        for t in operands {
+            let form = if t.rank() == 0 {
+                Form::Same((*t).clone())
+            } else if t.shape != shape {
+                return Ok(None);
+            } else if let Some((src, _)) = self.layouts.borrow().get(&addr(t)) {
+                Form::Same(src.clone())
+            } else if let Some(&(value, d)) = self.splat_of.borrow().get(&addr(t)) {
+                Form::Splat(value, d)
+            } else if let Some((src, dims)) = self.broadcast_of.borrow().get(&addr(t)) {
+                Form::Broadcast(
+                    src.clone(),
+                    dims.iter().map(|&d| perm[d as usize]).collect(),
+                )
+            } else {
+                return Ok(None);
+            };
+            forms.push(form);
+        }
+        let physical = forms
+            .into_iter()
+            .map(|f| match f {
+                Form::Same(t) => Ok(t),
+                Form::Splat(value, d) => self.splat(value, &physical_shape, d),
+                Form::Broadcast(src, dims) => self.broadcast_in_dim(&src, &physical_shape, &dims),
+            })
+            .collect::<R<Vec<_>>>()?;
+        let refs: Vec<&T<'c, 'b>> = physical.iter().collect();
+        let r = self.plain_op(name, &refs, attrs, &physical_shape, dtype)?;
+        self.layout_transpose(&r, &perm).map(Some)
     }
 
     /// Broadcasts two operands to their common shape and converts them to `dtype`.
@@ -986,6 +1195,42 @@ impl<'c, 'b> Emitter<'c, 'b> {
         let mut dims: Vec<i64> = dims.to_vec();
         dims.sort();
         dims.dedup();
+        let layout = self
+            .physical(t)
+            .filter(|(_, p)| p.len() == t.rank() && dims.len() < t.rank());
+        if let Some((src, perm)) = layout {
+            // A layout transpose: reduce its physical form along the same dims there; the kept
+            // dims come out in physical order, transposed back to logical order when they differ.
+            // (A reduction to a scalar has no layout to keep: it reads the logical value, in the
+            // order it always did.)
+            let physical_dims: Vec<i64> = dims.iter().map(|&d| perm[d as usize]).collect();
+            let r = self.reduce(&src, &physical_dims, kind, false)?;
+            let mut kept: Vec<i64> = (0..t.rank() as i64)
+                .filter(|d| !dims.contains(d))
+                .map(|d| perm[d as usize])
+                .collect();
+            let logical_order = kept.clone();
+            kept.sort();
+            let q: Vec<i64> = logical_order
+                .iter()
+                .map(|p| kept.iter().position(|k| k == p).expect("kept") as i64)
+                .collect();
+            let r = self.layout_transpose(&r, &q)?;
+            return if keepdim {
+                let shape: Vec<i64> = (0..t.rank() as i64)
+                    .map(|d| {
+                        if dims.contains(&d) {
+                            1
+                        } else {
+                            t.shape[d as usize]
+                        }
+                    })
+                    .collect();
+                self.reshape(&r, &shape)
+            } else {
+                Ok(r)
+            };
+        }
         let init = self.splat(Self::reduce_init(kind, t.dtype), &[], t.dtype)?;
         let kept: Vec<i64> = (0..t.rank() as i64)
             .filter(|d| !dims.contains(d))

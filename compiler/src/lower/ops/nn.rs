@@ -141,10 +141,17 @@ fn batch_norm_no_training<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     // One op where its epsilon (an f32 attribute) is exact enough: f32 math. XLA expands it to
     // the same arithmetic as below; a module a tenth the size lowers and compiles faster.
     let y = if acc == DType::Float32 && eps.is_finite() && x.shape.len() >= 2 {
-        e.op(
+        // A channels-last layout transpose is normalized in its physical form, along the
+        // channels' physical dim (see `Emitter::layout_transpose`).
+        let layout = e.physical(&xf).filter(|(_, p)| p.len() == x.rank());
+        let (operand, feature) = match &layout {
+            Some((src, perm)) => (src, perm[1]),
+            None => (&xf, 1),
+        };
+        let y = e.op(
             "stablehlo.batch_norm_inference",
             &[
-                &xf,
+                operand,
                 &per_channel_or(w, 1.0)?,
                 &per_channel_or(b, 0.0)?,
                 &e.convert(&mean, acc)?,
@@ -152,11 +159,15 @@ fn batch_norm_no_training<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             ],
             &[
                 ("epsilon", format!("{eps:.17e} : f32")),
-                ("feature_index", "1 : i64".to_string()),
+                ("feature_index", format!("{feature} : i64")),
             ],
-            &x.shape,
+            &operand.shape.clone(),
             acc,
-        )?
+        )?;
+        match &layout {
+            Some((_, perm)) => e.layout_transpose(&y, perm)?,
+            None => y,
+        }
     } else {
         batch_norm_arithmetic(e, &xf, w, b, &mean, &var, eps, acc)?
     };
@@ -330,6 +341,30 @@ fn pool<'c, 'b>(
         let hi = (needed - x.shape[d] - lo).max(w.padding[k].min(needed - x.shape[d] - lo).max(0));
         pads[d] = [lo, hi];
     }
+    // A channels-last layout transpose is pooled in its physical form, with the window's
+    // dims permuted to match (see `Emitter::layout_transpose`).
+    let layout = cx.e.physical(x).filter(|(_, p)| p.len() == r);
+    let (operand, out_shape) = match &layout {
+        Some((src, perm)) => {
+            let to_physical = |v: &[i64]| {
+                let mut out = v.to_vec();
+                for (i, &p) in perm.iter().enumerate() {
+                    out[p as usize] = v[i];
+                }
+                out
+            };
+            wd = to_physical(&wd);
+            ws = to_physical(&ws);
+            wdil = to_physical(&wdil);
+            let mut physical_pads = pads.clone();
+            for (i, &p) in perm.iter().enumerate() {
+                physical_pads[p as usize] = pads[i];
+            }
+            pads = physical_pads;
+            (src, to_physical(out_shape))
+        }
+        None => (x, out_shape.to_vec()),
+    };
     let pad_text: Vec<String> = pads
         .iter()
         .map(|p| format!("[{}, {}]", p[0], p[1]))
@@ -337,11 +372,10 @@ fn pool<'c, 'b>(
     let init =
         cx.e.splat(Emitter::reduce_init(kind, x.dtype), &[], x.dtype)?;
     let region = cx.e.scalar_region(kind, x.dtype)?;
-    Ok(cx
-        .e
-        .op_n(
+    let y =
+        cx.e.op_n(
             "stablehlo.reduce_window",
-            &[x, &init],
+            &[operand, &init],
             &[
                 ("window_dimensions", array_i64(&wd)),
                 ("window_strides", array_i64(&ws)),
@@ -351,10 +385,14 @@ fn pool<'c, 'b>(
                     format!("dense<[{}]> : tensor<{r}x2xi64>", pad_text.join(", ")),
                 ),
             ],
-            &[(out_shape.to_vec(), x.dtype)],
+            &[(out_shape, x.dtype)],
             vec![region],
         )?
-        .remove(0))
+        .remove(0);
+    match &layout {
+        Some((_, perm)) => cx.e.layout_transpose(&y, perm),
+        None => Ok(y),
+    }
 }
 
 fn max_pool2d_with_indices<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
