@@ -1198,7 +1198,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
         let layout = self
             .physical(t)
             .filter(|(_, p)| p.len() == t.rank() && dims.len() < t.rank());
-        if let Some((src, perm)) = layout {
+        let r = if let Some((src, perm)) = layout {
             // A layout transpose: reduce its physical form along the same dims there; the kept
             // dims come out in physical order, transposed back to logical order when they differ.
             // (A reduction to a scalar has no layout to keep: it reads the logical value, in the
@@ -1215,37 +1215,23 @@ impl<'c, 'b> Emitter<'c, 'b> {
                 .iter()
                 .map(|p| kept.iter().position(|k| k == p).expect("kept") as i64)
                 .collect();
-            let r = self.layout_transpose(&r, &q)?;
-            return if keepdim {
-                let shape: Vec<i64> = (0..t.rank() as i64)
-                    .map(|d| {
-                        if dims.contains(&d) {
-                            1
-                        } else {
-                            t.shape[d as usize]
-                        }
-                    })
-                    .collect();
-                self.reshape(&r, &shape)
-            } else {
-                Ok(r)
-            };
-        }
-        let init = self.splat(Self::reduce_init(kind, t.dtype), &[], t.dtype)?;
-        let kept: Vec<i64> = (0..t.rank() as i64)
-            .filter(|d| !dims.contains(d))
-            .map(|d| t.shape[d as usize])
-            .collect();
-        let region = self.scalar_region(kind, t.dtype)?;
-        let r = self
-            .op_n(
+            self.layout_transpose(&r, &q)?
+        } else {
+            let init = self.splat(Self::reduce_init(kind, t.dtype), &[], t.dtype)?;
+            let kept: Vec<i64> = (0..t.rank() as i64)
+                .filter(|d| !dims.contains(d))
+                .map(|d| t.shape[d as usize])
+                .collect();
+            let region = self.scalar_region(kind, t.dtype)?;
+            self.op_n(
                 "stablehlo.reduce",
                 &[t, &init],
                 &[("dimensions", array_i64(&dims))],
                 &[(kept, t.dtype)],
                 vec![region],
             )?
-            .remove(0);
+            .remove(0)
+        };
         if keepdim {
             let shape: Vec<i64> = (0..t.rank() as i64)
                 .map(|d| {
