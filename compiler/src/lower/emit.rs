@@ -129,6 +129,16 @@ pub struct Emitter<'c, 'b> {
 /// `i` is physical dim `permutation[i]`).
 pub type Layout<'c, 'b> = (T<'c, 'b>, Vec<i64>);
 
+/// `logical` (one entry per dim of a layout transpose's logical value) in the order of its
+/// physical form: logical dim `i` is physical dim `perm[i]`.
+pub fn to_physical<X: Copy>(logical: &[X], perm: &[i64]) -> Vec<X> {
+    let mut out = logical.to_vec();
+    for (i, &p) in perm.iter().enumerate() {
+        out[p as usize] = logical[i];
+    }
+    out
+}
+
 /// The address of a value, the key of the emitter's side tables.
 fn addr(t: &T) -> usize {
     t.v.to_raw().ptr as usize
@@ -791,10 +801,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
                 _ => return Ok(None),
             }
         };
-        let mut physical_shape = vec![0; shape.len()];
-        for (i, &p) in perm.iter().enumerate() {
-            physical_shape[p as usize] = shape[i];
-        }
+        let physical_shape = to_physical(shape, &perm);
         // What each operand is in the physical layout, looked up before anything is emitted.
         enum Form<'c, 'b> {
             Same(T<'c, 'b>),

@@ -1,6 +1,6 @@
 //! Neural-network ops that core ATen keeps whole: normalizations and pooling.
 
-use crate::lower::emit::{array_i64, Emitter};
+use crate::lower::emit::{array_i64, to_physical, Emitter};
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::ops::shape::{along_dim_coords, take_along};
 use crate::lower::ops::window::{taps as window_taps, Window};
@@ -346,22 +346,11 @@ fn pool<'c, 'b>(
     let layout = cx.e.physical(x).filter(|(_, p)| p.len() == r);
     let (operand, out_shape) = match &layout {
         Some((src, perm)) => {
-            let to_physical = |v: &[i64]| {
-                let mut out = v.to_vec();
-                for (i, &p) in perm.iter().enumerate() {
-                    out[p as usize] = v[i];
-                }
-                out
-            };
-            wd = to_physical(&wd);
-            ws = to_physical(&ws);
-            wdil = to_physical(&wdil);
-            let mut physical_pads = pads.clone();
-            for (i, &p) in perm.iter().enumerate() {
-                physical_pads[p as usize] = pads[i];
-            }
-            pads = physical_pads;
-            (src, to_physical(out_shape))
+            wd = to_physical(&wd, perm);
+            ws = to_physical(&ws, perm);
+            wdil = to_physical(&wdil, perm);
+            pads = to_physical(&pads, perm);
+            (src, to_physical(out_shape, perm))
         }
         None => (x, out_shape.to_vec()),
     };
