@@ -327,8 +327,10 @@ def test_depthwise_convolutions_as_tap_sums(tmp_path):
     b = torch.randn(6)
 
     def f(x, w7, w35, wg, x1, w1, b):
+        y = F.conv2d(x, w7, b, padding=3, groups=6)
         return (
-            F.conv2d(x, w7, b, padding=3, groups=6),
+            y,
+            F.layer_norm(y.permute(0, 2, 3, 1), (6,)),  # read again: mean, variance, normalize
             F.conv2d(x, w35, None, stride=(2, 1), padding=(1, 0), dilation=(1, 2), groups=6),
             F.conv2d(x, wg, b, padding=1, groups=2),
             F.conv1d(x1, w1, None, stride=2, padding=2, groups=4),
@@ -369,10 +371,11 @@ def test_convolutions_with_few_output_positions_as_tap_products(tmp_path):
 
 
 def test_channels_last_convolution_chain_carries_no_transposes(tmp_path):
-    """Forward 2-D convolutions compute channels-last, and batch norm, ReLU, the residual add,
-    max pooling and the per-channel mean read that layout: in a stem + residual block + pool +
-    projection, the only transposes read are the graph input's (into NHWC) and the outputs'
-    (back to NCHW, returned); the results match eager."""
+    """Forward 2-D convolutions compute channels-last (depthwise ones too), and batch norm,
+    ReLU, the residual add, max pooling and the per-channel mean read that layout: in a stem +
+    residual block + depthwise convolution + pool + projection, the only activations transposed
+    and read are the graph input (into NHWC) and the outputs (back to NCHW, returned); the
+    results match eager."""
     torch.manual_seed(0)
 
     class Net(torch.nn.Module):
@@ -381,12 +384,14 @@ def test_channels_last_convolution_chain_carries_no_transposes(tmp_path):
             self.stem = torch.nn.Conv2d(16, 32, 1)
             self.conv = torch.nn.Conv2d(32, 32, 3, padding=1, bias=False)
             self.bn = torch.nn.BatchNorm2d(32)
+            self.depthwise = torch.nn.Conv2d(32, 32, 5, padding=2, groups=32)
             self.proj = torch.nn.Conv2d(32, 64, 1)
             self.bn2 = torch.nn.BatchNorm2d(64)
 
         def forward(self, x):
             y = self.stem(x)
             y = F.relu(self.bn(self.conv(y))) + y
+            y = self.depthwise(y) - y
             z = F.relu(self.bn2(self.proj(F.max_pool2d(y, 2))))
             return z, z.mean((2, 3))
 
@@ -408,7 +413,8 @@ def test_channels_last_convolution_chain_carries_no_transposes(tmp_path):
         return set(re.findall(r"%[\w#]+", line.split(" = ", 1)[-1]))
 
     for line in lines:
-        if '"stablehlo.transpose"' not in line:
+        # Activations are rank 4; the depthwise kernel is read taps-major (a rank-2 transpose).
+        if '"stablehlo.transpose"' not in line or not re.search(r"-> tensor<\d+x\d+x\d+x\d+x", line):
             continue
         name = line.split(" = ")[0].strip()
         if all(v.startswith("%arg") for v in operands(line)):

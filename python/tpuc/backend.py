@@ -36,6 +36,7 @@ from . import (
     residency,
     runtime,
     ties,
+    torch_kernels,
 )
 from . import options as options_mod
 from . import sharding as sharding_mod
@@ -890,14 +891,15 @@ def _warn_fallback(ops: list[str]) -> None:
         )
 
 
-def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None):
-    """Splits `gm` into tpuc partitions (supported ops) and eager ops."""
+def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None, in_torch=frozenset()):
+    """Splits `gm` into tpuc partitions (supported ops) and eager ops (unsupported ones, and
+    the nodes of `in_torch`)."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
 
     class Support(OperatorSupport):
         def is_node_supported(self, submodules, node):
-            return _supported(node)
+            return node not in in_torch and _supported(node)
 
     partitioner = CapabilityBasedPartitioner(gm, Support(), allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
@@ -1033,9 +1035,14 @@ def compile_graph(
 def _compile_hook(gm: torch.fx.GraphModule, opts, name: str, traces: dict | None, maxima, shard):
     traces = traces or {}
     bad = _unsupported_nodes(gm)
-    if not bad:
+    in_torch = _torch_kernel_nodes(gm, opts, shard)
+    if not bad and not in_torch:
         compiled = _compile_or_fallback(gm, opts, name, maxima, shard)
         return compiled if compiled is not None else make_boxed_func(gm.forward)
+    for n in in_torch:
+        counters.count_torch_kernel(str(n.target))
+    if not bad:
+        return make_boxed_func(_partitioned(gm, opts, name, maxima, shard, set(in_torch)).forward)
     if opts.fallback == "error":
         n = bad[0]
         details = "\n".join(f"  - `{b.target}` (node `{b.name}`){_origin(b, traces)}" for b in bad)
@@ -1050,8 +1057,17 @@ def _compile_hook(gm: torch.fx.GraphModule, opts, name: str, traces: dict | None
     for op in ops:
         counters.count_fallback(op)
     _warn_fallback(ops)
-    fused = _partitioned(gm, opts, name, maxima, shard)
+    fused = _partitioned(gm, opts, name, maxima, shard, set(in_torch))
     return make_boxed_func(fused.forward)
+
+
+def _torch_kernel_nodes(gm: torch.fx.GraphModule, opts, shard) -> list[torch.fx.Node]:
+    """The nodes to run through PyTorch's own kernel (see torch_kernels.py): only on the CPU
+    plugin and unsharded (a partitioned graph would leave the mesh)."""
+    if shard is not None:
+        return []
+    rt = runtime.get_runtime(opts.plugin, None, opts.plugin_options)
+    return torch_kernels.nodes(gm, rt.host_zero_copy)
 
 
 _SURFACED: dict[type, type] = {}

@@ -30,6 +30,8 @@ def reset_stats() -> None:
             # calls run again by PyTorch because a topk had ties (see ties.py)
             eager_reruns=0,
             fallback_ops=Counter(),
+            # nodes run through PyTorch's own kernel by choice (see torch_kernels.py), per op
+            torch_kernels=Counter(),
             # per IR pass: {"runs", "ops_before", "ops_after", "ops_removed", "changes", "seconds"}
             passes={},
             lower_seconds=0.0,
@@ -43,6 +45,7 @@ def stats() -> dict:
         out = dict(_stats)
         out["executions"] += _native.plan_executions() - _plan_executions_at_reset
         out["fallback_ops"] = dict(_stats["fallback_ops"])
+        out["torch_kernels"] = dict(_stats["torch_kernels"])
         out["passes"] = {k: dict(v) for k, v in _stats["passes"].items()}
         return out
 
@@ -72,6 +75,11 @@ def record_passes(report) -> None:
 def count_fallback(op: str, n: int = 1) -> None:
     with _lock:
         _stats["fallback_ops"][op] += n
+
+
+def count_torch_kernel(op: str) -> None:
+    with _lock:
+        _stats["torch_kernels"][op] += 1
 
 
 def count_upload() -> None:

@@ -753,18 +753,26 @@ impl<'c, 'b> Emitter<'c, 'b> {
         if self.materialized.borrow().contains(&addr(&p)) {
             return Ok(p);
         }
-        let b = self
-            .op_n(
-                "stablehlo.optimization_barrier",
-                &[&p],
-                &[],
-                &[(p.shape.clone(), p.dtype)],
-                Vec::new(),
-            )?
-            .remove(0);
+        let b = self.barrier(&p)?;
         self.materialized.borrow_mut().insert(addr(&b));
         self.layouts.borrow_mut().insert(addr(t), (b.clone(), perm));
         Ok(b)
+    }
+
+    /// `t` through a `stablehlo.optimization_barrier`: one buffer that every reader reads, so
+    /// XLA cannot fuse (and so recompute) what made `t` into each of them. For values that are
+    /// costly per element and read by several fusions: XLA's CPU fusion duplicates elementwise
+    /// producers into every consumer whatever their cost.
+    pub fn barrier(&self, t: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        Ok(self
+            .op_n(
+                "stablehlo.optimization_barrier",
+                &[t],
+                &[],
+                &[(t.shape.clone(), t.dtype)],
+                Vec::new(),
+            )?
+            .remove(0))
     }
 
     /// The physical form of a value made by [`Emitter::layout_transpose`] (or sunk through one).

@@ -48,8 +48,19 @@ impl Window {
         out_shape: &[i64],
         value: Scalar,
     ) -> R<T<'c, 'b>> {
+        self.pad_from(e, x, out_shape, value, x.rank() - self.kernel.len())
+    }
+
+    /// [`Window::pad`] with the spatial dims starting at dim `first` (1 for channels-last).
+    pub fn pad_from<'c, 'b>(
+        &self,
+        e: &Emitter<'c, 'b>,
+        x: &T<'c, 'b>,
+        out_shape: &[i64],
+        value: Scalar,
+        first: usize,
+    ) -> R<T<'c, 'b>> {
         let rank = x.rank();
-        let first = rank - self.kernel.len();
         let (mut lo, mut hi) = (vec![0; rank], vec![0; rank]);
         let mut padded_shape = x.shape.clone();
         for k in 0..self.kernel.len() {

@@ -1,0 +1,90 @@
+"""Attention over many keys runs through PyTorch's CPU flash attention on the CPU plugin (see
+python/tpuc/torch_kernels.py): the graph is split around it, results match eager, nothing is
+warned or counted as a fallback; small attention and TPUC_TORCH_KERNELS=0 stay in XLA."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tpuc
+
+ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+
+
+class Block(torch.nn.Module):
+    """Projections before and after the attention, so that it sits inside the graph."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, n, d)) + x
+
+
+def _run(model, *inputs, **options):
+    tpuc.reset_stats()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        compiled = torch.compile(model, backend="tpu", options={"cache_dir": None, **options})
+        out = compiled(*inputs)
+    return out, tpuc.stats()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_long_attention_runs_in_pytorch_between_compiled_partitions(masked):
+    torch.manual_seed(0)
+    model = Block().eval()
+    x = torch.randn(2, 1100, 32)  # 2 x 4 heads x 1100 x 1100 scores: over 4M
+    mask = torch.randn(1100, 1100) if masked else None
+    with torch.no_grad():
+        out, stats = _run(model, x, mask, fallback="error")
+        torch.testing.assert_close(out, model(x, mask), rtol=1e-5, atol=1e-5)
+    assert stats["torch_kernels"] == {ATTENTION: 1}
+    assert stats["fallback_ops"] == {}
+    assert stats["graphs_compiled"] == 2  # the projections before and the ones after
+
+
+def test_long_attention_in_training_stays_in_xla():
+    # With gradients, AOTAutograd decomposes attention into its math (products and softmax):
+    # there is no flash attention node to hand over, and both graphs compile whole.
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(1, 1100, 32, requires_grad=True)
+    ref = Block()
+    ref.load_state_dict(model.state_dict())
+    xr = x.detach().clone().requires_grad_()
+    out, stats = _run(model, x, fallback="eager")
+    out.square().mean().backward()
+    ref(xr).square().mean().backward()
+    torch.testing.assert_close(out, ref(xr), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-6)
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6)
+    assert tpuc.stats()["torch_kernels"] == {} and stats["fallback_ops"] == {}
+
+
+def test_short_attention_and_the_setting_keep_attention_in_xla(monkeypatch):
+    torch.manual_seed(0)
+    model = Block().eval()
+    with torch.no_grad():
+        short = torch.randn(2, 200, 32)
+        out, stats = _run(model, short, fallback="error")
+        torch.testing.assert_close(out, model(short), rtol=1e-5, atol=1e-5)
+        assert stats["torch_kernels"] == {} and stats["graphs_compiled"] == 1
+
+        monkeypatch.setenv("TPUC_TORCH_KERNELS", "0")
+        long = torch.randn(2, 1100, 32)
+        out, stats = _run(model, long, fallback="error")
+        torch.testing.assert_close(out, model(long), rtol=1e-5, atol=1e-5)
+        assert stats["torch_kernels"] == {} and stats["graphs_compiled"] == 1
