@@ -177,6 +177,32 @@ fn reads_as_bytecode_rejection(message: &str) -> bool {
     m.contains("bytecode") && (m.contains("version") || m.contains("parse") || m.contains("read"))
 }
 
+/// Largest tensor (elements) of a graph compiled for the CPU plugin with its loop fusions run
+/// on the calling thread, unpartitioned (`TPUC_UNPARTITIONED_MAX` sets it; 0: none). Below it
+/// XLA's partitions of a fusion each take microseconds, which the hand-offs to its thread pool
+/// (and that pool spinning after) cost more than the second core gives; above it, as in
+/// ResNet-50 (800k-element activations at batch 1), partitions win.
+const UNPARTITIONED_MAX_ELEMENTS: i64 = 1 << 18;
+
+/// Whether a graph's largest tensor is at most [`UNPARTITIONED_MAX_ELEMENTS`].
+fn runs_unpartitioned(g: &Graph) -> bool {
+    static MAX: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    let max = *MAX.get_or_init(|| {
+        std::env::var("TPUC_UNPARTITIONED_MAX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(UNPARTITIONED_MAX_ELEMENTS)
+    });
+    max > 0
+        && g.dag
+            .node_weights()
+            .flat_map(|n| n.results.iter().flatten())
+            .all(|t| {
+                t.static_shape()
+                    .is_some_and(|s| s.iter().product::<i64>() <= max)
+            })
+}
+
 /// Whether `TPUC_DISCRETE_DEVICE` asks to treat every plugin as a discrete device.
 pub fn discrete_device_forced() -> bool {
     std::env::var("TPUC_DISCRETE_DEVICE").is_ok_and(|v| !v.is_empty() && v != "0")
@@ -241,14 +267,23 @@ impl Engine {
     /// Compiles `lowered` with the plugin: as MLIR bytecode, or as text for a plugin older than
     /// the bytecode was tested with (`TPUC_MODULE_FORMAT=text|bytecode` decides instead). A
     /// plugin that cannot read the bytecode gets the text, from then on.
+    /// `unpartitioned`: see [`runs_unpartitioned`].
     fn compile_module(
         &self,
         lowered: &Lowered,
         options: &CompileOptions,
+        unpartitioned: bool,
     ) -> Result<LoadedExecutable, CompileError> {
         use std::sync::atomic::Ordering::Relaxed;
+        let compile = |module: &[u8]| {
+            if unpartitioned {
+                self.client.compile_bytes_unpartitioned(module, options)
+            } else {
+                self.client.compile_bytes(module, options)
+            }
+        };
         if !self.text_modules.load(Relaxed) {
-            match self.client.compile_bytes(&lowered.bytecode, options) {
+            match compile(&lowered.bytecode) {
                 Err(e) if reads_as_bytecode_rejection(&e.to_string()) => {
                     tracing::warn!(
                         "the plugin cannot read tpuc's MLIR bytecode, sending text: {e}"
@@ -258,9 +293,7 @@ impl Engine {
                 other => return Ok(other?),
             }
         }
-        Ok(self
-            .client
-            .compile_bytes(lowered.text()?.as_bytes(), options)?)
+        Ok(compile(lowered.text()?.as_bytes())?)
     }
 
     pub fn client(&self) -> &Client {
@@ -356,9 +389,11 @@ impl Engine {
             },
         )?;
         let lower_seconds = t0.elapsed().as_secs_f64();
+        let unpartitioned = self.platform == "cpu" && runs_unpartitioned(&specialized);
         let key = KeyBuilder::new()
             .part("module", &lowered.bytecode)
             .part("compile_options", &options.encode())
+            .part("unpartitioned", &[u8::from(unpartitioned)])
             .part("plugin", &self.client.plugin().identity())
             .part("cpu", self.cpu.as_bytes())
             .part("xla_flags", self.xla_flags.as_bytes())
@@ -372,7 +407,7 @@ impl Engine {
                 match disk.as_ref().and_then(|d| self.load(d, &key, &module_hash)) {
                     Some(exe) => (self.cache.insert(key, exe), CacheOutcome::Disk),
                     None => {
-                        let exe = self.compile_module(&lowered, &options)?;
+                        let exe = self.compile_module(&lowered, &options, unpartitioned)?;
                         if let Some(d) = &disk {
                             self.store(d, &key, &exe, &lowered);
                         }
