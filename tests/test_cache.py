@@ -571,3 +571,25 @@ def test_precompile_falls_back_to_this_process_when_workers_fail(tmp_path, monke
     assert report["processes"] == 1
     assert (report["executables"], report["compiled"]) == (4, 4), (report, tpuc.stats())
     assert "compile workers failed" in caplog.text and "exited with status 1" in caplog.text
+
+
+def test_an_executable_compiled_in_memory_is_written_to_a_disk_cache_asked_for_later(tmp_path):
+    """A graph compiled without a disk cache, then compiled again with one (a saved model, a
+    precompile into a deployment folder): the second compile is a memory hit, and the folder
+    still gets the executable, so that the process that reads it compiles nothing."""
+
+    def f(x):
+        return torch.tanh(x) * 3 - x
+
+    x = torch.randn(7, 5)
+    torch._dynamo.reset()
+    torch.compile(f, backend="tpu", options={"cache_dir": None})(x)
+    torch._dynamo.reset()
+    d = tmp_path / "cache"
+    before = tpuc.stats()
+    out = torch.compile(f, backend="tpu", options={"cache_dir": str(d)})(x)
+    after = tpuc.stats()
+    torch.testing.assert_close(out, f(x))
+    assert after["cache_hits_memory"] == before["cache_hits_memory"] + 1
+    assert after["xla_compiles"] == before["xla_compiles"]
+    assert len(entries(d)) == 1

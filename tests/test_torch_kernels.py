@@ -88,3 +88,49 @@ def test_short_attention_and_the_setting_keep_attention_in_xla(monkeypatch):
         out, stats = _run(model, long, fallback="error")
         torch.testing.assert_close(out, model(long), rtol=1e-5, atol=1e-5)
         assert stats["torch_kernels"] == {} and stats["graphs_compiled"] == 1
+
+
+LOAD_CHILD = r"""
+import sys, torch, tpuc
+sys.path.insert(0, sys.argv[2])
+from test_torch_kernels import Block
+model = Block().eval()
+model.load_state_dict(torch.load(sys.argv[1] + ".pt"))
+x = torch.randn(2, 1100, 32)
+with torch.no_grad():
+    fn = tpuc.load_compiled(sys.argv[1], model)
+    torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-5)
+s = tpuc.stats()
+print(s["torch_kernels"], s["xla_compiles"])
+"""
+
+
+def test_saved_model_with_long_attention_loads_without_compiling(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = Block().eval()
+    x = torch.randn(2, 1100, 32)
+    path = tmp_path / "block.tpuc"
+    env = dict(os.environ, TPUC_CACHE_DIR=str(tmp_path / "cache"))
+    os.environ["TPUC_CACHE_DIR"] = env["TPUC_CACHE_DIR"]
+    try:
+        with torch.no_grad():
+            fn = tpuc.save_compiled(model, str(path), (x,))
+            torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-5)
+    finally:
+        del os.environ["TPUC_CACHE_DIR"]
+    torch.save(model.state_dict(), str(path) + ".pt")
+    tests = os.path.dirname(__file__)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_CHILD, str(path), tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "0"  # every executable from the cache
+    assert ATTENTION in out.stdout

@@ -400,7 +400,17 @@ impl Engine {
             .finish();
         let t1 = Instant::now();
         let (exe, outcome) = match self.cache.get(&key) {
-            Some(exe) => (exe, CacheOutcome::Memory),
+            Some(exe) => {
+                // Compiled earlier in this process, perhaps with no disk cache or another one:
+                // written to this one too, so that a process that reads it (a saved model's
+                // loader, a precompiled deployment) finds it.
+                if let Some(d) = self.disk_cache(disk)? {
+                    if !d.is_read_only() && !d.entry_path(&key).exists() {
+                        self.store(&d, &key, &exe, &lowered);
+                    }
+                }
+                (exe, CacheOutcome::Memory)
+            }
             None => {
                 let disk = self.disk_cache(disk)?;
                 let module_hash = *blake3::hash(&lowered.bytecode).as_bytes();
