@@ -90,15 +90,20 @@ def test_short_attention_and_the_setting_keep_attention_in_xla(monkeypatch):
         assert stats["torch_kernels"] == {} and stats["graphs_compiled"] == 1
 
 
-LOAD_CHILD = r"""
+CHILD = r"""
 import sys, torch, tpuc
-sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[3])
 from test_torch_kernels import Block
+torch.manual_seed(0)
 model = Block().eval()
-model.load_state_dict(torch.load(sys.argv[1] + ".pt"))
 x = torch.randn(2, 1100, 32)
 with torch.no_grad():
-    fn = tpuc.load_compiled(sys.argv[1], model)
+    if sys.argv[1] == "save":
+        fn = tpuc.save_compiled(model, sys.argv[2], (x,))
+        torch.save(model.state_dict(), sys.argv[2] + ".pt")
+    else:
+        model.load_state_dict(torch.load(sys.argv[2] + ".pt"))
+        fn = tpuc.load_compiled(sys.argv[2], model)
     torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-5)
 s = tpuc.stats()
 print(s["torch_kernels"], s["xla_compiles"])
@@ -106,31 +111,23 @@ print(s["torch_kernels"], s["xla_compiles"])
 
 
 def test_saved_model_with_long_attention_loads_without_compiling(tmp_path):
+    """Saved in one process (its graphs split around the attention), loaded in another: every
+    partition's executable comes from the cache."""
     import os
     import subprocess
     import sys
 
-    torch.manual_seed(0)
-    model = Block().eval()
-    x = torch.randn(2, 1100, 32)
-    path = tmp_path / "block.tpuc"
     env = dict(os.environ, TPUC_CACHE_DIR=str(tmp_path / "cache"))
-    os.environ["TPUC_CACHE_DIR"] = env["TPUC_CACHE_DIR"]
-    try:
-        with torch.no_grad():
-            fn = tpuc.save_compiled(model, str(path), (x,))
-            torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-5)
-    finally:
-        del os.environ["TPUC_CACHE_DIR"]
-    torch.save(model.state_dict(), str(path) + ".pt")
-    tests = os.path.dirname(__file__)
-    out = subprocess.run(
-        [sys.executable, "-c", LOAD_CHILD, str(path), tests],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == "0"  # every executable from the cache
-    assert ATTENTION in out.stdout
+    outs = []
+    for step in ("save", "load"):
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, step, str(tmp_path / "block.tpuc"), os.path.dirname(__file__)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        outs.append(out.stdout)
+    assert ATTENTION in outs[0] and outs[0].split()[-1] == "2"  # the partitions before and after
+    assert ATTENTION in outs[1] and outs[1].split()[-1] == "0"  # every executable from the cache
