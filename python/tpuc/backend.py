@@ -1064,10 +1064,10 @@ def _compile_hook(gm: torch.fx.GraphModule, opts, name: str, traces: dict | None
 def _torch_kernel_nodes(gm: torch.fx.GraphModule, opts, shard) -> list[torch.fx.Node]:
     """The nodes to run through PyTorch's own kernel (see torch_kernels.py): only on the CPU
     plugin and unsharded (a partitioned graph would leave the mesh)."""
-    if shard is not None:
+    candidates = torch_kernels.nodes(gm) if shard is None else []
+    if not candidates or not runtime.get_runtime(opts.plugin, None, opts.plugin_options).host_zero_copy:
         return []
-    rt = runtime.get_runtime(opts.plugin, None, opts.plugin_options)
-    return torch_kernels.nodes(gm, rt.host_zero_copy)
+    return candidates
 
 
 _SURFACED: dict[type, type] = {}

@@ -33,10 +33,10 @@ def enabled() -> bool:
     return os.environ.get("TPUC_TORCH_KERNELS", "1") != "0"
 
 
-def nodes(gm: torch.fx.GraphModule, host_memory: bool) -> list[torch.fx.Node]:
-    """The nodes of `gm` to run through PyTorch's kernel: none unless `host_memory` (the CPU
-    plugin, whose buffers are host memory) and `enabled()`."""
-    if not host_memory or not enabled():
+def nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes of `gm` that PyTorch's kernel runs faster (none unless `enabled()`); the
+    caller hands them over only on the CPU plugin, whose buffers are host memory."""
+    if not enabled():
         return []
     return [
         n

@@ -186,7 +186,11 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             }
             None => r,
         };
-        let r = materialize_taps(e, &e.convert(&r, out)?, depthwise)?;
+        let r = e.convert(&r, out)?;
+        // A depthwise convolution's result (bias included) through a barrier, one buffer: its
+        // readers (ConvNeXt's layer norm: mean, variance, normalize) would otherwise each
+        // recompute every tap (the zoo's ConvNeXt ran 2.6 ms against Inductor's 0.75).
+        let r = if depthwise { e.barrier(&r)? } else { r };
         return Ok(vec![e.layout_transpose(&r, &NCHW_OF_NHWC)?]);
     }
     let r = if transposed {
@@ -263,23 +267,13 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         }
         None => r,
     };
-    Ok(vec![materialize_taps(
-        cx.e,
-        &cx.e.convert(&r, out)?,
-        depthwise && taps && !transposed,
-    )?])
-}
-
-/// A depthwise convolution's result (`taps`: lowered by [`depthwise_taps`]) through a barrier:
-/// one buffer, bias included. Its readers (ConvNeXt's layer norm: mean, variance, normalize)
-/// would otherwise each recompute every tap: ConvNeXt in the zoo ran 2.6 ms against Inductor's
-/// 0.75.
-fn materialize_taps<'c, 'b>(e: &Emitter<'c, 'b>, r: &T<'c, 'b>, taps: bool) -> R<T<'c, 'b>> {
-    if taps {
-        e.barrier(r)
+    let r = cx.e.convert(&r, out)?;
+    // Depthwise tap sums materialized, as in the channels-last branch above.
+    Ok(vec![if depthwise && !transposed {
+        cx.e.barrier(&r)?
     } else {
-        Ok(r.clone())
-    }
+        r
+    }])
 }
 
 /// NCHW from NHWC: the permutation of a channels-last convolution's [`Emitter::layout_transpose`].
