@@ -89,6 +89,9 @@ pub struct Engine {
     /// `XLA_FLAGS` when the plugin was loaded: XLA reads them once per process, and they change
     /// the code it emits (fast math, library fusions), so they are part of every cache key.
     xla_flags: String,
+    /// f32 products of at least this many multiply-adds go to the host BLAS, once
+    /// [`Engine::enable_host_gemm`] registered it with the plugin (0: none).
+    host_gemm_min_macs: std::sync::atomic::AtomicU64,
 }
 
 /// The oldest StableHLO (as a plugin reports its current version) that tpuc's bytecode was
@@ -251,7 +254,25 @@ impl Engine {
             platform,
             cpu: host_cpu_fingerprint(),
             xla_flags: std::env::var("XLA_FLAGS").unwrap_or_default(),
+            host_gemm_min_macs: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Lowers f32 products of at least `min_macs` multiply-adds to calls of the `sgemm_` in
+    /// `library` (a BLAS the process has already loaded: PyTorch's) from now on, registering it
+    /// with the plugin first; 0 turns it off. Only on the CPU plugin, whose buffers are host
+    /// memory. Returns whether products can go there (false: no such symbol, or a plugin
+    /// without the PJRT FFI extension).
+    pub fn enable_host_gemm(&self, library: &Path, min_macs: u64) -> Result<bool, PjrtError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if min_macs == 0 || self.platform != "cpu" {
+            self.host_gemm_min_macs.store(0, Relaxed);
+            return Ok(min_macs == 0);
+        }
+        let ok = pjrt::host_blas::register(self.client.plugin(), library)?;
+        self.host_gemm_min_macs
+            .store(if ok { min_macs } else { 0 }, Relaxed);
+        Ok(ok)
     }
 
     /// `(current, minimum)` StableHLO versions the plugin accepts, as it reports them.
@@ -386,6 +407,11 @@ impl Engine {
             &LowerOptions {
                 precision,
                 sharding: plan,
+                host_gemm_min_macs: Some(
+                    self.host_gemm_min_macs
+                        .load(std::sync::atomic::Ordering::Relaxed),
+                )
+                .filter(|&m| m > 0),
             },
         )?;
         let lower_seconds = t0.elapsed().as_secs_f64();

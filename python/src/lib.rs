@@ -516,6 +516,14 @@ impl Runtime {
         self.engine.host_zero_copy()
     }
 
+    /// From now on, lowers f32 matrix products of at least `min_macs` multiply-adds to calls of
+    /// the `sgemm_` in `library` (already loaded by the process: PyTorch's own), registered
+    /// with the plugin; 0 turns it off. Returns whether products can go there.
+    fn enable_host_gemm(&self, py: Python<'_>, library: PathBuf, min_macs: u64) -> PyResult<bool> {
+        py.detach(|| self.engine.enable_host_gemm(&library, min_macs))
+            .map_err(pjrt_err)
+    }
+
     /// The alignment host memory needs for the plugin to compute on it in place.
     #[classattr]
     fn host_align() -> usize {

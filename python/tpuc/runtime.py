@@ -252,8 +252,29 @@ def get_runtime(
                 rt = _native.Runtime(str(path), options)
             except _native.PjrtError as e:
                 raise _native.PjrtError(_plain_start_error(str(e), path, family)) from None
+            if family == "cpu":
+                _enable_host_gemm(rt)
             _runtimes[key] = rt
         return rt
+
+
+# f32 matrix products of at least this many multiply-adds run in the host BLAS when enabled
+# (see `_enable_host_gemm`); smaller ones stay in XLA, fused with their neighbours.
+HOST_GEMM_MIN_MACS = 1 << 20
+
+
+def _enable_host_gemm(rt: _native.Runtime) -> None:
+    """With `TPUC_HOST_GEMM=1`, large f32 matrix products run in the BLAS PyTorch itself calls
+    (MKL in its x86 wheels), as XLA FFI custom calls inside the compiled program. Off by default:
+    MKL's OpenMP threads, started from XLA's threads, spin idle for milliseconds after each
+    product and slow the PyTorch work that follows in the same process (README, "Host BLAS")."""
+    if os.environ.get("TPUC_HOST_GEMM", "0").strip().lower() not in ("1", "on", "true", "yes"):
+        return
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if lib.is_file():
+        rt.enable_host_gemm(str(lib), HOST_GEMM_MIN_MACS)
 
 
 def _plain_start_error(message: str, path: Path, family: str) -> str:

@@ -50,6 +50,12 @@ impl Api {
         self.version
     }
 
+    /// The head of the plugin's extension chain (null if it has none).
+    pub(crate) fn extension_start(&self) -> *const sys::PJRT_Extension_Base {
+        // SAFETY: `extension_start` is the second field of every PJRT_Api version.
+        unsafe { ptr::addr_of!((*self.raw).extension_start).read() }
+    }
+
     /// Reads one function pointer of the table after checking that the
     /// plugin's table is long enough to contain it. Use through [`pjrt_fn!`].
     pub(crate) fn function<F>(

@@ -16,6 +16,7 @@ mod buffer;
 mod client;
 mod executable;
 mod hlo_text;
+pub mod host_blas;
 mod plugin;
 mod sys;
 #[cfg(test)]

@@ -123,6 +123,9 @@ pub struct Emitter<'c, 'b> {
     broadcast_of: std::cell::RefCell<HashMap<usize, (T<'c, 'b>, Vec<i64>)>>,
     /// Physical forms made by [`Emitter::materialize_physical`], by address.
     materialized: std::cell::RefCell<rustc_hash::FxHashSet<usize>>,
+    /// f32 products of at least this many multiply-adds go to the host BLAS (see
+    /// [`LowerOptions::host_gemm_min_macs`](crate::lower::LowerOptions)).
+    pub host_gemm_min_macs: Option<u64>,
 }
 
 /// A value's physical form: the logical value is `transpose(physical, permutation)` (logical dim
@@ -449,6 +452,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             splat_of: Default::default(),
             broadcast_of: Default::default(),
             materialized: Default::default(),
+            host_gemm_min_macs: None,
         }
     }
 
@@ -468,6 +472,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             splat_of: Default::default(),
             broadcast_of: Default::default(),
             materialized: Default::default(),
+            host_gemm_min_macs: self.host_gemm_min_macs,
         }
     }
 

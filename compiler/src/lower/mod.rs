@@ -60,6 +60,10 @@ pub struct LowerOptions {
     /// SPMD layouts: written as `mhlo.sharding` on `main`'s arguments and results and on
     /// `Sharding` custom calls after the constrained intermediates.
     pub sharding: Option<ShardingPlan>,
+    /// f32 matrix products of at least this many multiply-adds are lowered to a call of the
+    /// host's BLAS (`tpuc_sgemm_*` custom calls, which the runtime registered with the CPU
+    /// plugin: `tpuc_runtime::host_blas`); `None` keeps every product in XLA.
+    pub host_gemm_min_macs: Option<u64>,
 }
 
 /// What lowering produced: the module and the signature of `main`.
@@ -459,7 +463,7 @@ fn lower_in(
         })
         .unwrap_or_default();
     {
-        let e = Emitter::new(
+        let mut e = Emitter::new(
             ctx,
             &block,
             loc,
@@ -467,6 +471,7 @@ fn lower_in(
             diagnostics.clone(),
             attrs,
         );
+        e.host_gemm_min_macs = options.host_gemm_min_macs.filter(|_| plan.is_none());
         let mut values: HashMap<ValueRef, T> = HashMap::default();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block

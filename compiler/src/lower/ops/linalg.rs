@@ -50,11 +50,69 @@ fn matmul_acc<'c, 'b>(
     (a, pa): &(T<'c, 'b>, Vec<i64>),
     (b, pb): &(T<'c, 'b>, Vec<i64>),
 ) -> R<T<'c, 'b>> {
+    if let Some(r) = host_gemm(cx, (a, pa), (b, pb))? {
+        return Ok(r);
+    }
     if pa.len() == 3 {
         dot_acc(cx, a, b, (&pa[..1], &pb[..1]), (&pa[2..], &pb[1..2]))
     } else {
         dot_acc(cx, a, b, (&[], &[]), (&pa[1..], &pb[..1]))
     }
+}
+
+/// The product through the host BLAS (`tpuc_sgemm_<a><b>`, see `tpuc_runtime::host_blas`) where
+/// the session enables it: f32 operands and result, each matrix product of at least
+/// `host_gemm_min_macs` multiply-adds, operands stored as given or transposed in their last two
+/// dims (a batch dim first). None where XLA's dot computes it.
+fn host_gemm<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    (a, pa): (&T<'c, 'b>, &[i64]),
+    (b, pb): (&T<'c, 'b>, &[i64]),
+) -> R<Option<T<'c, 'b>>> {
+    let Some(min_macs) = cx.e.host_gemm_min_macs else {
+        return Ok(None);
+    };
+    let (shape, out) = cx.out(0)?;
+    if a.dtype != DType::Float32 || b.dtype != DType::Float32 || out != DType::Float32 {
+        return Ok(None);
+    }
+    let r = pa.len();
+    if !(2..=3).contains(&r) || pb.len() != r {
+        return Ok(None);
+    }
+    let lead: Vec<i64> = (0..r as i64 - 2).collect();
+    // Stored as given ([.., rows, cols] = logical) or with the last two dims swapped.
+    let transposed = |p: &[i64]| -> Option<bool> {
+        if p[..r - 2] != lead[..] {
+            return None;
+        }
+        match (p[r - 2] - lead.len() as i64, p[r - 1] - lead.len() as i64) {
+            (0, 1) => Some(false),
+            (1, 0) => Some(true),
+            _ => None,
+        }
+    };
+    let (Some(ta), Some(tb)) = (transposed(pa), transposed(pb)) else {
+        return Ok(None);
+    };
+    let k = a.shape[pa[r - 1] as usize];
+    let (m, n) = (shape[r - 2], shape[r - 1]);
+    if (m.max(0) as u64) * (n.max(0) as u64) * (k.max(0) as u64) < min_macs {
+        return Ok(None);
+    }
+    let target = tpuc_runtime::host_blas::target(ta, tb);
+    let out = cx.e.op_n(
+        "stablehlo.custom_call",
+        &[a, b],
+        &[
+            ("call_target_name", format!("\"{target}\"")),
+            ("api_version", "4 : i32".into()),
+            ("backend_config", "{}".into()),
+        ],
+        &[(shape, DType::Float32)],
+        vec![],
+    )?;
+    Ok(out.into_iter().next())
 }
 
 fn mm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {

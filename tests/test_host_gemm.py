@@ -1,0 +1,82 @@
+"""`TPUC_HOST_GEMM=1`: large f32 matrix products run in PyTorch's own BLAS (MKL) as XLA FFI
+custom calls (`tpuc_sgemm_nn|nt|tn|tt`) inside the compiled program, registered with the CPU
+plugin at start. Checked against eager for every operand layout (plain, transposed weight as in
+nn.Linear, transposed input, batched), with bias and scaling (addmm), and through the disk cache
+(a second process loads the executable, the handler registered before it runs). Small and
+non-f32 products stay in XLA. Each case runs in its own process: the setting is read once, when
+the process's runtime starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+MKL = (Path(torch.__file__).parent / "lib" / "libtorch_cpu.so").is_file() and "mkl" in (
+    torch.__config__.show().lower()
+)
+pytestmark = pytest.mark.skipif(not MKL, reason="PyTorch here is not built with MKL")
+
+CHILD = r"""
+import os, pathlib, sys, torch, tpuc
+torch.manual_seed(0)
+dump = pathlib.Path(sys.argv[1])
+lin = torch.nn.Linear(256, 384)
+cases = {
+    "mm": (lambda a, b: a @ b, (torch.randn(64, 256), torch.randn(256, 320))),
+    "linear": (lambda x: torch.relu(lin(x)), (torch.randn(2, 48, 256),)),
+    "a_transposed": (lambda a, b: a.t() @ b, (torch.randn(256, 64), torch.randn(256, 320))),
+    "both_transposed": (lambda a, b: a.t() @ b.t(), (torch.randn(256, 64), torch.randn(320, 256))),
+    "bmm": (lambda a, b: torch.bmm(a, b), (torch.randn(3, 128, 96), torch.randn(3, 96, 160))),
+    "addmm_scaled": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+                     (torch.randn(320), torch.randn(64, 256), torch.randn(256, 320))),
+    "vector_matrix": (lambda a, b: a @ b, (torch.randn(1, 1024), torch.randn(1024, 1536))),
+    "small": (lambda a, b: a @ b, (torch.randn(8, 16), torch.randn(16, 8))),
+    "float64": (lambda a, b: a @ b, (torch.randn(64, 256, dtype=torch.float64), torch.randn(256, 320, dtype=torch.float64))),
+}
+with torch.no_grad():
+    for name, (fn, args) in cases.items():
+        d = dump / name
+        out = torch.compile(fn, backend="tpu", options={"dump_dir": str(d)})(*args)
+        torch.testing.assert_close(out, fn(*args), rtol=1e-5, atol=1e-4)
+        text = "".join(p.read_text() for p in d.rglob("stablehlo.mlir"))
+        print(name, "tpuc_sgemm" in text)
+s = tpuc.stats()
+print("xla_compiles", s["xla_compiles"], "disk_hits", s["cache_hits_disk"])
+"""
+
+
+def _run(tmp_path: Path, name: str, env_value: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TPUC_HOST_GEMM", None)
+    if env_value is not None:
+        env["TPUC_HOST_GEMM"] = env_value
+    env["TPUC_CACHE_DIR"] = str(tmp_path / f"cache-{env_value}")
+    dump = tmp_path / name
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, str(dump)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln.split(" ", 1) for ln in r.stdout.splitlines() if ln.strip()]
+    return {k: v for k, v in lines}
+
+
+def test_host_gemm_matches_eager_in_every_layout_and_loads_from_the_disk_cache(tmp_path):
+    first = _run(tmp_path, "first", "1")
+    for name in ("mm", "linear", "a_transposed", "both_transposed", "bmm", "addmm_scaled", "vector_matrix"):
+        assert first[name] == "True", (name, first)
+    # Below HOST_GEMM_MIN_MACS, and f64: XLA's dot.
+    assert first["small"] == "False" and first["float64"] == "False", first
+    # A second process finds every executable on disk and runs the custom calls in them.
+    second = _run(tmp_path, "second", "1")
+    assert second["mm"] == "True"
+    assert second["xla_compiles"].startswith("0 "), second
+
+
+def test_host_gemm_is_off_by_default(tmp_path):
+    out = _run(tmp_path, "default", None)
+    assert out["mm"] == "False" and out["linear"] == "False", out
