@@ -1,10 +1,10 @@
-"""`TPUC_HOST_GEMM=1`: large f32 matrix products run in PyTorch's own BLAS (MKL) as XLA FFI
-custom calls (`tpuc_sgemm_nn|nt|tn|tt`) inside the compiled program, registered with the CPU
-plugin at start. Checked against eager for every operand layout (plain, transposed weight as in
-nn.Linear, transposed input, batched), with bias and scaling (addmm), and through the disk cache
-(a second process loads the executable, the handler registered before it runs). Small and
-non-f32 products stay in XLA. Each case runs in its own process: the setting is read once, when
-the process's runtime starts."""
+"""Large f32 matrix products with few rows (vector-matrix) or many rows run in PyTorch's own BLAS
+(MKL) as XLA FFI custom calls (`tpuc_sgemm_nn|nt|tn|tt`) inside the compiled program, registered
+with the CPU plugin at start (`TPUC_HOST_GEMM=0`: never). Checked against eager for every operand
+layout (plain, transposed weight as in nn.Linear, transposed input, batched), with bias and
+scaling (addmm), and through the disk cache (a second process loads the executables, the handler
+registered before they run). Small, mid-sized (64-row) and non-f32 products stay in XLA. Each
+case runs in its own process: the setting is read once, when the process's runtime starts."""
 
 from __future__ import annotations
 
@@ -27,16 +27,17 @@ torch.manual_seed(0)
 dump = pathlib.Path(sys.argv[1])
 lin = torch.nn.Linear(256, 384)
 cases = {
-    "mm": (lambda a, b: a @ b, (torch.randn(64, 256), torch.randn(256, 320))),
-    "linear": (lambda x: torch.relu(lin(x)), (torch.randn(2, 48, 256),)),
-    "a_transposed": (lambda a, b: a.t() @ b, (torch.randn(256, 64), torch.randn(256, 320))),
-    "both_transposed": (lambda a, b: a.t() @ b.t(), (torch.randn(256, 64), torch.randn(320, 256))),
-    "bmm": (lambda a, b: torch.bmm(a, b), (torch.randn(3, 128, 96), torch.randn(3, 96, 160))),
+    "mm": (lambda a, b: a @ b, (torch.randn(600, 256), torch.randn(256, 320))),
+    "linear": (lambda x: torch.relu(lin(x)), (torch.randn(2, 300, 256),)),
+    "a_transposed": (lambda a, b: a.t() @ b, (torch.randn(256, 520), torch.randn(256, 320))),
+    "both_transposed": (lambda a, b: a.t() @ b.t(), (torch.randn(256, 4), torch.randn(320, 256))),
+    "bmm": (lambda a, b: torch.bmm(a, b), (torch.randn(3, 512, 96), torch.randn(3, 96, 160))),
     "addmm_scaled": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
-                     (torch.randn(320), torch.randn(64, 256), torch.randn(256, 320))),
+                     (torch.randn(320), torch.randn(2, 1024), torch.randn(1024, 320))),
     "vector_matrix": (lambda a, b: a @ b, (torch.randn(1, 1024), torch.randn(1024, 1536))),
+    "mid_rows": (lambda a, b: a @ b, (torch.randn(64, 1024), torch.randn(1024, 320))),
     "small": (lambda a, b: a @ b, (torch.randn(8, 16), torch.randn(16, 8))),
-    "float64": (lambda a, b: a @ b, (torch.randn(64, 256, dtype=torch.float64), torch.randn(256, 320, dtype=torch.float64))),
+    "float64": (lambda a, b: a @ b, (torch.randn(600, 256, dtype=torch.float64), torch.randn(256, 320, dtype=torch.float64))),
 }
 with torch.no_grad():
     for name, (fn, args) in cases.items():
@@ -66,17 +67,18 @@ def _run(tmp_path: Path, name: str, env_value: str | None) -> dict[str, str]:
 
 
 def test_host_gemm_matches_eager_in_every_layout_and_loads_from_the_disk_cache(tmp_path):
-    first = _run(tmp_path, "first", "1")
+    first = _run(tmp_path, "first", None)
     for name in ("mm", "linear", "a_transposed", "both_transposed", "bmm", "addmm_scaled", "vector_matrix"):
         assert first[name] == "True", (name, first)
-    # Below HOST_GEMM_MIN_MACS, and f64: XLA's dot.
-    assert first["small"] == "False" and first["float64"] == "False", first
+    # Mid-sized row counts, products below HOST_GEMM_MIN_MACS, and f64: XLA's dot.
+    assert first["mid_rows"] == "False" and first["small"] == "False", first
+    assert first["float64"] == "False", first
     # A second process finds every executable on disk and runs the custom calls in them.
-    second = _run(tmp_path, "second", "1")
+    second = _run(tmp_path, "second", None)
     assert second["mm"] == "True"
     assert second["xla_compiles"].startswith("0 "), second
 
 
-def test_host_gemm_is_off_by_default(tmp_path):
-    out = _run(tmp_path, "default", None)
-    assert out["mm"] == "False" and out["linear"] == "False", out
+def test_host_gemm_off_keeps_every_product_in_xla(tmp_path):
+    out = _run(tmp_path, "off", "0")
+    assert out["mm"] == "False" and out["vector_matrix"] == "False", out

@@ -258,17 +258,18 @@ def get_runtime(
         return rt
 
 
-# f32 matrix products of at least this many multiply-adds run in the host BLAS when enabled
-# (see `_enable_host_gemm`); smaller ones stay in XLA, fused with their neighbours.
-HOST_GEMM_MIN_MACS = 1 << 20
+# f32 matrix products of at least this many multiply-adds may run in the host BLAS (see
+# `_enable_host_gemm`; which row counts go there is the compiler's choice); smaller ones stay
+# in XLA, fused with their neighbours.
+HOST_GEMM_MIN_MACS = 1 << 18
 
 
 def _enable_host_gemm(rt: _native.Runtime) -> None:
-    """With `TPUC_HOST_GEMM=1`, large f32 matrix products run in the BLAS PyTorch itself calls
-    (MKL in its x86 wheels), as XLA FFI custom calls inside the compiled program. Off by default:
-    MKL's OpenMP threads, started from XLA's threads, spin idle for milliseconds after each
-    product and slow the PyTorch work that follows in the same process (README, "Host BLAS")."""
-    if os.environ.get("TPUC_HOST_GEMM", "0").strip().lower() not in ("1", "on", "true", "yes"):
+    """Lets large f32 matrix products with few or many rows run in the BLAS PyTorch itself
+    calls (MKL in its x86 wheels), as XLA FFI custom calls inside the compiled program, where
+    MKL was measured faster than XLA's dot (README, "Host BLAS"). Only where that BLAS is MKL;
+    `TPUC_HOST_GEMM=0` keeps every product in XLA."""
+    if os.environ.get("TPUC_HOST_GEMM", "1").strip().lower() in ("0", "off", "false", "no"):
         return
     import torch
 

@@ -268,7 +268,10 @@ impl LoadedExecutable {
         // SAFETY: all arrays have the sizes PJRT expects ([num_devices][num_args]
         // inputs of this client, [num_devices][num_outputs] outputs,
         // [num_devices] events) and outlive the call.
-        unsafe { pjrt_call!(api, PJRT_LoadedExecutable_Execute, &mut args) }?;
+        let executing = super::host_blas::Executing::enter();
+        let launched = unsafe { pjrt_call!(api, PJRT_LoadedExecutable_Execute, &mut args) };
+        drop(executing);
+        launched?;
 
         // Take ownership of everything before waiting, so an error below
         // still frees all outputs and events.

@@ -12,7 +12,8 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::path::Path;
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
 use super::{sys, PjrtError};
@@ -53,8 +54,13 @@ type Sgemm = unsafe extern "C" fn(
     ldc: *const c_int,
 ) -> ();
 
+/// MKL's per-thread thread count (`MKL_Set_Num_Threads_Local`, the C entry point: the lowercase
+/// name is the Fortran one, whose argument is a pointer); returns the previous value.
+type SetLocalThreads = unsafe extern "C" fn(c_int) -> c_int;
+
 struct Blas {
     sgemm: Sgemm,
+    set_local_threads: SetLocalThreads,
 }
 
 static BLAS: OnceLock<Blas> = OnceLock::new();
@@ -120,14 +126,18 @@ fn find_blas(library: &Path) -> Option<Blas> {
         libloading::os::unix::Library::open(Some(library), libc::RTLD_NOW | libc::RTLD_NOLOAD)
     }
     .ok()?;
-    // SAFETY: `sgemm_` has this signature in MKL's LP64 interface, which `mkl_get_max_threads`
-    // identifies; the library stays loaded (the handle is leaked, and PyTorch holds it anyway).
+    // SAFETY: both have these signatures in MKL's LP64 interface; the library stays loaded
+    // (the handle is leaked, and PyTorch holds it anyway).
     let blas = unsafe {
-        lib.get::<unsafe extern "C" fn() -> c_int>(b"mkl_get_max_threads\0")
-            .ok()?;
-        lib.get::<Sgemm>(b"sgemm_\0")
+        let sgemm = lib.get::<Sgemm>(b"sgemm_\0").ok().map(|s| *s);
+        let threads = lib
+            .get::<SetLocalThreads>(b"MKL_Set_Num_Threads_Local\0")
             .ok()
-            .map(|s| Blas { sgemm: *s })
+            .map(|s| *s);
+        sgemm.zip(threads).map(|(sgemm, set_local_threads)| Blas {
+            sgemm,
+            set_local_threads,
+        })
     };
     std::mem::forget(lib);
     blas
@@ -264,6 +274,8 @@ struct ErrorCreateArgs {
     errc: c_int,
 }
 
+/// XLA's FFI function table, up to the thread-pool entries (both PyPI plugins have them; the
+/// entry is checked to be what it should before use, see [`xla_pool`]).
 #[repr(C)]
 struct FfiApi {
     struct_size: usize,
@@ -271,6 +283,112 @@ struct FfiApi {
     api_version: ApiVersion,
     internal_api: *mut c_void,
     error_create: unsafe extern "C" fn(*mut ErrorCreateArgs) -> *mut c_void,
+    error_get_message: unsafe extern "C" fn(*mut ErrorGetMessageArgs),
+    error_destroy: unsafe extern "C" fn(*mut ErrorDestroyArgs),
+    /// Handler_Register, Stream_Get, TypeId_Register, ExecutionContext_Get, State_Set,
+    /// State_Get, DeviceMemory_Allocate, DeviceMemory_Free.
+    unused: [*const c_void; 8],
+    thread_pool_schedule: *const c_void,
+}
+
+#[repr(C)]
+struct ErrorGetMessageArgs {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    error: *mut c_void,
+    message: *const c_char,
+}
+
+#[repr(C)]
+struct ErrorDestroyArgs {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    error: *mut c_void,
+}
+
+#[repr(C)]
+struct ScheduleArgs {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    ctx: *mut c_void,
+    task: unsafe extern "C" fn(*mut c_void),
+    data: *mut c_void,
+}
+
+type Schedule = unsafe extern "C" fn(*mut ScheduleArgs) -> *mut c_void;
+
+/// `XLA_FFI_ThreadPool_Schedule` of `api`, once checked to be that function: code of a loaded
+/// library which, called with an empty argument struct, refuses it naming its own argument
+/// struct (every XLA FFI function checks the size first). Checked once per table.
+fn xla_pool(api: *const FfiApi) -> Option<Schedule> {
+    static CHECKED: Mutex<Vec<(usize, Option<usize>)>> = Mutex::new(Vec::new());
+    let mut checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, f)) = checked.iter().find(|(a, _)| *a == api as usize) {
+        // SAFETY: stored below only after the check.
+        return f.map(|f| unsafe { std::mem::transmute::<usize, Schedule>(f) });
+    }
+    let found = check_schedule(api);
+    checked.push((api as usize, found.map(|f| f as usize)));
+    found
+}
+
+fn check_schedule(api: *const FfiApi) -> Option<Schedule> {
+    // SAFETY: `api` is XLA's table (from a call frame); the entry is read as an address, and
+    // called only once it is known to be code of a loaded library.
+    let f = unsafe { (*api).thread_pool_schedule };
+    // SAFETY: dladdr only looks the address up.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    if f.is_null() || unsafe { libc::dladdr(f, &mut info) } == 0 || info.dli_fbase.is_null() {
+        return None;
+    }
+    // SAFETY: code of a loaded library, called as an XLA FFI function with a zero-size struct,
+    // which it must refuse before reading anything else.
+    let schedule: Schedule = unsafe { std::mem::transmute::<*const c_void, Schedule>(f) };
+    let mut probe = ScheduleArgs {
+        struct_size: 0,
+        extension_start: std::ptr::null_mut(),
+        ctx: std::ptr::null_mut(),
+        task: noop_task,
+        data: std::ptr::null_mut(),
+    };
+    let err = unsafe { schedule(&mut probe) };
+    if err.is_null() {
+        return None;
+    }
+    // SAFETY: `err` is an XLA FFI error, read and destroyed through the same table.
+    let text = unsafe {
+        let mut get = ErrorGetMessageArgs {
+            struct_size: std::mem::size_of::<ErrorGetMessageArgs>(),
+            extension_start: std::ptr::null_mut(),
+            error: err,
+            message: std::ptr::null(),
+        };
+        ((*api).error_get_message)(&mut get);
+        let text = if get.message.is_null() {
+            String::new()
+        } else {
+            std::ffi::CStr::from_ptr(get.message)
+                .to_string_lossy()
+                .into_owned()
+        };
+        destroy(api, err);
+        text
+    };
+    tracing::debug!("XLA FFI thread pool probe: {text}");
+    text.contains("XLA_FFI_ThreadPool_Schedule_Args")
+        .then_some(schedule)
+}
+
+unsafe extern "C" fn noop_task(_: *mut c_void) {}
+
+fn destroy(api: *const FfiApi, err: *mut c_void) {
+    let mut args = ErrorDestroyArgs {
+        struct_size: std::mem::size_of::<ErrorDestroyArgs>(),
+        extension_start: std::ptr::null_mut(),
+        error: err,
+    };
+    // SAFETY: `err` came from this table's functions, and is destroyed once.
+    unsafe { ((*api).error_destroy)(&mut args) };
 }
 
 /// An XLA FFI error with `message` (null if the API cannot make one, which XLA reads as success:
@@ -382,10 +500,138 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
         b: bp,
         c: cp,
     };
-    // The BLAS's own threading (MKL: an OpenMP team started from this thread, one of XLA's).
-    // SAFETY: the buffers hold `batch` products of the checked shapes.
-    unsafe { product.run(blas, batch) };
+    if EXECUTING.with(|e| e.get()) {
+        // The plugin runs the program on the thread that called execute: the BLAS's own
+        // threading there is the one PyTorch's own products on this thread use.
+        // SAFETY: the buffers hold `batch` products of the checked shapes.
+        unsafe { product.run(blas, batch) };
+        return std::ptr::null_mut();
+    }
+    // One of XLA's threads: one-thread pieces, on it and on XLA's own pool. (MKL's OpenMP
+    // threading here would start a team whose idle threads spin for milliseconds after each
+    // product, taking the cores the PyTorch work that follows needs.)
+    let pieces = product.pieces(batch);
+    let total = batch * pieces;
+    let job = Arc::new(Pieces {
+        product,
+        batch,
+        pieces,
+        next: AtomicI64::new(0),
+        done: AtomicI64::new(0),
+    });
+    if total > 1 {
+        if let Some(schedule) = xla_pool(frame.api) {
+            for _ in 1..total.min(threads()) {
+                let data = Arc::into_raw(job.clone()) as *mut c_void;
+                let mut args = ScheduleArgs {
+                    struct_size: std::mem::size_of::<ScheduleArgs>(),
+                    extension_start: std::ptr::null_mut(),
+                    ctx: frame.ctx,
+                    task: piece_task,
+                    data,
+                };
+                // SAFETY: checked to be XLA's ThreadPool_Schedule; the task owns `data`.
+                let err = unsafe { schedule(&mut args) };
+                if !err.is_null() {
+                    // Not scheduled: the task never runs, so its reference is dropped here
+                    // (this thread runs the pieces instead).
+                    // SAFETY: from `Arc::into_raw` just above, not handed over.
+                    drop(unsafe { Arc::from_raw(data as *const Pieces) });
+                    destroy(frame.api, err);
+                    break;
+                }
+            }
+        }
+    }
+    job.work(blas);
+    // The pieces other threads claimed are running now: wait for them (never for a task that
+    // has not started, which may be queued behind this very thread).
+    let mut polls = 0u32;
+    while job.done.load(Ordering::Acquire) < total {
+        polls = polls.wrapping_add(1);
+        if polls.is_multiple_of(64) {
+            std::thread::yield_now();
+        }
+        std::hint::spin_loop();
+    }
     std::ptr::null_mut()
+}
+
+fn threads() -> i64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get()) as i64
+}
+
+/// A call's products cut into pieces, claimed one at a time by the threads that run them.
+struct Pieces {
+    product: Product,
+    batch: i64,
+    pieces: i64,
+    next: AtomicI64,
+    done: AtomicI64,
+}
+
+impl Pieces {
+    /// Runs unclaimed pieces on this thread, each through a one-thread `sgemm_`, until none is
+    /// left.
+    fn work(&self, blas: &Blas) {
+        one_thread_blas(blas);
+        let total = self.batch * self.pieces;
+        loop {
+            let i = self.next.fetch_add(1, Ordering::AcqRel);
+            if i >= total {
+                return;
+            }
+            // SAFETY: the handler waits until every claimed piece is done, so the buffers live;
+            // each piece writes its own part of the result.
+            unsafe {
+                self.product
+                    .run_piece(blas, i / self.pieces, i % self.pieces, self.pieces)
+            };
+            self.done.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// A piece task on XLA's pool: works on the pieces left, if any (it may start after the others
+/// ran them all, and then only drops its reference).
+unsafe extern "C" fn piece_task(data: *mut c_void) {
+    // SAFETY: `data` is one `Arc::into_raw` reference, given to this task.
+    let job = unsafe { Arc::from_raw(data as *const Pieces) };
+    if let Some(blas) = BLAS.get() {
+        job.work(blas);
+    }
+}
+
+thread_local! {
+    /// Set while this thread is inside `PJRT_LoadedExecutable_Execute` (see [`Executing`]).
+    static EXECUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Whether MKL was told to use one thread on this (XLA) thread.
+    static ONE_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// MKL computes with this thread alone from now on when called on it, one of XLA's (set once:
+/// XLA's threads never call MKL otherwise).
+fn one_thread_blas(blas: &Blas) {
+    if !ONE_THREAD.with(|o| o.replace(true)) {
+        // SAFETY: MKL's setting for the calling thread.
+        unsafe { (blas.set_local_threads)(1) };
+    }
+}
+
+/// Marks this thread as calling execute while it lives: the CPU plugin may run a program on it,
+/// and products met there use the BLAS's own threading, as PyTorch's calls on it do.
+pub(crate) struct Executing(bool);
+
+impl Executing {
+    pub(crate) fn enter() -> Executing {
+        Executing(EXECUTING.with(|e| e.replace(true)))
+    }
+}
+
+impl Drop for Executing {
+    fn drop(&mut self) {
+        EXECUTING.with(|e| e.set(self.0));
+    }
 }
 
 /// One call's products: row-major `C = op(A) op(B)` for each batch entry.
@@ -407,23 +653,109 @@ unsafe impl Send for Product {}
 // SAFETY: see Send.
 unsafe impl Sync for Product {}
 
+/// Multiply-adds below which a product is not cut (a piece's fixed cost outweighs it).
+const MIN_PIECE_MACS: i64 = 1 << 17;
+
 impl Product {
+    /// How many pieces each product is cut into: one per thread where the batch does not
+    /// already give every thread work, fewer for small products.
+    fn pieces(&self, batch: i64) -> i64 {
+        let want = (threads() + batch - 1) / batch;
+        let by_work = self.m * self.n * self.k.max(1) / MIN_PIECE_MACS;
+        let by_shape = if self.by_rows() {
+            self.m / 16
+        } else {
+            self.n / 64
+        };
+        want.min(by_work).min(by_shape).max(1)
+    }
+
+    /// Whether pieces are row blocks of C (each reading all of B, as MKL's packed kernels
+    /// want) rather than column blocks (products of few rows: vector-matrix products).
+    fn by_rows(&self) -> bool {
+        self.m >= 32
+    }
+
+    /// Piece `piece` of `pieces` of batch entry `entry`, through one `sgemm_`.
+    ///
+    /// # Safety
+    /// The pointers must hold the call's checked shapes, alive until this returns.
+    unsafe fn run_piece(&self, blas: &Blas, entry: i64, piece: i64, pieces: i64) {
+        let Product { m, n, k, .. } = *self;
+        let span = |extent: i64, align: i64| {
+            let step = (extent / pieces + align - 1) / align * align;
+            let lo = (piece * step).min(extent);
+            let hi = if piece == pieces - 1 {
+                extent
+            } else {
+                ((piece + 1) * step).min(extent)
+            };
+            (lo, hi)
+        };
+        // SAFETY (every offset below): inside entry `entry` of its buffer, by the checked
+        // shapes.
+        let (a, b, c) = unsafe {
+            (
+                self.a.add((entry * m * k) as usize),
+                self.b.add((entry * k * n) as usize),
+                self.c.add((entry * m * n) as usize),
+            )
+        };
+        let piece = if self.by_rows() {
+            // Rows lo..hi of op(A) and C: row offset in A stored [M, K], column offset in [K, M].
+            let (lo, hi) = span(m, 8);
+            Product {
+                m: hi - lo,
+                a: unsafe { a.add((if self.ta { lo } else { lo * k }) as usize) },
+                c: unsafe { c.add((lo * n) as usize) },
+                b,
+                ..*self
+            }
+        } else {
+            // Columns lo..hi of op(B) and C: column offset in B stored [K, N], row offset in
+            // [N, K].
+            let (lo, hi) = span(n, 64);
+            Product {
+                n: hi - lo,
+                b: unsafe { b.add((if self.tb { lo * k } else { lo }) as usize) },
+                c: unsafe { c.add(lo as usize) },
+                a,
+                ..*self
+            }
+        };
+        if piece.m > 0 && piece.n > 0 {
+            // SAFETY: the piece's operands and result lie inside the call's buffers; the
+            // leading dimensions are the whole matrices'.
+            unsafe { piece.run_with(blas, 1, (m, n)) };
+        }
+    }
+
     /// The `batch` products, one `sgemm_` each.
     ///
     /// # Safety
     /// The pointers must hold the call's checked shapes, alive until this returns.
     unsafe fn run(&self, blas: &Blas, batch: i64) {
+        // SAFETY: the caller's contract.
+        unsafe { self.run_with(blas, batch, (self.m, self.n)) }
+    }
+
+    /// [`Product::run`] for a block of a product whose whole `op(A)` has `rows` rows and whose
+    /// whole `op(B)` has `cols` columns (they set the leading dimensions).
+    ///
+    /// # Safety
+    /// As for [`Product::run`].
+    unsafe fn run_with(&self, blas: &Blas, batch: i64, (rows, cols): (i64, i64)) {
         let Product { m, n, k, .. } = *self;
         // Row-major C = A B is column-major C^T = B^T A^T: BLAS's first operand is B, its
         // second A. A leading dimension is at least 1 even for an empty dim (k = 0 writes zeros).
-        let ldb = if self.tb { k.max(1) } else { n };
-        let lda = if self.ta { m } else { k.max(1) };
+        let ldb = if self.tb { k.max(1) } else { cols };
+        let lda = if self.ta { rows } else { k.max(1) };
         let (tb, ta) = (
             if self.tb { b'T' } else { b'N' } as c_char,
             if self.ta { b'T' } else { b'N' } as c_char,
         );
         let (mi, ni, ki) = (m as c_int, n as c_int, k as c_int);
-        let (ldb, lda) = (ldb as c_int, lda as c_int);
+        let (ldb, lda, ldc) = (ldb as c_int, lda as c_int, cols as c_int);
         let (alpha, beta) = (1.0f32, 0.0f32);
         for entry in 0..batch {
             // SAFETY: entry `entry` of each operand and of the result lies inside its buffer.
@@ -441,7 +773,7 @@ impl Product {
                     &lda,
                     &beta,
                     self.c.add((entry * m * n) as usize),
-                    &ni,
+                    &ldc,
                 )
             };
         }
