@@ -48,15 +48,20 @@ with torch.no_grad():
         print(name, "tpuc_sgemm" in text)
 s = tpuc.stats()
 print("xla_compiles", s["xla_compiles"], "disk_hits", s["cache_hits_disk"])
+inline, pieces = tpuc._native.Runtime.host_gemm_calls()
+print("pieces", pieces)
 """
 
 
-def _run(tmp_path: Path, name: str, env_value: str | None) -> dict[str, str]:
+def _run(tmp_path: Path, name: str, env_value: str | None, pieces: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("TPUC_HOST_GEMM", None)
+    env.pop("TPUC_HOST_GEMM_PIECES", None)
     if env_value is not None:
         env["TPUC_HOST_GEMM"] = env_value
-    env["TPUC_CACHE_DIR"] = str(tmp_path / f"cache-{env_value}")
+    if pieces:
+        env["TPUC_HOST_GEMM_PIECES"] = "1"
+    env["TPUC_CACHE_DIR"] = str(tmp_path / f"cache-{env_value}-{pieces}")
     dump = tmp_path / name
     r = subprocess.run(
         [sys.executable, "-c", CHILD, str(dump)], env=env, capture_output=True, text=True, timeout=600
@@ -77,6 +82,15 @@ def test_host_gemm_matches_eager_in_every_layout_and_loads_from_the_disk_cache(t
     second = _run(tmp_path, "second", None)
     assert second["mm"] == "True"
     assert second["xla_compiles"].startswith("0 "), second
+
+
+def test_host_gemm_in_one_thread_pieces_over_xlas_pool_matches_eager(tmp_path):
+    # The path of products met on XLA's threads (row blocks for many rows, column blocks for
+    # few), forced on the calling thread: every layout still matches eager.
+    out = _run(tmp_path, "pieces", None, pieces=True)
+    for name in ("mm", "linear", "a_transposed", "both_transposed", "bmm", "addmm_scaled", "vector_matrix"):
+        assert out[name] == "True", (name, out)
+    assert int(out["pieces"]) >= 7, out
 
 
 def test_host_gemm_off_keeps_every_product_in_xla(tmp_path):

@@ -524,6 +524,13 @@ impl Runtime {
             .map_err(pjrt_err)
     }
 
+    /// `(on the calling thread, in one-thread pieces)`: how many host BLAS products ran each way
+    /// in this process.
+    #[staticmethod]
+    fn host_gemm_calls() -> (u64, u64) {
+        tpuc_runtime::host_blas::calls()
+    }
+
     /// The alignment host memory needs for the plugin to compute on it in place.
     #[classattr]
     fn host_align() -> usize {

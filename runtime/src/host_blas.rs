@@ -12,7 +12,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::path::Path;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
@@ -500,13 +500,15 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
         b: bp,
         c: cp,
     };
-    if EXECUTING.with(|e| e.get()) {
+    if EXECUTING.with(|e| e.get()) && !always_pieces() {
         // The plugin runs the program on the thread that called execute: the BLAS's own
         // threading there is the one PyTorch's own products on this thread use.
         // SAFETY: the buffers hold `batch` products of the checked shapes.
         unsafe { product.run(blas, batch) };
+        CALLS[0].fetch_add(1, Ordering::Relaxed);
         return std::ptr::null_mut();
     }
+    CALLS[1].fetch_add(1, Ordering::Relaxed);
     // One of XLA's threads: one-thread pieces, on it and on XLA's own pool. (MKL's OpenMP
     // threading here would start a team whose idle threads spin for milliseconds after each
     // product, taking the cores the PyTorch work that follows needs.)
@@ -557,6 +559,24 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
     std::ptr::null_mut()
 }
 
+/// Products run on the thread that called execute (`[0]`) and in one-thread pieces (`[1]`).
+static CALLS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// `(on the calling thread, in pieces)`: how many products ran each way in this process.
+pub fn calls() -> (u64, u64) {
+    (
+        CALLS[0].load(Ordering::Relaxed),
+        CALLS[1].load(Ordering::Relaxed),
+    )
+}
+
+/// `TPUC_HOST_GEMM_PIECES=1`: cut products into one-thread pieces on the calling thread too (the
+/// path of XLA's threads, which small test programs never take otherwise).
+fn always_pieces() -> bool {
+    static ALWAYS: OnceLock<bool> = OnceLock::new();
+    *ALWAYS.get_or_init(|| std::env::var("TPUC_HOST_GEMM_PIECES").is_ok_and(|v| v.trim() == "1"))
+}
+
 fn threads() -> i64 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as i64
 }
@@ -574,11 +594,23 @@ impl Pieces {
     /// Runs unclaimed pieces on this thread, each through a one-thread `sgemm_`, until none is
     /// left.
     fn work(&self, blas: &Blas) {
-        one_thread_blas(blas);
+        // On the thread that called execute (only with `TPUC_HOST_GEMM_PIECES=1`) MKL's setting
+        // is restored after: PyTorch's own products there use its threads.
+        let restore = if EXECUTING.with(|e| e.get()) {
+            // SAFETY: MKL's setting for the calling thread, restored below.
+            Some(unsafe { (blas.set_local_threads)(1) })
+        } else {
+            one_thread_blas(blas);
+            None
+        };
         let total = self.batch * self.pieces;
         loop {
             let i = self.next.fetch_add(1, Ordering::AcqRel);
             if i >= total {
+                if let Some(before) = restore {
+                    // SAFETY: as above.
+                    unsafe { (blas.set_local_threads)(before) };
+                }
                 return;
             }
             // SAFETY: the handler waits until every claimed piece is done, so the buffers live;
