@@ -103,5 +103,6 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 4)
 def test_large_temporaries_reuse_memory_after_other_threads_made_arenas():
     faults = int(_child_last_line(ARENAS_CHILD))
     # The graph's three 64 MiB blocks mapped afresh are 49k faults per call (measured without
-    # the option); kept, 4-12k remain (smaller blocks, the result).
-    assert faults < 24_000, faults
+    # the option); kept, 4-12k remain (smaller blocks, the result), and on a loaded machine once
+    # 24.6k (a block and a half). The bound sits between those and the regression.
+    assert faults < 36_000, faults
