@@ -71,7 +71,8 @@ const HOST_GEMM_MANY_ROWS: i64 = 512;
 
 /// The product through the host BLAS (`tpuc_sgemm_<a><b>`, see `tpuc_runtime::host_blas`) where
 /// the session enables it: f32 operands and result, each matrix product of at least
-/// `host_gemm_min_macs` multiply-adds with few or many rows (above), operands stored as given
+/// `host_gemm_min_macs` multiply-adds with few or many rows (above), each matrix within the
+/// BLAS's 32-bit sizes, operands stored as given
 /// or transposed in their last two dims (a batch dim first). None where XLA's dot computes it.
 fn host_gemm<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
@@ -108,6 +109,9 @@ fn host_gemm<'c, 'b>(
     let (m, n) = (shape[r - 2], shape[r - 1]);
     if (m.max(0) as u64) * (n.max(0) as u64) * (k.max(0) as u64) < min_macs
         || (HOST_GEMM_FEW_ROWS < m && m < HOST_GEMM_MANY_ROWS)
+        || [m * k, k * n, m * n]
+            .iter()
+            .any(|&x| x > i64::from(i32::MAX))
     {
         return Ok(None);
     }
