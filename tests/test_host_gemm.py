@@ -50,6 +50,8 @@ s = tpuc.stats()
 print("xla_compiles", s["xla_compiles"], "disk_hits", s["cache_hits_disk"])
 inline, pieces = tpuc._native.Runtime.host_gemm_calls()
 print("pieces", pieces)
+from tpuc import runtime
+print("min_macs", runtime.get_runtime(None).host_gemm_min_macs)
 """
 
 
@@ -78,6 +80,7 @@ def test_host_gemm_matches_eager_in_every_layout_and_loads_from_the_disk_cache(t
     # Mid-sized row counts, products below HOST_GEMM_MIN_MACS, and f64: XLA's dot.
     assert first["mid_rows"] == "False" and first["small"] == "False", first
     assert first["float64"] == "False", first
+    assert first["min_macs"] == str(1 << 18), first
     # A second process finds every executable on disk and runs the custom calls in them.
     second = _run(tmp_path, "second", None)
     assert second["mm"] == "True"
@@ -96,3 +99,4 @@ def test_host_gemm_in_one_thread_pieces_over_xlas_pool_matches_eager(tmp_path):
 def test_host_gemm_off_keeps_every_product_in_xla(tmp_path):
     out = _run(tmp_path, "off", "0")
     assert out["mm"] == "False" and out["vector_matrix"] == "False", out
+    assert out["min_macs"] == "None", out

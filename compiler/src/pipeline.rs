@@ -275,6 +275,16 @@ impl Engine {
         Ok(ok)
     }
 
+    /// The fewest multiply-adds an f32 product has to go to the host BLAS; None when products
+    /// stay in XLA (see [`Engine::enable_host_gemm`]).
+    pub fn host_gemm_min_macs(&self) -> Option<u64> {
+        Some(
+            self.host_gemm_min_macs
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+        .filter(|&m| m > 0)
+    }
+
     /// `(current, minimum)` StableHLO versions the plugin accepts, as it reports them.
     pub fn stablehlo_versions(&self) -> Option<&(Vec<i64>, Vec<i64>)> {
         self.stablehlo_versions.as_ref()
@@ -407,11 +417,7 @@ impl Engine {
             &LowerOptions {
                 precision,
                 sharding: plan,
-                host_gemm_min_macs: Some(
-                    self.host_gemm_min_macs
-                        .load(std::sync::atomic::Ordering::Relaxed),
-                )
-                .filter(|&m| m > 0),
+                host_gemm_min_macs: self.host_gemm_min_macs(),
             },
         )?;
         let lower_seconds = t0.elapsed().as_secs_f64();

@@ -524,6 +524,13 @@ impl Runtime {
             .map_err(pjrt_err)
     }
 
+    /// The fewest multiply-adds an f32 matrix product needs to run in the host BLAS (MKL), or
+    /// None where every product stays in XLA.
+    #[getter]
+    fn host_gemm_min_macs(&self) -> Option<u64> {
+        self.engine.host_gemm_min_macs()
+    }
+
     /// `(on the calling thread, in one-thread pieces)`: how many host BLAS products ran each way
     /// in this process.
     #[staticmethod]

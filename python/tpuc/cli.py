@@ -45,6 +45,14 @@ def _doctor(args) -> int:
         current, minimum = (".".join(map(str, v)) for v in rt.stablehlo_versions)
         print(f"StableHLO: {minimum} to {current} accepted; modules sent as MLIR {rt.module_format}")
     print(f"devices: {rt.device_count}")
+    if family == "cpu":
+        macs = rt.host_gemm_min_macs
+        host = (
+            f"PyTorch's MKL for f32 products of >= {macs} multiply-adds with few or many rows"
+            if macs
+            else "off (TPUC_HOST_GEMM=0, or PyTorch here has no MKL)"
+        )
+        print(f"host BLAS: {host}")
     print(f"cache dir: {options_mod.parse({}).cache_dir}")
     print(f"lowering rules: {len(_native.supported_ops())} ATen ops")
     return 0
