@@ -577,8 +577,11 @@ fn always_pieces() -> bool {
     *ALWAYS.get_or_init(|| std::env::var("TPUC_HOST_GEMM_PIECES").is_ok_and(|v| v.trim() == "1"))
 }
 
+/// The CPUs this process may use, read once: std's `available_parallelism` asks the kernel for
+/// the affinity and reads the cgroup quota files on every call, and this is asked per product.
 fn threads() -> i64 {
-    std::thread::available_parallelism().map_or(1, |n| n.get()) as i64
+    static THREADS: OnceLock<i64> = OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as i64)
 }
 
 /// A call's products cut into pieces, claimed one at a time by the threads that run them.
