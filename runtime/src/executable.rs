@@ -265,10 +265,10 @@ impl LoadedExecutable {
         args.device_complete_events = events.as_mut_ptr();
         let api = self.client.api();
         let started = std::time::Instant::now();
+        let executing = super::host_blas::Executing::enter();
         // SAFETY: all arrays have the sizes PJRT expects ([num_devices][num_args]
         // inputs of this client, [num_devices][num_outputs] outputs,
         // [num_devices] events) and outlive the call.
-        let executing = super::host_blas::Executing::enter();
         let launched = unsafe { pjrt_call!(api, PJRT_LoadedExecutable_Execute, &mut args) };
         drop(executing);
         launched?;

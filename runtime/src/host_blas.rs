@@ -1,11 +1,11 @@
 //! f32 matrix products through the host's BLAS (the `sgemm_` PyTorch itself calls: MKL in
 //! torch's x86 wheels), registered with a CPU plugin as XLA FFI custom calls.
 //!
-//! When the session enables it (`TPUC_HOST_GEMM=1`), the compiler emits
-//! `stablehlo.custom_call @tpuc_sgemm_<ta><tb>` (typed FFI, api_version 4) for large f32
-//! products; XLA's CPU runtime calls [`gemm`] with the operands' host memory. The targets must be registered in
-//! every process before a module naming them is compiled or deserialized: [`register`] does it
-//! once per plugin, through the plugin's PJRT FFI extension.
+//! Unless `TPUC_HOST_GEMM=0`, the compiler emits `stablehlo.custom_call @tpuc_sgemm_<ta><tb>`
+//! (typed FFI, api_version 4) for large f32 products with few or many rows; XLA's CPU runtime
+//! calls [`gemm`] with the operands' host memory. The targets must be registered in every
+//! process before a module naming them is compiled or deserialized: [`register`] does it once
+//! per plugin, through the plugin's PJRT FFI extension.
 //!
 //! Layouts: the XLA FFI and PJRT FFI-extension structs below mirror `xla/ffi/api/c_api.h` and
 //! `pjrt_c_api_ffi_extension.h` field for field (each struct carries its size, checked on read).
@@ -94,7 +94,8 @@ pub fn register(plugin: &Plugin, library: &Path) -> Result<bool, PjrtError> {
             (true, true) => gemm::<true, true>,
         };
         let mut args = RegisterHandlerArgs {
-            struct_size: std::mem::size_of::<RegisterHandlerArgs>() - 4,
+            struct_size: std::mem::offset_of!(RegisterHandlerArgs, traits)
+                + std::mem::size_of::<u32>(),
             target_name: name.as_ptr() as *const c_char,
             target_name_size: name.len(),
             handler: handler as *mut c_void,
@@ -144,11 +145,11 @@ fn find_blas(library: &Path) -> Option<Blas> {
 }
 
 fn ffi_extension(plugin: &Plugin) -> Option<&'static FfiExtension> {
-    let mut ext = plugin.api.extension_start() as *const ExtensionBase;
+    let mut ext = plugin.api.extension_start();
     while !ext.is_null() {
         // SAFETY: the chain is the plugin's static data; every entry starts with the base.
         let base = unsafe { &*ext };
-        if base.type_ == sys::PJRT_Extension_Type_FFI as c_int {
+        if base.type_ == sys::PJRT_Extension_Type_FFI {
             if base.struct_size < std::mem::size_of::<FfiExtension>() {
                 return None;
             }
@@ -161,15 +162,8 @@ fn ffi_extension(plugin: &Plugin) -> Option<&'static FfiExtension> {
 }
 
 #[repr(C)]
-struct ExtensionBase {
-    struct_size: usize,
-    type_: c_int,
-    next: *const ExtensionBase,
-}
-
-#[repr(C)]
 struct FfiExtension {
-    base: ExtensionBase,
+    base: sys::PJRT_Extension_Base,
     type_id_register: *const c_void,
     user_data_add: *const c_void,
     register_handler: unsafe extern "C" fn(*mut RegisterHandlerArgs) -> *mut sys::PJRT_Error,
@@ -399,7 +393,7 @@ fn error(frame: &CallFrame, message: &str) -> *mut c_void {
     }
     let text = std::ffi::CString::new(message).unwrap_or_default();
     let mut args = ErrorCreateArgs {
-        struct_size: std::mem::size_of::<ErrorCreateArgs>() - 4,
+        struct_size: std::mem::offset_of!(ErrorCreateArgs, errc) + std::mem::size_of::<c_int>(),
         extension_start: std::ptr::null_mut(),
         message: text.as_ptr(),
         errc: ERROR_INVALID_ARGUMENT,
@@ -440,7 +434,9 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
             let m = unsafe { &*(frame.extension_start as *const MetadataExtension) };
             if !m.metadata.is_null() {
                 let md = unsafe { &mut *m.metadata };
-                if md.struct_size >= std::mem::size_of::<Metadata>() - 4 {
+                if md.struct_size
+                    >= std::mem::offset_of!(Metadata, traits) + std::mem::size_of::<u32>()
+                {
                     md.api_version.major = 0;
                     md.api_version.minor = 1;
                     md.traits = 0;
