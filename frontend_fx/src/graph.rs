@@ -140,6 +140,12 @@ pub struct Graph {
     /// (specialized, bucketed) keep the set.
     #[serde(default)]
     pub lowering: std::collections::BTreeSet<String>,
+    /// Positions in `outputs` that lowering may return in their physical layout (a
+    /// channels-last value as NHWC, see `Lowered::output_perms`) instead of row-major: only
+    /// outputs whose caller takes a permuted view, as the saved activations that only tpuc's
+    /// own backward graph reads. Derived graphs (bucketed) drop it.
+    #[serde(default)]
+    pub free_layout_outputs: std::collections::BTreeSet<usize>,
 }
 
 impl Graph {

@@ -92,6 +92,19 @@ unsafe extern "C" fn drop_capsule(capsule: *mut ffi::PyObject) {
     }
 }
 
+/// `tensor` (an output as the executable returned it) as the graph's value: a permuted view
+/// for an output returned in its physical layout.
+fn permuted<'py>(
+    py: Python<'py>,
+    tensor: Bound<'py, PyAny>,
+    out: &PlanOutput,
+) -> PyResult<Bound<'py, PyAny>> {
+    match &out.perm {
+        Some(perm) => tensor.call_method1(intern!(py, "permute"), (perm.bind(py),)),
+        None => Ok(tensor),
+    }
+}
+
 /// A "dltensor" capsule over `buffer`'s memory at `data` (dense, row-major `shape`).
 fn lend<'py>(
     py: Python<'py>,
@@ -240,6 +253,9 @@ struct PlanOutput {
     dl: Option<DLDataType>,
     /// `(shape, strides, dtype)` for the allocator, when the output is copied out.
     alloc_args: Py<PyTuple>,
+    /// The permutation that makes the graph's value of an output returned in its physical
+    /// layout (`Executable.output_perms`): torch gets a permuted view.
+    perm: Option<Py<PyTuple>>,
     /// Whether torch can read this output's device memory in place ([`LEND_UNKNOWN`] until the
     /// first call asks the plugin: the answer is the same for every call of one executable).
     lend: AtomicU8,
@@ -319,6 +335,7 @@ impl CallPlan {
         from_dlpack: Py<PyAny>,
         fallback: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        let py = exe.py();
         let exe = exe.get();
         let sig = &exe.compiled.lowered;
         if inputs.len() != sig.inputs.len() || outputs.len() != sig.outputs.len() {
@@ -332,15 +349,21 @@ impl CallPlan {
         }
         let outputs = outputs
             .into_iter()
-            .zip(&sig.outputs)
-            .map(|(alloc_args, (shape, dtype))| PlanOutput {
-                shape: shape.clone(),
-                nbytes: dense_bytes(shape, *dtype),
-                dl: dl_dtype(*dtype),
-                alloc_args,
-                lend: AtomicU8::new(LEND_UNKNOWN),
+            .zip(sig.outputs.iter().zip(&sig.output_perms))
+            .map(|(alloc_args, ((shape, dtype), perm))| {
+                Ok(PlanOutput {
+                    shape: shape.clone(),
+                    nbytes: dense_bytes(shape, *dtype),
+                    dl: dl_dtype(*dtype),
+                    alloc_args,
+                    perm: perm
+                        .as_ref()
+                        .map(|p| PyTuple::new(py, p).map(Bound::unbind))
+                        .transpose()?,
+                    lend: AtomicU8::new(LEND_UNKNOWN),
+                })
             })
-            .collect();
+            .collect::<PyResult<_>>()?;
         let result: Vec<ResultItem> = result
             .into_iter()
             .map(|r| match r.extract::<usize>() {
@@ -651,7 +674,8 @@ impl CallPlan {
                 };
                 if let Some(data) = data {
                     let capsule = lend(py, buffer, data, &out.shape, dl)?;
-                    outs.push(self.from_dlpack.bind(py).call1((capsule,))?);
+                    let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
+                    outs.push(permuted(py, tensor, out)?);
                     continue;
                 }
             }
@@ -663,7 +687,7 @@ impl CallPlan {
                 py.detach(|| unsafe { engine.fetch(&buffer, ptr, out.nbytes) })
                     .map_err(pjrt_err)?;
             }
-            outs.push(tensor);
+            outs.push(permuted(py, tensor, out)?);
         }
         Ok(outs)
     }

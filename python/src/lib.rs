@@ -182,6 +182,16 @@ impl FxGraph {
         ))
     }
 
+    /// This graph with outputs at `positions` free to come back in their physical layout
+    /// (`Graph::free_layout_outputs`; `Executable.output_perms` says which did).
+    fn with_free_layout_outputs(&self, positions: Vec<usize>) -> FxGraph {
+        let mut graph = (*self.graph).clone();
+        graph.free_layout_outputs = positions.into_iter().collect();
+        FxGraph {
+            graph: Arc::new(graph),
+        }
+    }
+
     /// Imports the wire format as JSON (`tpuc_frontend_fx::wire`).
     #[staticmethod]
     fn from_json(py: Python<'_>, json: &str) -> PyResult<FxGraph> {
@@ -910,6 +920,13 @@ impl Executable {
             .iter()
             .map(|(s, d)| (s.clone(), d.name().to_string()))
             .collect()
+    }
+
+    /// Per output: the permutation that gives the graph's value from the output as returned
+    /// (`output.permute(perm)`), or None for an output returned as the graph's value.
+    #[getter]
+    fn output_perms(&self) -> Vec<Option<Vec<i64>>> {
+        self.compiled.lowered.output_perms.clone()
     }
 
     #[getter]

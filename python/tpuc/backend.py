@@ -32,6 +32,7 @@ from . import (
     dump,
     flex,
     fx_export,
+    handoff,
     precompiler,
     residency,
     runtime,
@@ -336,8 +337,16 @@ class CompiledGraph:
     _boxed_call = True
 
     def __init__(
-        self, gm: torch.fx.GraphModule, opts: options_mod.Options, name: str, maxima=None, shard=None
+        self,
+        gm: torch.fx.GraphModule,
+        opts: options_mod.Options,
+        name: str,
+        maxima=None,
+        shard=None,
+        free_layouts=None,
     ):
+        """`free_layouts`: (output positions that may come back in their physical layout,
+        called with {position: permutation} of those that did), see handoff.py."""
         self.opts = opts
         # With fallback="eager", a shape tpuc cannot lower runs this graph in PyTorch instead.
         self.eager = gm if opts.fallback == "eager" else None
@@ -391,8 +400,21 @@ class CompiledGraph:
         # Per-call phase timings, logged every so many calls, when TPUC_LOG asks for debug.
         self.profile = callprof.CallProfile(name) if callprof.enabled() else None
         self.fast = None  # the static executable's CallPlan: most calls need nothing else
+        free = free_layouts is not None and free_layouts[0] and not self.symbolic and self.sharded is None
+        if free:
+            self.graph = self.graph.with_free_layout_outputs(free_layouts[0])
         if not self.symbolic:
             self.static = self._compile({}, None, fallback=self._call)
+            if free:
+                exe, plan = self.static[0], self.static[2]
+                perms = exe.output_perms
+                free_layouts[1](
+                    {
+                        pos: perms[int(v)]
+                        for pos, (kind, v) in enumerate(plan)
+                        if kind == "tensor" and perms[int(v)] is not None
+                    }
+                )
             self.fast = self.static[4]
         else:
             self.static = None
@@ -626,6 +648,7 @@ class CompiledGraph:
             outs = [torch.empty(s, dtype=d) for s, d in out_types]
             exe.run(specs, [_host_array(o) for o in outs])
             counters.count_execution()
+            outs = [o if p is None else o.permute(p) for o, p in zip(outs, exe.output_perms, strict=True)]
         result = []
         for kind, value in plan:
             if kind == "tensor":
@@ -926,13 +949,13 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=N
 
 
 def _compile_or_fallback(
-    gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None
+    gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None, free_layouts=None
 ) -> CompiledGraph | _native.CallPlan | None:
     """A CompiledGraph's entry point, or None (run `gm` eagerly) when lowering fails and
     fallback="eager".
     Plugin errors always raise: they are not a matter of op coverage."""
     try:
-        return CompiledGraph(gm, opts, name, maxima, shard).entry_point()
+        return CompiledGraph(gm, opts, name, maxima, shard, free_layouts).entry_point()
     except _native.TpucError as e:
         if opts.fallback == "error" or isinstance(e, _native.PjrtError):
             raise
@@ -1014,10 +1037,11 @@ def compile_graph(
     traces: dict | None = None,
     maxima=None,
     shard=None,
+    free_layouts=None,
 ):
     """AOTAutograd's compiler hook: a boxed callable that runs `gm` through tpuc. `traces` maps
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
-    "forward" | "backward") when a mesh is set."""
+    "forward" | "backward") when a mesh is set; `free_layouts`: see CompiledGraph."""
     flex.inline_flex_attention(gm, _decompositions(bool(maxima)))
     checks = _hoist_checks(gm)
     _rebase_storage_ops(gm)
@@ -1026,18 +1050,20 @@ def compile_graph(
     if tie_nodes:
         as_is = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # what PyTorch runs, for ties
         n_ties = ties.add_tie_checks(gm, tie_nodes)
-    inner = _compile_hook(gm, opts, name, traces, maxima, shard)
+    inner = _compile_hook(gm, opts, name, traces, maxima, shard, free_layouts)
     if n_ties:
         inner = ties.TieChecked(inner, n_ties, as_is.forward, name)
     return _Checked(inner, checks) if checks else inner
 
 
-def _compile_hook(gm: torch.fx.GraphModule, opts, name: str, traces: dict | None, maxima, shard):
+def _compile_hook(
+    gm: torch.fx.GraphModule, opts, name: str, traces: dict | None, maxima, shard, free_layouts=None
+):
     traces = traces or {}
     bad = _unsupported_nodes(gm)
     in_torch = _torch_kernel_nodes(gm, opts, shard)
     if not bad and not in_torch:
-        compiled = _compile_or_fallback(gm, opts, name, maxima, shard)
+        compiled = _compile_or_fallback(gm, opts, name, maxima, shard, free_layouts)
         return compiled if compiled is not None else make_boxed_func(gm.forward)
     for n in in_torch:
         counters.count_torch_kernel(str(n.target))
@@ -1140,15 +1166,30 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     direct = []  # the forward graph, when Dynamo may call it without AOTAutograd's wrapper
     grad_enabled = torch.is_grad_enabled()  # as AOTAutograd reads it (Dynamo guards it)
 
+    # Saved activations pass from forward to backward channels-last (handoff.py): not for
+    # sharded, bucketed or saved compilations.
+    pair = (
+        handoff.Handoff() if shard_ctx is None and not maxima and not saving and handoff.enabled() else None
+    )
+
     def compiler(kind: str):
         def compile_one(g, ins):
             shard = (shard_ctx, kind) if shard_ctx else None
             name = f"g{gid}_{kind}"
             if not saving:
-                compiled = compile_graph(g, ins, opts, name, traces, maxima, shard)
+                free_layouts, nhwc_args = None, []
+                if pair is not None and kind == "forward":
+                    positions = pair.saved_positions(g)
+                    if positions:
+                        outs = handoff._outputs(g)
+                        names = {i: outs[i].name for i in positions}
+                        free_layouts = (positions, lambda perms: pair.forward_compiled(names, perms))
+                elif pair is not None:
+                    nhwc_args = pair.rewrite_backward(g)
+                compiled = compile_graph(g, ins, opts, name, traces, maxima, shard, free_layouts)
                 if kind == "forward" and shard is None and _plain_inference(gm, grad_enabled):
                     direct.append(compiled)
-                return compiled
+                return handoff.NhwcArgs(compiled, nhwc_args) if nhwc_args else compiled
             from . import saved
 
             # Before compile_graph rewrites it, but with FlexAttention already inlined: loading

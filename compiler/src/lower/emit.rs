@@ -132,6 +132,10 @@ pub struct Emitter<'c, 'b> {
 /// `i` is physical dim `permutation[i]`).
 pub type Layout<'c, 'b> = (T<'c, 'b>, Vec<i64>);
 
+/// NCHW from NHWC: the permutation of a channels-last value's [`Emitter::layout_transpose`]
+/// (convolutions, and graph inputs that arrive channels-last).
+pub const NCHW_OF_NHWC: [i64; 4] = [0, 3, 1, 2];
+
 /// `logical` (one entry per dim of a layout transpose's logical value) in the order of its
 /// physical form: logical dim `i` is physical dim `perm[i]`.
 pub fn to_physical<X: Copy>(logical: &[X], perm: &[i64]) -> Vec<X> {

@@ -74,6 +74,10 @@ pub struct Lowered {
     /// Global (unsharded) shapes.
     pub inputs: Vec<(Vec<i64>, DType)>,
     pub outputs: Vec<(Vec<i64>, DType)>,
+    /// Per output in `outputs`: `Some(perm)` when it is returned in its physical layout (see
+    /// `Graph::free_layout_outputs`), shaped as in `outputs`; the graph's value is then
+    /// `output.permute(perm)`.
+    pub output_perms: Vec<Option<Vec<i64>>>,
     /// The layouts the module was annotated with, which the runtime splits and reassembles by.
     pub sharding: Option<ShardingPlan>,
 }
@@ -443,6 +447,8 @@ fn lower_in(
         }
     }
 
+    let mut output_perms = vec![None; outputs.len()];
+
     let arg_types: Vec<_> = inputs
         .iter()
         .map(|(s, d)| (emit::tensor_type(ctx, s, *d), loc))
@@ -525,14 +531,31 @@ fn lower_in(
                 );
             }
         }
-        let outs: Vec<Value> = graph
-            .outputs
-            .iter()
-            .filter_map(|o| match o {
-                Output::Value(v) => Some(values[v].v),
-                _ => None,
-            })
-            .collect();
+        let mut outs: Vec<Value> = Vec::new();
+        for (position, o) in graph.outputs.iter().enumerate() {
+            if let Output::Value(v) = o {
+                let t = &values[v];
+                let physical = match e.physical(t) {
+                    Some((p, perm))
+                        if plan.is_none()
+                            && graph.free_layout_outputs.contains(&position)
+                            && perm == emit::NCHW_OF_NHWC =>
+                    {
+                        Some((p, perm))
+                    }
+                    _ => None,
+                };
+                match physical {
+                    Some((p, perm)) => {
+                        let k = outs.len();
+                        outputs[k].0 = p.shape.clone();
+                        output_perms[k] = Some(perm);
+                        outs.push(p.v);
+                    }
+                    None => outs.push(t.v),
+                }
+            }
+        }
         block.append_operation(melior::dialect::func::r#return(&outs, loc));
     }
 
@@ -596,6 +619,7 @@ fn lower_in(
         bytecode,
         inputs,
         outputs,
+        output_perms,
         sharding: options.sharding.clone(),
     })
 }

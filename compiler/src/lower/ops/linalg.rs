@@ -1,7 +1,7 @@
 //! Matrix products and convolution. Both honour the session precision (`precision_config`);
 //! low-precision operands accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
-use crate::lower::emit::{array_i64, int_list, Emitter};
+use crate::lower::emit::{array_i64, int_list, Emitter, NCHW_OF_NHWC};
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::ops::window::{taps as window_taps, Window};
 use crate::lower::registry::Rule;
@@ -79,9 +79,9 @@ fn host_gemm<'c, 'b>(
     (a, pa): (&T<'c, 'b>, &[i64]),
     (b, pb): (&T<'c, 'b>, &[i64]),
 ) -> R<Option<T<'c, 'b>>> {
-    let Some(min_macs) = cx.e.host_gemm_min_macs else {
+    if cx.e.host_gemm_min_macs.is_none() {
         return Ok(None);
-    };
+    }
     let (shape, out) = cx.out(0)?;
     if a.dtype != DType::Float32 || b.dtype != DType::Float32 || out != DType::Float32 {
         return Ok(None);
@@ -105,10 +105,34 @@ fn host_gemm<'c, 'b>(
     let (Some(ta), Some(tb)) = (transposed(pa), transposed(pb)) else {
         return Ok(None);
     };
-    let k = a.shape[pa[r - 1] as usize];
+    host_matmul(cx.e, (a, ta), (b, tb), &shape)
+}
+
+/// Products whose inner dim is at least this long go to the host BLAS whatever their rows: a
+/// row block on one thread is then a long product of its own (convolution weight gradients
+/// contract batch x positions: 25088 at ResNet-50's 56x56, batch 8).
+const HOST_GEMM_LONG_INNER: i64 = 8192;
+
+/// `a x b` (f32, `[batch,] m, n` = `shape`) through the host BLAS, operands stored as given or
+/// (`true`) transposed in their last two dims, where the session enables it and the product
+/// qualifies (see [`host_gemm`]); None where XLA's dot should compute it.
+fn host_matmul<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    (a, ta): (&T<'c, 'b>, bool),
+    (b, tb): (&T<'c, 'b>, bool),
+    shape: &[i64],
+) -> R<Option<T<'c, 'b>>> {
+    let Some(min_macs) = e.host_gemm_min_macs else {
+        return Ok(None);
+    };
+    let r = shape.len();
+    if a.dtype != DType::Float32 || b.dtype != DType::Float32 || a.rank() != r || b.rank() != r {
+        return Ok(None);
+    }
+    let k = if ta { a.shape[r - 2] } else { a.shape[r - 1] };
     let (m, n) = (shape[r - 2], shape[r - 1]);
     if (m.max(0) as u64) * (n.max(0) as u64) * (k.max(0) as u64) < min_macs
-        || (HOST_GEMM_FEW_ROWS < m && m < HOST_GEMM_MANY_ROWS)
+        || (HOST_GEMM_FEW_ROWS < m && m < HOST_GEMM_MANY_ROWS && k < HOST_GEMM_LONG_INNER)
         || [m * k, k * n, m * n]
             .iter()
             .any(|&x| x > i64::from(i32::MAX))
@@ -116,7 +140,7 @@ fn host_gemm<'c, 'b>(
         return Ok(None);
     }
     let target = tpuc_runtime::host_blas::target(ta, tb);
-    let out = cx.e.op_n(
+    let out = e.op_n(
         "stablehlo.custom_call",
         &[a, b],
         &[
@@ -124,10 +148,26 @@ fn host_gemm<'c, 'b>(
             ("api_version", "4 : i32".into()),
             ("backend_config", "{}".into()),
         ],
-        &[(shape, DType::Float32)],
+        &[(shape.to_vec(), DType::Float32)],
         vec![],
     )?;
     Ok(out.into_iter().next())
+}
+
+/// The 2-D product `a x b` (`[m, n]` = `shape`, operands transposed where `ta`/`tb`), through
+/// the host BLAS where it qualifies, else XLA's dot, in `a`'s dtype.
+fn matmul_2d<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    (a, ta): (&T<'c, 'b>, bool),
+    (b, tb): (&T<'c, 'b>, bool),
+    shape: &[i64],
+) -> R<T<'c, 'b>> {
+    if let Some(r) = host_matmul(e, (a, ta), (b, tb), shape)? {
+        return Ok(r);
+    }
+    let ca: &[i64] = if ta { &[0] } else { &[1] };
+    let cb: &[i64] = if tb { &[1] } else { &[0] };
+    e.dot_general(a, b, (&[], &[]), (ca, cb), shape, a.dtype)
 }
 
 fn mm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
@@ -348,9 +388,6 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         r
     }])
 }
-
-/// NCHW from NHWC: the permutation of a channels-last convolution's [`Emitter::layout_transpose`].
-const NCHW_OF_NHWC: [i64; 4] = [0, 3, 1, 2];
 
 /// Whether forward convolutions with `nsp` spatial dims are computed channels-last: 2-D ones,
 /// unless `TPUC_CHANNELS_LAST=0`. XLA's CPU backend runs a convolution in NHWC, so an NCHW one
@@ -1124,6 +1161,16 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         _ => vec![true; 3],
     };
     let e = cx.e;
+    let nhwc_form = |t: &T<'c, 'b>| e.physical(t).is_some_and(|(_, p)| p == NCHW_OF_NHWC);
+    if channels_last(nsp) && (nhwc_form(&g) || nhwc_form(&x)) {
+        let window = Window {
+            kernel: w.shape[2..].to_vec(),
+            stride,
+            padding,
+            dilation,
+        };
+        return convolution_backward_nhwc(cx, &g, &x, &w, &window, groups, &mask);
+    }
     let dtype = g.dtype;
     let acc = acc_dtype(dtype);
     let gc = e.convert(&g, dtype)?;
@@ -1238,6 +1285,206 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let (_, out) = cx.out(2)?;
         let dims: Vec<i64> = (0..g.rank() as i64).filter(|&d| d != 1).collect();
         let s = e.reduce(&e.convert(&g, acc)?, &dims, ReduceKind::Sum, false)?;
+        results.push(e.convert(&s, out)?);
+    } else {
+        results.push(placeholder()?);
+    }
+    Ok(results)
+}
+
+/// `convolution_backward` of a 2-D convolution whose output gradient or input is channels-last
+/// (a layout transpose of NHWC data: the forward ran channels-last and handed its activations
+/// over as they were, see python/tpuc/handoff.py): each gradient computed on the NHWC forms, the
+/// input gradient returned as a layout transpose again. XLA's CPU convolutions run NHWC, so the
+/// NCHW formulation would transpose both activations in and the gradient out.
+fn convolution_backward_nhwc<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    g: &T<'c, 'b>,
+    x: &T<'c, 'b>,
+    w: &T<'c, 'b>,
+    window: &Window,
+    groups: i64,
+    mask: &[bool],
+) -> V<'c, 'b> {
+    let e = cx.e;
+    let acc = acc_dtype(g.dtype);
+    let gp = e.convert(&nhwc(e, g)?, acc)?;
+    let (n, oh, ow, o) = (gp.shape[0], gp.shape[1], gp.shape[2], gp.shape[3]);
+    let (c, h, wd) = (x.shape[1], x.shape[2], x.shape[3]);
+    let Window {
+        kernel,
+        stride,
+        padding,
+        dilation,
+    } = window;
+    let pointwise = is_pointwise(&w.shape, padding, groups);
+    let wanted = |k: usize| mask.get(k).copied().unwrap_or(true);
+    let placeholder = || e.splat(Scalar::Int(0), &[], DType::Float32);
+    let mut results = Vec::new();
+
+    if wanted(0) {
+        let (shape, out) = cx.out(0)?;
+        let in_nhwc = [n, h, wd, c];
+        let r = if pointwise {
+            // [N x positions, O] x [O, C], spread back to the strided positions.
+            let flat_g = e.reshape(&gp, &[n * oh * ow, o])?;
+            let flat_w = e.reshape(&e.convert(w, acc)?, &[o, c])?;
+            // XLA's dot: MKL on row blocks measured 1.6-2.9x slower for these short products
+            // (inner dim O: 64-2048) at ResNet-50's sizes.
+            let product = e.dot_general(
+                &flat_g,
+                &flat_w,
+                (&[], &[]),
+                (&[1], &[0]),
+                &[n * oh * ow, c],
+                acc,
+            )?;
+            let strided = e.reshape(&product, &[n, oh, ow, c])?;
+            if stride.iter().all(|&s| s == 1) && strided.shape == in_nhwc {
+                strided
+            } else {
+                let interior = [0, stride[0] - 1, stride[1] - 1, 0];
+                let high = [
+                    0,
+                    h - ((oh - 1) * stride[0] + 1),
+                    wd - ((ow - 1) * stride[1] + 1),
+                    0,
+                ];
+                let zero = e.splat(Scalar::Float(0.0), &[], acc)?;
+                e.op(
+                    "stablehlo.pad",
+                    &[&strided, &zero],
+                    &[
+                        ("edge_padding_low", array_i64(&[0; 4])),
+                        ("edge_padding_high", array_i64(&high)),
+                        ("interior_padding", array_i64(&interior)),
+                    ],
+                    &in_nhwc,
+                    acc,
+                )?
+            }
+        } else {
+            // The flipped kernel over the stride-dilated gradient, as in the NCHW form.
+            let k = flipped_group_swapped(e, &e.convert(w, acc)?, groups)?;
+            let in_sp = [h, wd];
+            let out_sp = [oh, ow];
+            let pads: Vec<(i64, i64)> = (0..2)
+                .map(|i| {
+                    let span = dilation[i] * (kernel[i] - 1);
+                    (
+                        span - padding[i],
+                        in_sp[i] - (out_sp[i] - 1) * stride[i] - 1 + padding[i],
+                    )
+                })
+                .collect();
+            conv_general(
+                cx,
+                &gp,
+                &k,
+                "#stablehlo.conv<[b, 0, 1, f]x[i, o, 0, 1]->[b, 0, 1, f]>".to_string(),
+                &[1, 1],
+                &pads,
+                stride,
+                dilation,
+                groups,
+                1,
+                &in_nhwc,
+                acc,
+            )?
+        };
+        debug_assert_eq!(shape, [n, c, h, wd]);
+        let r = e.convert(&r, out)?;
+        results.push(e.layout_transpose(&r, &NCHW_OF_NHWC)?);
+    } else {
+        results.push(placeholder()?);
+    }
+
+    if wanted(1) {
+        let (shape, out) = cx.out(1)?;
+        let xp = e.convert(&nhwc(e, x)?, acc)?;
+        let r = if pointwise {
+            // [N x positions, O]^T x [N x positions, C] over the strided input positions.
+            let strided = e.slice(
+                &xp,
+                &[0; 4],
+                &[n, (oh - 1) * stride[0] + 1, (ow - 1) * stride[1] + 1, c],
+                &[1, stride[0], stride[1], 1],
+            )?;
+            let flat_x = e.reshape(&strided, &[n * oh * ow, c])?;
+            let flat_g = e.reshape(&gp, &[n * oh * ow, o])?;
+            let product = matmul_2d(e, (&flat_g, true), (&flat_x, false), &[o, c])?;
+            e.reshape(&product, &shape)?
+        } else if groups == 1 {
+            // The input's patches `[N x positions, tap x C]` (one strided slice of the padded
+            // input per tap, side by side) contracted with the gradient: `[tap x C, O]`, which
+            // is the kernel as HWIO.
+            let pads = [0, padding[0], padding[1], 0];
+            let zero = e.splat(Scalar::Float(0.0), &[], acc)?;
+            let padded = e.op(
+                "stablehlo.pad",
+                &[&xp, &zero],
+                &[
+                    ("edge_padding_low", array_i64(&pads)),
+                    ("edge_padding_high", array_i64(&pads)),
+                    ("interior_padding", array_i64(&[0; 4])),
+                ],
+                &[n, h + 2 * padding[0], wd + 2 * padding[1], c],
+                acc,
+            )?;
+            let mut slices = Vec::new();
+            for i in 0..kernel[0] {
+                for j in 0..kernel[1] {
+                    let start = [0, i * dilation[0], j * dilation[1], 0];
+                    let limit = [
+                        n,
+                        start[1] + (oh - 1) * stride[0] + 1,
+                        start[2] + (ow - 1) * stride[1] + 1,
+                        c,
+                    ];
+                    slices.push(e.slice(&padded, &start, &limit, &[1, stride[0], stride[1], 1])?);
+                }
+            }
+            let taps = slices.len() as i64;
+            let patches = e.concatenate(&slices.iter().collect::<Vec<_>>(), 3)?;
+            let flat_p = e.reshape(&patches, &[n * oh * ow, taps * c])?;
+            let flat_g = e.reshape(&gp, &[n * oh * ow, o])?;
+            let product = matmul_2d(e, (&flat_p, true), (&flat_g, false), &[taps * c, o])?;
+            let hwio = e.reshape(&product, &[kernel[0], kernel[1], c, o])?;
+            e.transpose(&hwio, &[3, 2, 0, 1])?
+        } else {
+            // Batch and feature swapped, one batch group per feature group (NCHW form's).
+            let in_sp = [h, wd];
+            let out_sp = [oh, ow];
+            let pads: Vec<(i64, i64)> = (0..2)
+                .map(|i| {
+                    let from_lhs = (out_sp[i] - 1) * stride[i] + 1 - in_sp[i];
+                    let from_rhs = dilation[i] * (kernel[i] - 1) - padding[i];
+                    (padding[i], from_lhs + from_rhs)
+                })
+                .collect();
+            conv_general(
+                cx,
+                &xp,
+                &gp,
+                "#stablehlo.conv<[f, 0, 1, b]x[i, 0, 1, o]->[f, b, 0, 1]>".to_string(),
+                dilation,
+                &pads,
+                &[1, 1],
+                stride,
+                1,
+                groups,
+                &shape,
+                acc,
+            )?
+        };
+        results.push(e.convert(&r, out)?);
+    } else {
+        results.push(placeholder()?);
+    }
+
+    if wanted(2) {
+        let (_, out) = cx.out(2)?;
+        let s = e.reduce(&gp, &[0, 1, 2], ReduceKind::Sum, false)?;
         results.push(e.convert(&s, out)?);
     } else {
         results.push(placeholder()?);

@@ -1,6 +1,6 @@
 //! Shape and layout ops: views, permutations, slicing, concatenation, padding, indexing.
 
-use crate::lower::emit::{array_i64, broadcast_shapes, int_list, Emitter};
+use crate::lower::emit::{array_i64, broadcast_shapes, int_list, Emitter, NCHW_OF_NHWC};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -76,6 +76,11 @@ fn permute<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         .iter()
         .map(|&d| cx.dim(d, x.rank()))
         .collect::<R<Vec<_>>>()?;
+    if perm == NCHW_OF_NHWC {
+        // NHWC data seen as NCHW (a channels-last input): kept as its physical form, which
+        // convolutions and the ops that follow layouts read without a transpose.
+        return Ok(vec![cx.e.layout_transpose(&x, &perm)?]);
+    }
     Ok(vec![cx.e.transpose(&x, &perm)?])
 }
 
