@@ -1292,6 +1292,60 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     Ok(results)
 }
 
+/// The patches of NHWC input `xp` for a 2-D convolution with `window` and output spatial size
+/// `out_hw`: `[N x positions, tap x C]`, one strided slice of the zero-padded input per tap
+/// (row-major taps), side by side.
+fn nhwc_patches<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    xp: &T<'c, 'b>,
+    window: &Window,
+    out_hw: [i64; 2],
+) -> R<T<'c, 'b>> {
+    let (n, h, wd, c) = (xp.shape[0], xp.shape[1], xp.shape[2], xp.shape[3]);
+    let (p, k, s, d) = (
+        &window.padding,
+        &window.kernel,
+        &window.stride,
+        &window.dilation,
+    );
+    let padded = if p.iter().all(|&v| v == 0) {
+        xp.clone()
+    } else {
+        let pads = [0, p[0], p[1], 0];
+        let zero = e.splat(Scalar::Float(0.0), &[], xp.dtype)?;
+        e.op(
+            "stablehlo.pad",
+            &[xp, &zero],
+            &[
+                ("edge_padding_low", array_i64(&pads)),
+                ("edge_padding_high", array_i64(&pads)),
+                ("interior_padding", array_i64(&[0; 4])),
+            ],
+            &[n, h + 2 * p[0], wd + 2 * p[1], c],
+            xp.dtype,
+        )?
+    };
+    let mut slices = Vec::new();
+    for i in 0..k[0] {
+        for j in 0..k[1] {
+            let start = [0, i * d[0], j * d[1], 0];
+            let limit = [
+                n,
+                start[1] + (out_hw[0] - 1) * s[0] + 1,
+                start[2] + (out_hw[1] - 1) * s[1] + 1,
+                c,
+            ];
+            slices.push(e.slice(&padded, &start, &limit, &[1, s[0], s[1], 1])?);
+        }
+    }
+    let taps = slices.len() as i64;
+    let patches = match slices.as_slice() {
+        [one] => one.clone(),
+        _ => e.concatenate(&slices.iter().collect::<Vec<_>>(), 3)?,
+    };
+    e.reshape(&patches, &[n * out_hw[0] * out_hw[1], taps * c])
+}
+
 /// `convolution_backward` of a 2-D convolution whose output gradient or input is channels-last
 /// (a layout transpose of NHWC data: the forward ran channels-last and handed its activations
 /// over as they were, see python/tpuc/handoff.py): each gradient computed on the NHWC forms, the
@@ -1415,38 +1469,10 @@ fn convolution_backward_nhwc<'c, 'b>(
             let product = matmul_2d(e, (&flat_g, true), (&flat_x, false), &[o, c])?;
             e.reshape(&product, &shape)?
         } else if groups == 1 {
-            // The input's patches `[N x positions, tap x C]` (one strided slice of the padded
-            // input per tap, side by side) contracted with the gradient: `[tap x C, O]`, which
-            // is the kernel as HWIO.
-            let pads = [0, padding[0], padding[1], 0];
-            let zero = e.splat(Scalar::Float(0.0), &[], acc)?;
-            let padded = e.op(
-                "stablehlo.pad",
-                &[&xp, &zero],
-                &[
-                    ("edge_padding_low", array_i64(&pads)),
-                    ("edge_padding_high", array_i64(&pads)),
-                    ("interior_padding", array_i64(&[0; 4])),
-                ],
-                &[n, h + 2 * padding[0], wd + 2 * padding[1], c],
-                acc,
-            )?;
-            let mut slices = Vec::new();
-            for i in 0..kernel[0] {
-                for j in 0..kernel[1] {
-                    let start = [0, i * dilation[0], j * dilation[1], 0];
-                    let limit = [
-                        n,
-                        start[1] + (oh - 1) * stride[0] + 1,
-                        start[2] + (ow - 1) * stride[1] + 1,
-                        c,
-                    ];
-                    slices.push(e.slice(&padded, &start, &limit, &[1, stride[0], stride[1], 1])?);
-                }
-            }
-            let taps = slices.len() as i64;
-            let patches = e.concatenate(&slices.iter().collect::<Vec<_>>(), 3)?;
-            let flat_p = e.reshape(&patches, &[n * oh * ow, taps * c])?;
+            // The input's patches contracted with the gradient: `[tap x C, O]`, which is the
+            // kernel as HWIO.
+            let flat_p = nhwc_patches(e, &xp, window, [oh, ow])?;
+            let taps = kernel[0] * kernel[1];
             let flat_g = e.reshape(&gp, &[n * oh * ow, o])?;
             let product = matmul_2d(e, (&flat_p, true), (&flat_g, false), &[taps * c, o])?;
             let hwio = e.reshape(&product, &[kernel[0], kernel[1], c, o])?;
