@@ -250,7 +250,10 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let xc = cx.e.convert(&x, out)?;
     let wc = cx.e.convert(&w, out)?;
     let pointwise = is_pointwise(&w.shape, &padding, groups);
-    let depthwise = is_depthwise(&x.shape, &w.shape, groups);
+    // 2-D depthwise convolutions are XLA's grouped channels-last convolution: with the YNNPACK
+    // plugin faster than the sum over taps (MobileNet-v2 at 224, tpuc alone: batch 1 9.2 ->
+    // 8.4 ms, batch 8 42.1 -> 40.4; ConvNeXt-T equal).
+    let depthwise = is_depthwise(&x.shape, &w.shape, groups) && !channels_last(nsp);
     // Small 2-D convolutions go to XLA's channels-last convolution all the same: with the CPU
     // plugin's YNNPACK convolutions that is faster than their patches (zoo, tpuc alone:
     // ResNet-18 5.6 -> 4.2 ms, ConvNeXt 0.79 -> 0.72, MobileNet-v3 1.32 -> 1.21, the small
@@ -259,21 +262,11 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         || (groups == 1
             && (few_positions(&shape)
                 || (!channels_last(nsp) && small_patches(&x.shape, &w.shape, &shape))));
-    if !transposed && (pointwise || depthwise || !taps) && channels_last(nsp) {
+    if !transposed && (pointwise || !taps) && channels_last(nsp) {
         let e = cx.e;
         let xl = nhwc(e, &xc)?;
         let nhwc_shape = [shape[0], shape[2], shape[3], shape[1]];
-        let r = if depthwise {
-            let geometry = Window {
-                kernel: w.shape[2..].to_vec(),
-                stride,
-                padding,
-                dilation,
-            };
-            let xa = e.convert(&xl, acc)?;
-            let window = TapWindow::channels_last(&xa, geometry, &nhwc_shape);
-            depthwise_taps(cx, &window, &e.convert(&wc, acc)?)?
-        } else if pointwise {
+        let r = if pointwise {
             pointwise_dot_nhwc(
                 cx,
                 &e.convert(&xl, acc)?,
@@ -306,10 +299,6 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             None => r,
         };
         let r = e.convert(&r, out)?;
-        // A depthwise convolution's result (bias included) through a barrier, one buffer: its
-        // readers (ConvNeXt's layer norm: mean, variance, normalize) would otherwise each
-        // recompute every tap (the zoo's ConvNeXt ran 2.6 ms against Inductor's 0.75).
-        let r = if depthwise { e.barrier(&r)? } else { r };
         return Ok(vec![e.layout_transpose(&r, &NCHW_OF_NHWC)?]);
     }
     let r = if transposed {
@@ -387,7 +376,9 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         None => r,
     };
     let r = cx.e.convert(&r, out)?;
-    // Depthwise tap sums materialized, as in the channels-last branch above.
+    // Depthwise tap sums through a barrier, one buffer: their readers (a layer norm's mean,
+    // variance, normalize) would otherwise each recompute every tap (ConvNeXt ran 2.6 ms
+    // against Inductor's 0.75 before).
     Ok(vec![if depthwise && !transposed {
         cx.e.barrier(&r)?
     } else {
@@ -679,16 +670,16 @@ fn small_patches(x: &[i64], w: &[i64], out: &[i64]) -> bool {
 /// tap's (or output position's) window is a strided slice of the input zero-padded by the
 /// window's padding; a window that lies inside the input is sliced from it, so the padded input
 /// is only made when some window reaches into the padding. Input and output are
-/// `[batch, channels, spatial...]`, or `[batch, spatial..., channels]` when made by
-/// [`TapWindow::channels_last`].
+/// `[batch, channels, spatial...]`.
+/// The first spatial dim of a [`TapWindow`]'s input and output.
+const SPATIAL: usize = 2;
+
 struct TapWindow<'c, 'b> {
     x: T<'c, 'b>,
     /// `x` padded (see [`Window::pad`]), made on first use.
     padded: std::cell::OnceCell<T<'c, 'b>>,
     geometry: Window,
     out_shape: Vec<i64>,
-    /// The first spatial dim of `x` and `out_shape`.
-    first: usize,
 }
 
 impl<'c, 'b> TapWindow<'c, 'b> {
@@ -698,34 +689,17 @@ impl<'c, 'b> TapWindow<'c, 'b> {
             padded: std::cell::OnceCell::new(),
             geometry,
             out_shape: out_shape.to_vec(),
-            first: 2,
-        }
-    }
-
-    fn channels_last(x: &T<'c, 'b>, geometry: Window, out_shape: &[i64]) -> TapWindow<'c, 'b> {
-        TapWindow {
-            first: 1,
-            ..TapWindow::new(x, geometry, out_shape)
-        }
-    }
-
-    /// The channel dim of the input and output.
-    fn channel_dim(&self) -> usize {
-        if self.first == 1 {
-            self.x.rank() - 1
-        } else {
-            1
         }
     }
 
     /// The output's spatial dims.
     fn out_spatial(&self) -> &[i64] {
-        &self.out_shape[self.first..self.first + self.geometry.kernel.len()]
+        &self.out_shape[SPATIAL..SPATIAL + self.geometry.kernel.len()]
     }
 
     /// The unpadded input's size along spatial dim `k`.
     fn input(&self, k: usize) -> i64 {
-        self.x.shape[k + self.first]
+        self.x.shape[k + SPATIAL]
     }
 
     /// The slice of the padded input at `start` (padded coordinates, per spatial dim), `count`
@@ -750,7 +724,7 @@ impl<'c, 'b> TapWindow<'c, 'b> {
                     &self.x,
                     &self.out_shape,
                     Scalar::Float(0.0),
-                    self.first,
+                    SPATIAL,
                 )?;
                 let _ = self.padded.set(p);
             }
@@ -760,9 +734,9 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         let (mut lo, mut hi, mut steps) = (vec![0; rank], source.shape.clone(), vec![1; rank]);
         for k in 0..start.len() {
             let off = shift.get(k).copied().unwrap_or(0);
-            lo[k + self.first] = start[k] - off;
-            hi[k + self.first] = last(k) - off + 1;
-            steps[k + self.first] = step[k];
+            lo[k + SPATIAL] = start[k] - off;
+            hi[k + SPATIAL] = last(k) - off + 1;
+            steps[k + SPATIAL] = step[k];
         }
         cx.e.slice(source, &lo, &hi, &steps)
     }
@@ -861,27 +835,12 @@ fn depthwise_taps<'c, 'b>(
     let e = cx.e;
     let c = w.shape[0];
     let taps = window.geometry.taps();
-    // Channels-last, each tap's weights are read as a vector along the channels: taps-major
-    // weights, materialized, make it a contiguous row (else LLVM gathers each lane).
-    let by_tap = if window.channel_dim() == 1 {
-        None
-    } else {
-        let n = taps.len() as i64;
-        let flat = e.transpose(&e.reshape(w, &[c, n])?, &[1, 0])?;
-        Some(e.barrier(&e.reshape(&flat, &[n * c])?)?)
-    };
     let mut sum: Option<T<'c, 'b>> = None;
-    for (i, tap) in taps.iter().enumerate() {
-        let w_tap = match &by_tap {
-            Some(rows) => {
-                let i = i as i64;
-                e.slice(rows, &[i * c], &[(i + 1) * c], &[1])?
-            }
-            None => e.reshape(&tap_weights(cx, w, tap)?, &[c])?,
-        };
+    for tap in &taps {
+        let w_tap = e.reshape(&tap_weights(cx, w, tap)?, &[c])?;
         let term = e.mul(
             &window.slice(cx, tap)?,
-            &e.broadcast_in_dim(&w_tap, &window.out_shape, &[window.channel_dim() as i64])?,
+            &e.broadcast_in_dim(&w_tap, &window.out_shape, &[1])?,
         )?;
         sum = accumulate(e, sum, term)?;
     }
