@@ -1,7 +1,7 @@
 """On the CPU plugin a graph whose tensors are all small (at most 2^18 elements) is compiled with
 its loop fusions unpartitioned (run on the calling thread, not split over XLA's pool); larger
 graphs keep XLA's partitions; `TPUC_UNPARTITIONED_MAX` sets the bound (0: never). Read from
-XLA's optimized HLO, where a partitioned fusion carries `outer_dimension_partitions`. The compiling
+XLA's optimized HLO, where a partitioned fusion carries a non-empty `outer_dimension_partitions`. The compiling
 thread's CPU affinity is restored after."""
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 CHILD = r"""
-import os, pathlib, sys, torch, tpuc
+import os, pathlib, re, sys, torch, tpuc
 import torch.nn.functional as F
 before = os.sched_getaffinity(0)
-conv = torch.nn.Conv2d(32, 32, 7, padding=3, groups=32)
 def small(x):
-    return conv(x)
+    return torch.exp(torch.sin(x) * 2.0) + x
 def large(x):
     return torch.exp(torch.sin(x) * 2.0) + x
 dump = pathlib.Path(sys.argv[1])
 with torch.no_grad():
-    for name, fn, x in (("small", small, torch.randn(2, 32, 16, 16)), ("large", large, torch.randn(700, 700))):
+    for name, fn, x in (("small", small, torch.randn(512, 512)), ("large", large, torch.randn(700, 700))):
         out = torch.compile(fn, backend="tpu", options={"cache_dir": None})(x)
         torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)
 assert os.sched_getaffinity(0) == before, (os.sched_getaffinity(0), before)
@@ -36,7 +35,8 @@ assert os.sched_getaffinity(0) == before, (os.sched_getaffinity(0), before)
 hlos = sorted(dump.glob("module_*.cpu_after_optimizations.txt"))
 assert len(hlos) == 2, hlos
 for name, hlo in zip(("small", "large"), hlos):
-    print(name, "outer_dimension_partitions" in hlo.read_text())
+    # Non-empty: YNNPACK fusions (a convolution) carry an empty list either way.
+    print(name, re.search(r'outer_dimension_partitions"?[:=]\s*\["?\d', hlo.read_text()) is not None)
 """
 
 
