@@ -18,7 +18,7 @@ test-rust:
 DISCRETE_TESTS = tests/test_params.py tests/test_hot_path.py tests/test_sharding.py \
 	tests/test_distributed.py tests/test_models.py tests/test_buckets.py tests/test_saved.py \
 	tests/test_ties.py tests/test_fallback_partitions.py tests/test_edge_inputs.py \
-	tests/test_handoff.py
+	tests/test_handoff.py tests/test_input_views.py
 
 test-python:
 	.venv/bin/python -m pytest -q tests

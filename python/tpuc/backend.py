@@ -33,6 +33,7 @@ from . import (
     flex,
     fx_export,
     handoff,
+    input_views,
     precompiler,
     residency,
     runtime,
@@ -1043,6 +1044,13 @@ def compile_graph(
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set; `free_layouts`: see CompiledGraph."""
     flex.inline_flex_attention(gm, _decompositions(bool(maxima)))
+    # Outputs that are inputs or views of them are made from the inputs at call time (not on
+    # a mesh, whose plan places every output).
+    taken = input_views.split(gm) if shard is None else {}
+    if taken and free_layouts is not None:
+        positions, back = input_views.remap_positions(taken, free_layouts[0])
+        report = free_layouts[1]
+        free_layouts = (positions, lambda perms: report({back[p]: perm for p, perm in perms.items()}))
     checks = _hoist_checks(gm)
     _rebase_storage_ops(gm)
     n_ties = 0
@@ -1053,7 +1061,8 @@ def compile_graph(
     inner = _compile_hook(gm, opts, name, traces, maxima, shard, free_layouts)
     if n_ties:
         inner = ties.TieChecked(inner, n_ties, as_is.forward, name)
-    return _Checked(inner, checks) if checks else inner
+    inner = _Checked(inner, checks) if checks else inner
+    return input_views.WithInputViews(inner, taken) if taken else inner
 
 
 def _compile_hook(
@@ -1166,30 +1175,32 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     direct = []  # the forward graph, when Dynamo may call it without AOTAutograd's wrapper
     grad_enabled = torch.is_grad_enabled()  # as AOTAutograd reads it (Dynamo guards it)
 
-    # Saved activations pass from forward to backward channels-last (handoff.py): not for
-    # sharded, bucketed or saved compilations.
-    pair = (
-        handoff.Handoff() if shard_ctx is None and not maxima and not saving and handoff.enabled() else None
-    )
+    # What passes from forward to backward in another layout than row-major: saved views of
+    # inputs (input_views.py) and channels-last activations (handoff.py); not for sharded,
+    # bucketed or saved compilations.
+    pair = handoff.Handoff() if shard_ctx is None and not maxima and not saving else None
 
     def compiler(kind: str):
         def compile_one(g, ins):
             shard = (shard_ctx, kind) if shard_ctx else None
             name = f"g{gid}_{kind}"
             if not saving:
-                free_layouts, nhwc_args = None, []
+                free_layouts, permuted_args = None, {}
                 if pair is not None and kind == "forward":
-                    positions = pair.saved_positions(g)
+                    pair.views = input_views.view_outputs(g)
+                    positions = pair.saved_positions(g) if handoff.enabled() else []
                     if positions:
                         outs = handoff._outputs(g)
                         names = {i: outs[i].name for i in positions}
                         free_layouts = (positions, lambda perms: pair.forward_compiled(names, perms))
                 elif pair is not None:
-                    nhwc_args = pair.rewrite_backward(g)
+                    # Saved views of inputs (returned as views, see input_views.py) are taken in
+                    # their storage order, the channels-last activations as NHWC (handoff.py).
+                    permuted_args = input_views.storage_order_inputs(g, pair.views) | pair.rewrite_backward(g)
                 compiled = compile_graph(g, ins, opts, name, traces, maxima, shard, free_layouts)
                 if kind == "forward" and shard is None and _plain_inference(gm, grad_enabled):
                     direct.append(compiled)
-                return handoff.NhwcArgs(compiled, nhwc_args) if nhwc_args else compiled
+                return input_views.PermutedArgs(compiled, permuted_args) if permuted_args else compiled
             from . import saved
 
             # Before compile_graph rewrites it, but with FlexAttention already inlined: loading

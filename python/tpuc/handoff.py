@@ -12,7 +12,8 @@ Only tpuc's own backward reads these tensors, so nothing needs them row-major:
 * backward: each placeholder the forward returned that way is declared NHWC, followed by the
   permute back to NCHW (which lowering keeps as a layout transpose: convolutions and the ops
   that follow layouts read the NHWC data as it is), and the backward's callable is given the
-  NHWC view of the tensor it receives (no copy when the strides are the forward's).
+  NHWC view of the tensor it receives (`input_views.PermutedArgs`: no copy when the strides are
+  the forward's).
 
 Exact whatever arrives: a saved tensor with other strides (a saved-tensor hook that copied it)
 is made contiguous in its NHWC view by the general call path, as any non-contiguous input.
@@ -27,7 +28,7 @@ import os
 import torch
 import torch.fx
 
-from . import counters
+from . import counters, input_views
 
 # NHWC of an NCHW tensor, and back.
 NHWC_OF_NCHW = (0, 2, 3, 1)
@@ -44,6 +45,8 @@ class Handoff:
 
     def __init__(self):
         self.perms: dict[str, tuple] = {}
+        # The forward's outputs that are its inputs or views of them (input_views.py).
+        self.views: set[str] = set()
 
     @staticmethod
     def saved_positions(gm: torch.fx.GraphModule) -> list[int]:
@@ -77,47 +80,25 @@ class Handoff:
                 self.perms[names[i]] = NCHW_OF_NHWC
         counters.add(saved_channels_last=len(self.perms))
 
-    def rewrite_backward(self, gm: torch.fx.GraphModule) -> list[int]:
+    def rewrite_backward(self, gm: torch.fx.GraphModule) -> dict[int, tuple]:
         """Declares each placeholder of backward graph `gm` that the forward returned
-        channels-last as NHWC, read through a permute to NCHW. Returns their positions."""
+        channels-last as NHWC, read through a permute to NCHW. Returns {position: the order to
+        permute their args by} (for `input_views.PermutedArgs`)."""
         positions = []
         if not self.perms:
-            return positions
+            return {}
         for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
             val = ph.meta.get("val")
             if self.perms.get(ph.name) != NCHW_OF_NHWC or not isinstance(val, torch.Tensor) or val.ndim != 4:
                 continue
-            users = list(ph.users)
-            with gm.graph.inserting_after(ph):
-                back = gm.graph.call_function(torch.ops.aten.permute.default, (ph, list(NCHW_OF_NHWC)))
-            back.meta["val"] = val
-            for u in users:
-                u.replace_input_with(ph, back)
-            ph.meta["val"] = val.permute(NHWC_OF_NCHW).contiguous()
-            ph.meta.pop("tensor_meta", None)  # the NCHW shape as traced: `val` is read instead
+            input_views.declare_storage_order(gm, ph, NHWC_OF_NCHW)
             positions.append(i)
         if positions:
             gm.graph.lint()
             gm.recompile()
-        return positions
+        return {i: NHWC_OF_NCHW for i in positions}
 
 
 def _outputs(gm: torch.fx.GraphModule) -> list:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return list(out.args[0])
-
-
-class NhwcArgs:
-    """A boxed backward callable whose args at `positions` are given as NHWC views (see
-    `Handoff.rewrite_backward`)."""
-
-    _boxed_call = True
-
-    def __init__(self, inner, positions: list[int]):
-        self.inner = inner
-        self.positions = positions
-
-    def __call__(self, args: list):
-        for i in self.positions:
-            args[i] = args[i].permute(NHWC_OF_NCHW)
-        return self.inner(args)
