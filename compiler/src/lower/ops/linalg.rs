@@ -1267,7 +1267,7 @@ fn nhwc_patches<'c, 'b>(
     window: &Window,
     out_hw: [i64; 2],
 ) -> R<T<'c, 'b>> {
-    let (n, h, wd, c) = (xp.shape[0], xp.shape[1], xp.shape[2], xp.shape[3]);
+    let (n, c) = (xp.shape[0], xp.shape[3]);
     let (p, k, s, d) = (
         &window.padding,
         &window.kernel,
@@ -1279,17 +1279,7 @@ fn nhwc_patches<'c, 'b>(
     } else {
         let pads = [0, p[0], p[1], 0];
         let zero = e.splat(Scalar::Float(0.0), &[], xp.dtype)?;
-        e.op(
-            "stablehlo.pad",
-            &[xp, &zero],
-            &[
-                ("edge_padding_low", array_i64(&pads)),
-                ("edge_padding_high", array_i64(&pads)),
-                ("interior_padding", array_i64(&[0; 4])),
-            ],
-            &[n, h + 2 * p[0], wd + 2 * p[1], c],
-            xp.dtype,
-        )?
+        e.pad(xp, &zero, &pads, &pads, &[0; 4])?
     };
     let mut slices = Vec::new();
     for i in 0..k[0] {
@@ -1371,17 +1361,7 @@ fn convolution_backward_nhwc<'c, 'b>(
                     0,
                 ];
                 let zero = e.splat(Scalar::Float(0.0), &[], acc)?;
-                e.op(
-                    "stablehlo.pad",
-                    &[&strided, &zero],
-                    &[
-                        ("edge_padding_low", array_i64(&[0; 4])),
-                        ("edge_padding_high", array_i64(&high)),
-                        ("interior_padding", array_i64(&interior)),
-                    ],
-                    &in_nhwc,
-                    acc,
-                )?
+                e.pad(&strided, &zero, &[0; 4], &high, &interior)?
             }
         } else {
             // The flipped kernel over the stride-dilated gradient, as in the NCHW form.
