@@ -90,3 +90,22 @@ def test_in_place_update_before_backward_raises_as_in_eager():
         lin.weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_input_written_by_the_graph_is_not_replayed():
+    """An input the graph mutates (in place through a view) and also returns a view of: the
+    view must show what eager shows."""
+
+    def f(x, w):
+        w[:, :1].mul_(2.0)
+        return (x * w).sum(), w.t()
+
+    x = torch.randn(3, 4)
+    w1, w2 = torch.randn(3, 4), None
+    w2 = w1.clone()
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="tpu")(x, w1)
+    want = f(x, w2)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(w1, w2)

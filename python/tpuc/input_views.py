@@ -75,7 +75,7 @@ def split(gm: torch.fx.GraphModule) -> dict[int, tuple[int, list]]:
     """Takes the outputs of `gm` that are inputs or views of inputs out of its output tuple.
     Returns {original output position: (input index, view ops)}; `gm` is left untouched when
     there are none."""
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    placeholders = _unmutated_placeholders(gm)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = out.args[0]
     if not isinstance(outs, (tuple, list)):
@@ -159,9 +159,25 @@ def declare_storage_order(gm: torch.fx.GraphModule, ph: torch.fx.Node, order) ->
     ph.meta.pop("tensor_meta", None)  # the traced layout: `val` is read instead
 
 
+def _unmutated_placeholders(gm: torch.fx.GraphModule) -> dict:
+    """{placeholder: input position} of the inputs no op of `gm` writes (an in-graph `copy_`
+    of an input mutation would change a view replayed after the call)."""
+    written = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is not None and schema.is_mutable:
+            for a in n.args:
+                # Through views to the tensor they alias.
+                while isinstance(a, torch.fx.Node):
+                    written.add(a)
+                    a = a.args[0] if a.op == "call_function" and a.target in VIEW_OPS and a.args else None
+    ordered = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {n: i for i, n in enumerate(ordered) if n not in written}
+
+
 def view_outputs(gm: torch.fx.GraphModule) -> set[str]:
     """The names of the outputs of `gm` that `split` would take out (inputs and their views)."""
-    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    placeholders = _unmutated_placeholders(gm)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else ()
     return {o.name for o in outs if isinstance(o, torch.fx.Node) and _chain(o, placeholders) is not None}
