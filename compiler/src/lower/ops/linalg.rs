@@ -71,9 +71,9 @@ const HOST_GEMM_MANY_ROWS: i64 = 512;
 
 /// The product through the host BLAS (`tpuc_sgemm_<a><b>`, see `tpuc_runtime::host_blas`) where
 /// the session enables it: f32 operands and result, each matrix product of at least
-/// `host_gemm_min_macs` multiply-adds with few or many rows (above), each matrix within the
-/// BLAS's 32-bit sizes, operands stored as given
-/// or transposed in their last two dims (a batch dim first). None where XLA's dot computes it.
+/// `host_gemm_min_macs` multiply-adds with few or many rows or a long inner dim (above, and
+/// [`host_matmul`]), each matrix within the BLAS's 32-bit sizes, operands stored as given or
+/// transposed in their last two dims (a batch dim first). None where XLA's dot computes it.
 fn host_gemm<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
     (a, pa): (&T<'c, 'b>, &[i64]),
