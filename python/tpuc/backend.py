@@ -770,17 +770,6 @@ def _storage_key(val: torch.Tensor):
         return None
 
 
-def _storage_order(val: torch.Tensor) -> list[int] | None:
-    """The dim order in which a non-contiguous `val` fills its whole storage densely from offset
-    0 (a permutation of its dims), or None when it does not (a strided slice, an offset, gaps)."""
-    if val.ndim == 0 or val.storage_offset() != 0:
-        return None
-    if val.untyped_storage().nbytes() != val.numel() * val.element_size():
-        return None
-    order = sorted(range(val.ndim), key=lambda d: (-val.stride(d), d))
-    return order if val.permute(order).is_contiguous() else None
-
-
 def _rebase_storage_ops(gm: torch.fx.GraphModule) -> int:
     """Points each `as_strided` whose operand is a view that is not its own dense storage (a
     strided slice, a view with an offset, a permuted view ...) at the graph node that owns that
@@ -826,7 +815,7 @@ def _rebase_storage_ops(gm: torch.fx.GraphModule) -> int:
             continue
         if _owns_dense_storage(n):
             owners.setdefault(key, n)
-        elif (order := _storage_order(val)) is not None:
+        elif (order := input_views.dense_order(val)) is not None:
             permuted.setdefault(key, (n, order))
     if changed:
         gm.graph.lint()
@@ -1190,7 +1179,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
                     pair.views = input_views.view_outputs(g)
                     positions = pair.saved_positions(g) if handoff.enabled() else []
                     if positions:
-                        outs = handoff._outputs(g)
+                        outs = input_views.graph_outputs(g)
                         names = {i: outs[i].name for i in positions}
                         free_layouts = (positions, lambda perms: pair.forward_compiled(names, perms))
                 elif pair is not None:

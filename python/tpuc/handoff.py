@@ -57,7 +57,7 @@ class Handoff:
         meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
         if meta is None or getattr(meta, "tokens", None):
             return []
-        outs = _outputs(gm)
+        outs = input_views.graph_outputs(gm)
         user = {id(o) for o in outs[: meta.num_forward]}
         positions = []
         for i in range(meta.num_forward, len(outs)):
@@ -97,8 +97,3 @@ class Handoff:
             gm.graph.lint()
             gm.recompile()
         return {i: NHWC_OF_NCHW for i in positions}
-
-
-def _outputs(gm: torch.fx.GraphModule) -> list:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return list(out.args[0])

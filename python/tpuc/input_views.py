@@ -71,22 +71,31 @@ def _traced(args) -> bool:
     return bool(found)
 
 
+def graph_outputs(gm: torch.fx.GraphModule) -> list:
+    """What `gm` returns, one entry per output position."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else []
+
+
+def _view_chains(gm: torch.fx.GraphModule) -> dict[int, tuple[int, list]]:
+    """{output position: (input index, view ops)} of the outputs of `gm` that are inputs the
+    graph does not write, or views of them."""
+    placeholders = _unmutated_placeholders(gm)
+    chains = {}
+    for pos, o in enumerate(graph_outputs(gm)):
+        if isinstance(o, torch.fx.Node) and (chain := _chain(o, placeholders)) is not None:
+            chains[pos] = chain
+    return chains
+
+
 def split(gm: torch.fx.GraphModule) -> dict[int, tuple[int, list]]:
     """Takes the outputs of `gm` that are inputs or views of inputs out of its output tuple.
     Returns {original output position: (input index, view ops)}; `gm` is left untouched when
     there are none."""
-    placeholders = _unmutated_placeholders(gm)
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    outs = out.args[0]
-    if not isinstance(outs, (tuple, list)):
-        return {}
-    taken = {}
-    for pos, o in enumerate(outs):
-        if isinstance(o, torch.fx.Node):
-            chain = _chain(o, placeholders)
-            if chain is not None:
-                taken[pos] = chain
+    taken = _view_chains(gm)
     if taken:
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        outs = out.args[0]
         out.args = (type(outs)(o for pos, o in enumerate(outs) if pos not in taken),)
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -126,7 +135,7 @@ def remap_positions(taken: dict, positions: list[int]) -> tuple[list[int], dict[
     return mapped, {new: old for old, new in new_of.items()}
 
 
-def _dense_order(val) -> list[int] | None:
+def dense_order(val) -> list[int] | None:
     """The dim order in which non-contiguous `val` fills its storage densely from offset 0 (a
     permutation of its dims, not the identity), or None."""
     if not isinstance(val, torch.Tensor) or val.ndim < 2 or val.is_contiguous():
@@ -177,10 +186,8 @@ def _unmutated_placeholders(gm: torch.fx.GraphModule) -> dict:
 
 def view_outputs(gm: torch.fx.GraphModule) -> set[str]:
     """The names of the outputs of `gm` that `split` would take out (inputs and their views)."""
-    placeholders = _unmutated_placeholders(gm)
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else ()
-    return {o.name for o in outs if isinstance(o, torch.fx.Node) and _chain(o, placeholders) is not None}
+    outs = graph_outputs(gm)
+    return {outs[pos].name for pos in _view_chains(gm)}
 
 
 def storage_order_inputs(gm: torch.fx.GraphModule, names: set[str]) -> dict[int, list[int]]:
@@ -190,7 +197,7 @@ def storage_order_inputs(gm: torch.fx.GraphModule, names: set[str]) -> dict[int,
     the trace says). Returns {input position: order}."""
     found = {}
     for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-        order = _dense_order(ph.meta.get("val")) if ph.name in names else None
+        order = dense_order(ph.meta.get("val")) if ph.name in names else None
         if order is not None and ph.users:
             declare_storage_order(gm, ph, order)
             found[i] = order

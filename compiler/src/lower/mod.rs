@@ -535,16 +535,11 @@ fn lower_in(
         for (position, o) in graph.outputs.iter().enumerate() {
             if let Output::Value(v) = o {
                 let t = &values[v];
-                let physical = match e.physical(t) {
-                    Some((p, perm))
-                        if plan.is_none()
-                            && graph.free_layout_outputs.contains(&position)
-                            && perm == emit::NCHW_OF_NHWC =>
-                    {
-                        Some((p, perm))
-                    }
-                    _ => None,
-                };
+                let physical = e.physical(t).filter(|(_, perm)| {
+                    plan.is_none()
+                        && graph.free_layout_outputs.contains(&position)
+                        && *perm == emit::NCHW_OF_NHWC
+                });
                 match physical {
                     Some((p, perm)) => {
                         let k = outs.len();

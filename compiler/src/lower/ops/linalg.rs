@@ -82,8 +82,9 @@ fn host_gemm<'c, 'b>(
     if cx.e.host_gemm_min_macs.is_none() {
         return Ok(None);
     }
+    // Operand dtypes are checked by host_matmul.
     let (shape, out) = cx.out(0)?;
-    if a.dtype != DType::Float32 || b.dtype != DType::Float32 || out != DType::Float32 {
+    if out != DType::Float32 {
         return Ok(None);
     }
     let r = pa.len();
@@ -1163,15 +1164,7 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             let wc = e.convert(&w, dtype)?;
             // [O, I/g, k..] -> [O/g, I, k..] with the group index leading the input features.
             let k = flipped_group_swapped(e, &wc, groups)?;
-            let pads: Vec<(i64, i64)> = (0..nsp)
-                .map(|i| {
-                    let span = dilation[i] * (kernel[i] - 1);
-                    (
-                        span - padding[i],
-                        in_sp[i] - (out_sp[i] - 1) * stride[i] - 1 + padding[i],
-                    )
-                })
-                .collect();
+            let pads = input_grad_pads(&kernel, &stride, &padding, &dilation, &in_sp, &out_sp);
             let r = conv_general(
                 cx,
                 &gc,
@@ -1220,13 +1213,7 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             results.push(e.convert(&r, out)?);
         } else {
             let xc = e.convert(&x, dtype)?;
-            let pads: Vec<(i64, i64)> = (0..nsp)
-                .map(|i| {
-                    let from_lhs = (out_sp[i] - 1) * stride[i] + 1 - in_sp[i];
-                    let from_rhs = dilation[i] * (kernel[i] - 1) - padding[i];
-                    (padding[i], from_lhs + from_rhs)
-                })
-                .collect();
+            let pads = weight_grad_pads(&kernel, &stride, &padding, &dilation, &in_sp, &out_sp);
             let r = conv_general(
                 cx,
                 &xc,
@@ -1256,6 +1243,47 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         results.push(placeholder()?);
     }
     Ok(results)
+}
+
+/// The padding of the input gradient's convolution (the flipped kernel over the stride-dilated
+/// output gradient): the kernel's span less the padding before, and whatever reaches the input's
+/// last positions after (a stride can leave trailing input rows unused by the forward).
+fn input_grad_pads(
+    kernel: &[i64],
+    stride: &[i64],
+    padding: &[i64],
+    dilation: &[i64],
+    in_sp: &[i64],
+    out_sp: &[i64],
+) -> Vec<(i64, i64)> {
+    (0..in_sp.len())
+        .map(|i| {
+            let span = dilation[i] * (kernel[i] - 1);
+            (
+                span - padding[i],
+                in_sp[i] - (out_sp[i] - 1) * stride[i] - 1 + padding[i],
+            )
+        })
+        .collect()
+}
+
+/// The padding of the weight gradient's convolution (the input convolved with the output
+/// gradient, whose positions are dilated by the stride).
+fn weight_grad_pads(
+    kernel: &[i64],
+    stride: &[i64],
+    padding: &[i64],
+    dilation: &[i64],
+    in_sp: &[i64],
+    out_sp: &[i64],
+) -> Vec<(i64, i64)> {
+    (0..in_sp.len())
+        .map(|i| {
+            let from_lhs = (out_sp[i] - 1) * stride[i] + 1 - in_sp[i];
+            let from_rhs = dilation[i] * (kernel[i] - 1) - padding[i];
+            (padding[i], from_lhs + from_rhs)
+        })
+        .collect()
 }
 
 /// The patches of NHWC input `xp` for a 2-D convolution with `window` and output spatial size
@@ -1366,17 +1394,7 @@ fn convolution_backward_nhwc<'c, 'b>(
         } else {
             // The flipped kernel over the stride-dilated gradient, as in the NCHW form.
             let k = flipped_group_swapped(e, &e.convert(w, acc)?, groups)?;
-            let in_sp = [h, wd];
-            let out_sp = [oh, ow];
-            let pads: Vec<(i64, i64)> = (0..2)
-                .map(|i| {
-                    let span = dilation[i] * (kernel[i] - 1);
-                    (
-                        span - padding[i],
-                        in_sp[i] - (out_sp[i] - 1) * stride[i] - 1 + padding[i],
-                    )
-                })
-                .collect();
+            let pads = input_grad_pads(kernel, stride, padding, dilation, &[h, wd], &[oh, ow]);
             conv_general(
                 cx,
                 &gp,
@@ -1425,15 +1443,7 @@ fn convolution_backward_nhwc<'c, 'b>(
             e.transpose(&hwio, &[3, 2, 0, 1])?
         } else {
             // Batch and feature swapped, one batch group per feature group (NCHW form's).
-            let in_sp = [h, wd];
-            let out_sp = [oh, ow];
-            let pads: Vec<(i64, i64)> = (0..2)
-                .map(|i| {
-                    let from_lhs = (out_sp[i] - 1) * stride[i] + 1 - in_sp[i];
-                    let from_rhs = dilation[i] * (kernel[i] - 1) - padding[i];
-                    (padding[i], from_lhs + from_rhs)
-                })
-                .collect();
+            let pads = weight_grad_pads(kernel, stride, padding, dilation, &[h, wd], &[oh, ow]);
             conv_general(
                 cx,
                 &xp,
