@@ -1,9 +1,10 @@
-"""Large f32 matrix products with few rows (vector-matrix) or many rows run in PyTorch's own BLAS
+"""Large f32 matrix products run in PyTorch's own BLAS
 (MKL) as XLA FFI custom calls (`tpuc_sgemm_nn|nt|tn|tt`) inside the compiled program, registered
 with the CPU plugin at start (`TPUC_HOST_GEMM=0`: never). Checked against eager for every operand
 layout (plain, transposed weight as in nn.Linear, transposed input, batched), with bias and
 scaling (addmm), and through the disk cache (a second process loads the executables, the handler
-registered before they run). Small, mid-sized (64-row) and non-f32 products stay in XLA. Each
+registered before they run), cut into row blocks (many rows) or column blocks (fewer rows) on
+XLA's threads. Small and non-f32 products stay in XLA. Each
 case runs in its own process: the setting is read once, when the process's runtime starts."""
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ cases = {
     "addmm_scaled": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
                      (torch.randn(320), torch.randn(2, 1024), torch.randn(1024, 320))),
     "vector_matrix": (lambda a, b: a @ b, (torch.randn(1, 1024), torch.randn(1024, 1536))),
-    "mid_rows": (lambda a, b: a @ b, (torch.randn(64, 1024), torch.randn(1024, 320))),
+    "mid_rows": (lambda a, b: a @ b, (torch.randn(128, 1024), torch.randn(1024, 320))),
+    "mid_rows_transposed": (lambda a, b: a.t() @ b.t(), (torch.randn(768, 200), torch.randn(450, 768))),
+    "mid_rows_narrow": (lambda a, b: a @ b, (torch.randn(256, 1024), torch.randn(1024, 100))),
     "small": (lambda a, b: a @ b, (torch.randn(8, 16), torch.randn(16, 8))),
     "float64": (lambda a, b: a @ b, (torch.randn(600, 256, dtype=torch.float64), torch.randn(256, 320, dtype=torch.float64))),
 }
@@ -53,6 +56,12 @@ print("pieces", pieces)
 from tpuc import runtime
 print("min_macs", runtime.get_runtime(None).host_gemm_min_macs)
 """
+
+# The cases that run in the host BLAS.
+HOST = (
+    "mm", "linear", "a_transposed", "both_transposed", "bmm", "addmm_scaled", "vector_matrix",
+    "mid_rows", "mid_rows_transposed", "mid_rows_narrow",
+)
 
 
 def _run(tmp_path: Path, name: str, env_value: str | None, pieces: bool = False) -> dict[str, str]:
@@ -75,10 +84,10 @@ def _run(tmp_path: Path, name: str, env_value: str | None, pieces: bool = False)
 
 def test_host_gemm_matches_eager_in_every_layout_and_loads_from_the_disk_cache(tmp_path):
     first = _run(tmp_path, "first", None)
-    for name in ("mm", "linear", "a_transposed", "both_transposed", "bmm", "addmm_scaled", "vector_matrix"):
+    for name in HOST:
         assert first[name] == "True", (name, first)
-    # Mid-sized row counts, products below HOST_GEMM_MIN_MACS, and f64: XLA's dot.
-    assert first["mid_rows"] == "False" and first["small"] == "False", first
+    # Products below HOST_GEMM_MIN_MACS, and f64: XLA's dot.
+    assert first["small"] == "False", first
     assert first["float64"] == "False", first
     assert first["min_macs"] == str(1 << 18), first
     # A second process finds every executable on disk and runs the custom calls in them.
@@ -88,12 +97,13 @@ def test_host_gemm_matches_eager_in_every_layout_and_loads_from_the_disk_cache(t
 
 
 def test_host_gemm_in_one_thread_pieces_over_xlas_pool_matches_eager(tmp_path):
-    # The path of products met on XLA's threads (row blocks for many rows, column blocks for
-    # few), forced on the calling thread: every layout still matches eager.
+    # The path of products met on XLA's threads (row blocks for many rows or few columns,
+    # column blocks for fewer rows), forced on the calling thread: every layout still matches
+    # eager.
     out = _run(tmp_path, "pieces", None, pieces=True)
-    for name in ("mm", "linear", "a_transposed", "both_transposed", "bmm", "addmm_scaled", "vector_matrix"):
+    for name in HOST:
         assert out[name] == "True", (name, out)
-    assert int(out["pieces"]) >= 7, out
+    assert int(out["pieces"]) >= len(HOST), out
 
 
 def test_host_gemm_off_keeps_every_product_in_xla(tmp_path):

@@ -48,7 +48,7 @@ def _doctor(args) -> int:
     if family == "cpu":
         macs = rt.host_gemm_min_macs
         host = (
-            f"PyTorch's MKL for f32 products of >= {macs} multiply-adds with few or many rows"
+            f"PyTorch's MKL for f32 products of >= {macs} multiply-adds"
             if macs
             else "off (TPUC_HOST_GEMM=0, or PyTorch here has no MKL)"
         )

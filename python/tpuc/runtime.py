@@ -258,14 +258,13 @@ def get_runtime(
         return rt
 
 
-# f32 matrix products of at least this many multiply-adds may run in the host BLAS (see
-# `_enable_host_gemm`; which row counts go there is the compiler's choice); smaller ones stay
-# in XLA, fused with their neighbours.
+# f32 matrix products of at least this many multiply-adds run in the host BLAS (see
+# `_enable_host_gemm`); smaller ones stay in XLA, fused with their neighbours.
 HOST_GEMM_MIN_MACS = 1 << 18
 
 
 def _enable_host_gemm(rt: _native.Runtime) -> None:
-    """Lets large f32 matrix products with few or many rows run in the BLAS PyTorch itself
+    """Lets large f32 matrix products run in the BLAS PyTorch itself
     calls (MKL in its x86 wheels), as XLA FFI custom calls inside the compiled program, where
     MKL was measured faster than XLA's dot (README, "Host BLAS"). Only where that BLAS is MKL;
     `TPUC_HOST_GEMM=0` keeps every product in XLA."""

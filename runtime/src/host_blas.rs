@@ -2,7 +2,7 @@
 //! torch's x86 wheels), registered with a CPU plugin as XLA FFI custom calls.
 //!
 //! Unless `TPUC_HOST_GEMM=0`, the compiler emits `stablehlo.custom_call @tpuc_sgemm_<ta><tb>`
-//! (typed FFI, api_version 4) for large f32 products with few or many rows; XLA's CPU runtime
+//! (typed FFI, api_version 4) for large f32 products; XLA's CPU runtime
 //! calls [`gemm`] with the operands' host memory. The targets must be registered in every
 //! process before a module naming them is compiled or deserialized: [`register`] does it once
 //! per plugin, through the plugin's PJRT FFI extension.
@@ -684,6 +684,11 @@ unsafe impl Send for Product {}
 // SAFETY: see Send.
 unsafe impl Sync for Product {}
 
+/// Products of at least this many rows are cut into row blocks (see [`Product::by_rows`]).
+const ROW_BLOCKS_MIN_ROWS: i64 = 512;
+/// Column blocks are multiples of this many columns.
+const COLUMN_BLOCK: i64 = 64;
+
 /// Multiply-adds below which a product is not cut (a piece's fixed cost outweighs it).
 const MIN_PIECE_MACS: i64 = 1 << 17;
 
@@ -696,15 +701,18 @@ impl Product {
         let by_shape = if self.by_rows() {
             self.m / 16
         } else {
-            self.n / 64
+            self.n / COLUMN_BLOCK
         };
         want.min(by_work).min(by_shape).max(1)
     }
 
     /// Whether pieces are row blocks of C (each reading all of B, as MKL's packed kernels
-    /// want) rather than column blocks (products of few rows: vector-matrix products).
+    /// want) rather than column blocks (each reading a share of B: products of fewer rows,
+    /// whose time is mostly B's packing and reading; one-thread MKL on half the columns of
+    /// 128x768 @ 768x3072 takes 1.8 ms, on half the rows 2.0, XLA's dot 2.4 on both threads),
+    /// or where there are too few columns to give every thread a block.
     fn by_rows(&self) -> bool {
-        self.m >= 32
+        self.m >= ROW_BLOCKS_MIN_ROWS || self.n < COLUMN_BLOCK * threads()
     }
 
     /// Piece `piece` of `pieces` of batch entry `entry`, through one `sgemm_`.
@@ -745,7 +753,7 @@ impl Product {
         } else {
             // Columns lo..hi of op(B) and C: column offset in B stored [K, N], row offset in
             // [N, K].
-            let (lo, hi) = span(n, 64);
+            let (lo, hi) = span(n, COLUMN_BLOCK);
             Product {
                 n: hi - lo,
                 b: unsafe { b.add((if self.tb { lo * k } else { lo }) as usize) },

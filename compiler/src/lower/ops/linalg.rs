@@ -60,20 +60,9 @@ fn matmul_acc<'c, 'b>(
     }
 }
 
-/// Products with at most this many rows (vector-matrix products: decoding, batch-1 heads) go
-/// to the host BLAS: XLA's CPU dot runs them 2-8x slower than MKL (1x768 @ 768x768: 165 vs
-/// 43 us through tpuc; 3072x768: 380 vs 260 us).
-const HOST_GEMM_FEW_ROWS: i64 = 16;
-/// Products with at least this many rows go there too: cut into row blocks, each MKL's on one
-/// thread, they beat XLA's (YNNPACK) by 10-20% (BERT-base 8x128 1.10x -> 0.98x Inductor). In
-/// between (128-row products: GPT-2 1x128) one-thread blocks are no faster than XLA's dot.
-const HOST_GEMM_MANY_ROWS: i64 = 512;
-
 /// The product through the host BLAS (`tpuc_sgemm_<a><b>`, see `tpuc_runtime::host_blas`) where
-/// the session enables it: f32 operands and result, each matrix product of at least
-/// `host_gemm_min_macs` multiply-adds with few or many rows or a long inner dim (above, and
-/// [`host_matmul`]), each matrix within the BLAS's 32-bit sizes, operands stored as given or
-/// transposed in their last two dims (a batch dim first). None where XLA's dot computes it.
+/// the session enables it and [`host_matmul`] takes it, operands stored as given or transposed
+/// in their last two dims (a batch dim first). None where XLA's dot computes it.
 fn host_gemm<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
     (a, pa): (&T<'c, 'b>, &[i64]),
@@ -109,14 +98,13 @@ fn host_gemm<'c, 'b>(
     host_matmul(cx.e, (a, ta), (b, tb), &shape)
 }
 
-/// Products whose inner dim is at least this long go to the host BLAS whatever their rows: a
-/// row block on one thread is then a long product of its own (convolution weight gradients
-/// contract batch x positions: 25088 at ResNet-50's 56x56, batch 8).
-const HOST_GEMM_LONG_INNER: i64 = 8192;
-
 /// `a x b` (f32, `[batch,] m, n` = `shape`) through the host BLAS, operands stored as given or
 /// (`true`) transposed in their last two dims, where the session enables it and the product
-/// qualifies (see [`host_gemm`]); None where XLA's dot should compute it.
+/// qualifies: f32 operands and result, each matrix product of at least `host_gemm_min_macs`
+/// multiply-adds, each matrix within the BLAS's 32-bit sizes. Whatever the row count, MKL
+/// (in the handler's blocks) was measured faster than XLA's dot: vector-matrix products 2-8x
+/// (1x768 @ 768x768: 165 vs 43 us), 128-row ones 1.1-1.8x (GPT-2 1x128 147 -> 127 ms),
+/// 1024-row ones 10-20%. None where XLA's dot should compute it.
 fn host_matmul<'c, 'b>(
     e: &Emitter<'c, 'b>,
     (a, ta): (&T<'c, 'b>, bool),
@@ -133,7 +121,6 @@ fn host_matmul<'c, 'b>(
     let k = if ta { a.shape[r - 2] } else { a.shape[r - 1] };
     let (m, n) = (shape[r - 2], shape[r - 1]);
     if (m.max(0) as u64) * (n.max(0) as u64) * (k.max(0) as u64) < min_macs
-        || (HOST_GEMM_FEW_ROWS < m && m < HOST_GEMM_MANY_ROWS && k < HOST_GEMM_LONG_INNER)
         || [m * k, k * n, m * n]
             .iter()
             .any(|&x| x > i64::from(i32::MAX))
