@@ -59,8 +59,16 @@ print("min_macs", runtime.get_runtime(None).host_gemm_min_macs)
 
 # The cases that run in the host BLAS.
 HOST = (
-    "mm", "linear", "a_transposed", "both_transposed", "bmm", "addmm_scaled", "vector_matrix",
-    "mid_rows", "mid_rows_transposed", "mid_rows_narrow",
+    "mm",
+    "linear",
+    "a_transposed",
+    "both_transposed",
+    "bmm",
+    "addmm_scaled",
+    "vector_matrix",
+    "mid_rows",
+    "mid_rows_transposed",
+    "mid_rows_narrow",
 )
 
 
