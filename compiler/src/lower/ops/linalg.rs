@@ -98,10 +98,16 @@ fn host_gemm<'c, 'b>(
     host_matmul(cx.e, (a, ta), (b, tb), &shape)
 }
 
+/// Products with at most this many rows are vector-matrix products, whose time is reading the
+/// weights: the host BLAS takes them from an eighth of the usual size (a decoding step's
+/// 768 -> 256 key and value projections; XLA's dot reads the weights more slowly).
+const VECTOR_ROWS: i64 = 16;
+
 /// `a x b` (f32, `[batch,] m, n` = `shape`) through the host BLAS, operands stored as given or
 /// (`true`) transposed in their last two dims, where the session enables it and the product
 /// qualifies: f32 operands and result, each matrix product of at least `host_gemm_min_macs`
-/// multiply-adds, each matrix within the BLAS's 32-bit sizes. Whatever the row count, MKL
+/// multiply-adds (an eighth of that with at most [`VECTOR_ROWS`] rows), each matrix within the
+/// BLAS's 32-bit sizes. Whatever the row count, MKL
 /// (in the handler's blocks) was measured faster than XLA's dot: vector-matrix products 2-8x
 /// (1x768 @ 768x768: 165 vs 43 us), 128-row ones 1.1-1.8x (GPT-2 1x128 147 -> 127 ms),
 /// 1024-row ones 10-20%. None where XLA's dot should compute it.
@@ -120,7 +126,12 @@ fn host_matmul<'c, 'b>(
     }
     let k = if ta { a.shape[r - 2] } else { a.shape[r - 1] };
     let (m, n) = (shape[r - 2], shape[r - 1]);
-    if (m.max(0) as u64) * (n.max(0) as u64) * (k.max(0) as u64) < min_macs
+    if (m.max(0) as u64) * (n.max(0) as u64) * (k.max(0) as u64)
+        < if m <= VECTOR_ROWS {
+            min_macs / 8
+        } else {
+            min_macs
+        }
         || [m * k, k * n, m * n]
             .iter()
             .any(|&x| x > i64::from(i32::MAX))
@@ -238,28 +249,53 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let xc = cx.e.convert(&x, out)?;
     let wc = cx.e.convert(&w, out)?;
     let pointwise = is_pointwise(&w.shape, &padding, groups);
-    // 2-D depthwise convolutions are XLA's grouped channels-last convolution: with the YNNPACK
-    // plugin faster than the sum over taps (MobileNet-v2 at 224, tpuc alone: batch 1 9.2 ->
-    // 8.4 ms, batch 8 42.1 -> 40.4; ConvNeXt-T equal).
-    let depthwise = is_depthwise(&x.shape, &w.shape, groups) && !channels_last(nsp);
-    // Small 2-D convolutions go to XLA's channels-last convolution all the same: with the CPU
-    // plugin's YNNPACK convolutions that is faster than their patches (zoo, tpuc alone:
-    // ResNet-18 5.6 -> 4.2 ms, ConvNeXt 0.79 -> 0.72, MobileNet-v3 1.32 -> 1.21, the small
-    // convnet 0.33 -> 0.28; ResNet-50 unchanged).
+    // Depthwise convolutions are tap sums (channels-last for 2-D ones): XLA's CPU plugin runs
+    // a grouped convolution through Eigen, group by group (MobileNet-v2 at 224, batch 1: 39 ms
+    // as XLA's grouped convolution, 10.2 as channels-last taps; batch 8 251 vs 55).
+    let depthwise = is_depthwise(&x.shape, &w.shape, groups);
+    // Small 2-D convolutions are their NHWC patches times the kernel (below); small 1-D and
+    // 3-D ones the NCHW-like patch products of the tap rules.
     let taps = depthwise
         || (groups == 1
             && (few_positions(&shape)
                 || (!channels_last(nsp) && small_patches(&x.shape, &w.shape, &shape))));
-    if !transposed && (pointwise || !taps) && channels_last(nsp) {
+    if !transposed && (pointwise || depthwise || !taps) && channels_last(nsp) {
         let e = cx.e;
         let xl = nhwc(e, &xc)?;
         let nhwc_shape = [shape[0], shape[2], shape[3], shape[1]];
-        let r = if pointwise {
+        let r = if depthwise {
+            let geometry = Window {
+                kernel: w.shape[2..].to_vec(),
+                stride,
+                padding,
+                dilation,
+            };
+            let xa = e.convert(&xl, acc)?;
+            let window = TapWindow::channels_last(&xa, geometry, &nhwc_shape);
+            depthwise_taps(cx, &window, &e.convert(&wc, acc)?)?
+        } else if pointwise {
             pointwise_dot_nhwc(
                 cx,
                 &e.convert(&xl, acc)?,
                 &e.convert(&wc, acc)?,
                 &stride,
+                &nhwc_shape,
+            )?
+        } else if groups == 1 && small_patches(&x.shape, &w.shape, &shape) {
+            // XLA's CPU convolution (Eigen's) of a few channels costs several times the work
+            // (3 -> 8 channels, 3x3 over 8x16x16: 155 us through tpuc vs 101 as patches;
+            // the small convnet 0.25 -> 0.18 ms alone, 0.36 -> 0.28 interleaved).
+            let window = Window {
+                kernel: w.shape[2..].to_vec(),
+                stride: stride.clone(),
+                padding: padding.clone(),
+                dilation: dilation.clone(),
+            };
+            nhwc_patch_product(
+                e,
+                &e.convert(&xl, acc)?,
+                &e.convert(&wc, acc)?,
+                &window,
                 &nhwc_shape,
             )?
         } else {
@@ -287,6 +323,10 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             None => r,
         };
         let r = e.convert(&r, out)?;
+        // A depthwise convolution's result (bias included) through a barrier, one buffer: its
+        // readers (ConvNeXt's layer norm: mean, variance, normalize) would otherwise each
+        // recompute every tap (the zoo's ConvNeXt ran 2.6 ms against Inductor's 0.75).
+        let r = if depthwise { e.barrier(&r)? } else { r };
         return Ok(vec![e.layout_transpose(&r, &NCHW_OF_NHWC)?]);
     }
     let r = if transposed {
@@ -364,9 +404,7 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         None => r,
     };
     let r = cx.e.convert(&r, out)?;
-    // Depthwise tap sums through a barrier, one buffer: their readers (a layer norm's mean,
-    // variance, normalize) would otherwise each recompute every tap (ConvNeXt ran 2.6 ms
-    // against Inductor's 0.75 before).
+    // Depthwise tap sums materialized, as in the channels-last branch above.
     Ok(vec![if depthwise && !transposed {
         cx.e.barrier(&r)?
     } else {
@@ -643,10 +681,9 @@ fn few_positions(shape: &[i64]) -> bool {
 }
 
 /// Most elements of a convolution's patches (input channels x taps x batch x positions) for
-/// which a 1-D or 3-D convolution (NCHW-like) is lowered as the kernel times its patches
-/// whatever its output channels: small convolutions, where XLA's CPU convolution costs more in
-/// its layout copies than the work. (2-D ones measured faster as XLA's channels-last
-/// convolution since the YNNPACK plugin, see `convolution`.)
+/// which it is lowered as the kernel times its patches whatever its output channels (NHWC
+/// patches for 2-D ones, NCHW-like for 1-D and 3-D): small convolutions, where XLA's CPU
+/// convolution costs several times the work.
 const SMALL_PATCHES: i64 = 1 << 18;
 
 fn small_patches(x: &[i64], w: &[i64], out: &[i64]) -> bool {
@@ -658,16 +695,16 @@ fn small_patches(x: &[i64], w: &[i64], out: &[i64]) -> bool {
 /// tap's (or output position's) window is a strided slice of the input zero-padded by the
 /// window's padding; a window that lies inside the input is sliced from it, so the padded input
 /// is only made when some window reaches into the padding. Input and output are
-/// `[batch, channels, spatial...]`.
-/// The first spatial dim of a [`TapWindow`]'s input and output.
-const SPATIAL: usize = 2;
-
+/// `[batch, channels, spatial...]`, or `[batch, spatial..., channels]` when made by
+/// [`TapWindow::channels_last`].
 struct TapWindow<'c, 'b> {
     x: T<'c, 'b>,
     /// `x` padded (see [`Window::pad`]), made on first use.
     padded: std::cell::OnceCell<T<'c, 'b>>,
     geometry: Window,
     out_shape: Vec<i64>,
+    /// The first spatial dim of `x` and `out_shape`.
+    first: usize,
 }
 
 impl<'c, 'b> TapWindow<'c, 'b> {
@@ -677,17 +714,34 @@ impl<'c, 'b> TapWindow<'c, 'b> {
             padded: std::cell::OnceCell::new(),
             geometry,
             out_shape: out_shape.to_vec(),
+            first: 2,
+        }
+    }
+
+    fn channels_last(x: &T<'c, 'b>, geometry: Window, out_shape: &[i64]) -> TapWindow<'c, 'b> {
+        TapWindow {
+            first: 1,
+            ..TapWindow::new(x, geometry, out_shape)
+        }
+    }
+
+    /// The channel dim of the input and output.
+    fn channel_dim(&self) -> usize {
+        if self.first == 1 {
+            self.x.rank() - 1
+        } else {
+            1
         }
     }
 
     /// The output's spatial dims.
     fn out_spatial(&self) -> &[i64] {
-        &self.out_shape[SPATIAL..SPATIAL + self.geometry.kernel.len()]
+        &self.out_shape[self.first..self.first + self.geometry.kernel.len()]
     }
 
     /// The unpadded input's size along spatial dim `k`.
     fn input(&self, k: usize) -> i64 {
-        self.x.shape[k + SPATIAL]
+        self.x.shape[k + self.first]
     }
 
     /// The slice of the padded input at `start` (padded coordinates, per spatial dim), `count`
@@ -712,7 +766,7 @@ impl<'c, 'b> TapWindow<'c, 'b> {
                     &self.x,
                     &self.out_shape,
                     Scalar::Float(0.0),
-                    SPATIAL,
+                    self.first,
                 )?;
                 let _ = self.padded.set(p);
             }
@@ -722,9 +776,9 @@ impl<'c, 'b> TapWindow<'c, 'b> {
         let (mut lo, mut hi, mut steps) = (vec![0; rank], source.shape.clone(), vec![1; rank]);
         for k in 0..start.len() {
             let off = shift.get(k).copied().unwrap_or(0);
-            lo[k + SPATIAL] = start[k] - off;
-            hi[k + SPATIAL] = last(k) - off + 1;
-            steps[k + SPATIAL] = step[k];
+            lo[k + self.first] = start[k] - off;
+            hi[k + self.first] = last(k) - off + 1;
+            steps[k + self.first] = step[k];
         }
         cx.e.slice(source, &lo, &hi, &steps)
     }
@@ -823,12 +877,27 @@ fn depthwise_taps<'c, 'b>(
     let e = cx.e;
     let c = w.shape[0];
     let taps = window.geometry.taps();
+    // Channels-last, each tap's weights are read as a vector along the channels: taps-major
+    // weights, materialized, make it a contiguous row (else LLVM gathers each lane).
+    let by_tap = if window.channel_dim() == 1 {
+        None
+    } else {
+        let n = taps.len() as i64;
+        let flat = e.transpose(&e.reshape(w, &[c, n])?, &[1, 0])?;
+        Some(e.barrier(&e.reshape(&flat, &[n * c])?)?)
+    };
     let mut sum: Option<T<'c, 'b>> = None;
-    for tap in &taps {
-        let w_tap = e.reshape(&tap_weights(cx, w, tap)?, &[c])?;
+    for (i, tap) in taps.iter().enumerate() {
+        let w_tap = match &by_tap {
+            Some(rows) => {
+                let i = i as i64;
+                e.slice(rows, &[i * c], &[(i + 1) * c], &[1])?
+            }
+            None => e.reshape(&tap_weights(cx, w, tap)?, &[c])?,
+        };
         let term = e.mul(
             &window.slice(cx, tap)?,
-            &e.broadcast_in_dim(&w_tap, &window.out_shape, &[1])?,
+            &e.broadcast_in_dim(&w_tap, &window.out_shape, &[window.channel_dim() as i64])?,
         )?;
         sum = accumulate(e, sum, term)?;
     }
@@ -1271,6 +1340,25 @@ fn weight_grad_pads(
             (padding[i], from_lhs + from_rhs)
         })
         .collect()
+}
+
+/// A 2-D convolution of NHWC input `x` by OIHW weight `w` as its patches times the kernel:
+/// `[N x positions, taps x C] x [taps x C, O]`, the NHWC output `out` with no transpose.
+fn nhwc_patch_product<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    x: &T<'c, 'b>,
+    w: &T<'c, 'b>,
+    window: &Window,
+    out: &[i64],
+) -> R<T<'c, 'b>> {
+    let (o, c) = (w.shape[0], w.shape[1]);
+    let taps: i64 = w.shape[2..].iter().product();
+    let patches = nhwc_patches(e, x, window, [out[1], out[2]])?;
+    // [O, C, kh, kw] -> [O, kh, kw, C] -> [O, taps x C], the patches' column order.
+    let kernel = e.reshape(&e.transpose(w, &[0, 2, 3, 1])?, &[o, taps * c])?;
+    let rows = out[0] * out[1] * out[2];
+    let r = matmul_2d(e, (&patches, false), (&kernel, true), &[rows, o])?;
+    e.reshape(&r, out)
 }
 
 /// The patches of NHWC input `xp` for a 2-D convolution with `window` and output spatial size
