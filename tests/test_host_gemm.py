@@ -39,6 +39,7 @@ cases = {
     "mid_rows": (lambda a, b: a @ b, (torch.randn(128, 1024), torch.randn(1024, 320))),
     "mid_rows_transposed": (lambda a, b: a.t() @ b.t(), (torch.randn(768, 200), torch.randn(450, 768))),
     "mid_rows_narrow": (lambda a, b: a @ b, (torch.randn(256, 1024), torch.randn(1024, 100))),
+    "bmm_mid_rows": (lambda a, b: torch.bmm(a, b.transpose(1, 2)), (torch.randn(1, 200, 96), torch.randn(1, 320, 96))),
     "small": (lambda a, b: a @ b, (torch.randn(8, 16), torch.randn(16, 8))),
     "float64": (lambda a, b: a @ b, (torch.randn(600, 256, dtype=torch.float64), torch.randn(256, 320, dtype=torch.float64))),
 }
@@ -69,6 +70,7 @@ HOST = (
     "mid_rows",
     "mid_rows_transposed",
     "mid_rows_narrow",
+    "bmm_mid_rows",
 )
 
 
