@@ -259,17 +259,18 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         || (groups == 1
             && (few_positions(&shape)
                 || (!channels_last(nsp) && small_patches(&x.shape, &w.shape, &shape))));
+    // The window of the tap and patch lowerings (the other rules read its parts).
+    let geometry = Window {
+        kernel: w.shape[2..].to_vec(),
+        stride: stride.clone(),
+        padding: padding.clone(),
+        dilation: dilation.clone(),
+    };
     if !transposed && (pointwise || depthwise || !taps) && channels_last(nsp) {
         let e = cx.e;
         let xl = nhwc(e, &xc)?;
         let nhwc_shape = [shape[0], shape[2], shape[3], shape[1]];
         let r = if depthwise {
-            let geometry = Window {
-                kernel: w.shape[2..].to_vec(),
-                stride,
-                padding,
-                dilation,
-            };
             let xa = e.convert(&xl, acc)?;
             let window = TapWindow::channels_last(&xa, geometry, &nhwc_shape);
             depthwise_taps(cx, &window, &e.convert(&wc, acc)?)?
@@ -285,17 +286,11 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             // XLA's CPU convolution (Eigen's) of a few channels costs several times the work
             // (3 -> 8 channels, 3x3 over 8x16x16: 155 us through tpuc vs 101 as patches;
             // the small convnet 0.25 -> 0.18 ms alone, 0.36 -> 0.28 interleaved).
-            let window = Window {
-                kernel: w.shape[2..].to_vec(),
-                stride: stride.clone(),
-                padding: padding.clone(),
-                dilation: dilation.clone(),
-            };
             nhwc_patch_product(
                 e,
                 &e.convert(&xl, acc)?,
                 &e.convert(&wc, acc)?,
-                &window,
+                &geometry,
                 &nhwc_shape,
             )?
         } else {
@@ -365,12 +360,6 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             &shape,
         )?
     } else if taps {
-        let geometry = Window {
-            kernel: w.shape[2..].to_vec(),
-            stride,
-            padding,
-            dilation,
-        };
         let (xa, wa) = (cx.e.convert(&xc, acc)?, cx.e.convert(&wc, acc)?);
         let window = TapWindow::new(&xa, geometry, &shape);
         if groups > 1 {
