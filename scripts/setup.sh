@@ -42,7 +42,9 @@ while (($#)); do
 done
 
 # graphviz: `dot` renders the graph.svg of debugging dumps (dump_dir); without it dumps hold graph.dot.
-APT_PACKAGES=(llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22 libclang-common-22-dev libzstd-dev zlib1g-dev graphviz)
+# libdnnl2: oneDNN 2.x, which runs 2-D f32 convolutions inside compiled programs on the CPU plugin
+# (runtime/src/host_conv.rs, loaded at run time; without it convolutions stay in XLA).
+APT_PACKAGES=(llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22 libclang-common-22-dev libzstd-dev zlib1g-dev graphviz libdnnl2)
 TORCH_VERSION=2.15.0
 PY=.venv/bin/python
 PIP=(.venv/bin/pip install --disable-pip-version-check -q)
@@ -60,7 +62,7 @@ if ((${#missing[@]})); then
     $SUDO apt-get update -q
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-    step "apt: LLVM/MLIR 22 and graphviz packages present"
+    step "apt: LLVM/MLIR 22, graphviz and oneDNN packages present"
 fi
 
 if [ ! -x "$PY" ]; then

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tpuc
+from tpuc import runtime
 
 
 def check(fn, *args, rtol=1e-5, atol=1e-5, equal_nan=False, **options):
@@ -320,7 +321,8 @@ def test_max_pool_gradient(shape, args):
 def test_depthwise_convolutions_as_tap_sums(tmp_path):
     # groups == channels is lowered as a sum over the kernel's taps (XLA's CPU grouped convolution
     # is slow): strides, dilations, asymmetric kernels, 1-D, low precision, and a grouped
-    # convolution that is not depthwise (stays a stablehlo.convolution) side by side.
+    # convolution that is not depthwise (XLA's convolution, or oneDNN's where it runs them) side
+    # by side.
     x = torch.randn(2, 6, 11, 9)
     w7, w35, wg = torch.randn(6, 1, 7, 7), torch.randn(6, 1, 3, 5), torch.randn(6, 3, 3, 3)
     x1, w1 = torch.randn(2, 4, 13), torch.randn(4, 1, 5)
@@ -338,7 +340,9 @@ def test_depthwise_convolutions_as_tap_sums(tmp_path):
 
     check(f, x, w7, w35, wg, x1, w1, b, rtol=1e-4, atol=1e-4, fallback="error", dump_dir=str(tmp_path))
     (module,) = tmp_path.glob("*/stablehlo.mlir")
-    assert module.read_text().count("stablehlo.convolution") == 1  # only the groups=2 one
+    text = module.read_text()
+    # Only the groups=2 one.
+    assert text.count("stablehlo.convolution") + text.count('"tpuc_conv2d_fwd"') == 1
     half = (x.to(torch.bfloat16), w7.to(torch.bfloat16))
     check(lambda x, w: F.conv2d(x, w, padding=3, groups=6), *half, rtol=2e-2, atol=2e-2)
 
@@ -346,7 +350,8 @@ def test_depthwise_convolutions_as_tap_sums(tmp_path):
 def test_convolutions_with_few_output_positions_as_tap_products(tmp_path):
     # At most 4 output positions: one matrix product over a slice per output position where
     # there are fewer positions than live taps (those form a box of the kernel), else over a
-    # slice per tap; taps over padding only are skipped. Never XLA's convolution.
+    # slice per tap; taps over padding only are skipped. Never XLA's convolution (2-D ones are
+    # oneDNN's where it runs them: test_host_conv reruns this with it off).
     x1, x2, x4 = torch.randn(2, 8, 1, 1), torch.randn(2, 8, 2, 2), torch.randn(2, 8, 4, 4)
     w3, w1 = torch.randn(5, 8, 3, 3), torch.randn(5, 8, 1, 1)
     xd, wd = torch.randn(2, 3, 4), torch.randn(4, 3, 3)
@@ -407,7 +412,8 @@ def test_channels_last_convolution_chain_carries_no_transposes(tmp_path):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     (mlir,) = tmp_path.glob("*/stablehlo.mlir")
     lines = mlir.read_text().splitlines()
-    assert any('"stablehlo.convolution"' in line for line in lines), "the 3x3 convolution is XLA's"
+    conv = '"tpuc_conv2d_fwd"' if runtime.get_runtime(None).host_conv else '"stablehlo.convolution"'
+    assert any(conv in line for line in lines), f"the 3x3 convolution is {conv}"
 
     def operands(line):
         return set(re.findall(r"%[\w#]+", line.split(" = ", 1)[-1]))
@@ -463,8 +469,14 @@ def test_pointwise_and_patch_product_convolutions_forward_and_backward(tmp_path,
         for ln in m.read_text().splitlines()
         if "convolution" in ln
     ]
-    # Only the 3x3 kernel's backward stays XLA's convolution (its gradients).
-    assert convs and all("3x3xf32" in ln for ln in convs), convs
+    if runtime.get_runtime(None).host_conv:
+        # The 3x3 kernel's gradients are oneDNN's (test_host_conv reruns this with it off).
+        assert not convs and any(
+            "tpuc_conv2d_bwd" in m.read_text() for m in tmp_path.glob("*/stablehlo.mlir")
+        ), convs
+    else:
+        # Only the 3x3 kernel's backward stays XLA's convolution (its gradients).
+        assert convs and all("3x3xf32" in ln for ln in convs), convs
 
 
 def test_special_functions_and_inverse_trig():

@@ -92,6 +92,8 @@ pub struct Engine {
     /// f32 products of at least this many multiply-adds go to the host BLAS, once
     /// [`Engine::enable_host_gemm`] registered it with the plugin (0: none).
     host_gemm_min_macs: std::sync::atomic::AtomicU64,
+    /// 2-D f32 convolutions go to oneDNN, once [`Engine::enable_host_conv`] registered it.
+    host_conv: std::sync::atomic::AtomicBool,
 }
 
 /// The oldest StableHLO (as a plugin reports its current version) that tpuc's bytecode was
@@ -255,6 +257,7 @@ impl Engine {
             cpu: host_cpu_fingerprint(),
             xla_flags: std::env::var("XLA_FLAGS").unwrap_or_default(),
             host_gemm_min_macs: std::sync::atomic::AtomicU64::new(0),
+            host_conv: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -283,6 +286,27 @@ impl Engine {
                 .load(std::sync::atomic::Ordering::Relaxed),
         )
         .filter(|&m| m > 0)
+    }
+
+    /// Lowers 2-D f32 convolutions to calls of oneDNN (`library`, loaded once per process) from
+    /// now on, registering them with the plugin first; `library` None turns it off. Only on the
+    /// CPU plugin. Returns whether convolutions go there (false: no usable oneDNN, or a plugin
+    /// without the PJRT FFI extension).
+    pub fn enable_host_conv(&self, library: Option<&str>) -> Result<bool, PjrtError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let ok = match library {
+            Some(lib) if self.platform == "cpu" => {
+                pjrt::host_conv::register(self.client.plugin(), lib)?
+            }
+            _ => false,
+        };
+        self.host_conv.store(ok, Relaxed);
+        Ok(ok)
+    }
+
+    /// Whether 2-D f32 convolutions go to oneDNN (see [`Engine::enable_host_conv`]).
+    pub fn host_conv(&self) -> bool {
+        self.host_conv.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `(current, minimum)` StableHLO versions the plugin accepts, as it reports them.
@@ -418,6 +442,7 @@ impl Engine {
                 precision,
                 sharding: plan,
                 host_gemm_min_macs: self.host_gemm_min_macs(),
+                host_conv: self.host_conv(),
             },
         )?;
         let lower_seconds = t0.elapsed().as_secs_f64();

@@ -548,6 +548,27 @@ impl Runtime {
         tpuc_runtime::host_blas::calls()
     }
 
+    /// From now on, lowers 2-D f32 convolutions to calls of oneDNN loaded from `library` (None:
+    /// off), registered with the plugin. Returns whether convolutions go there.
+    #[pyo3(signature = (library))]
+    fn enable_host_conv(&self, py: Python<'_>, library: Option<String>) -> PyResult<bool> {
+        py.detach(|| self.engine.enable_host_conv(library.as_deref()))
+            .map_err(pjrt_err)
+    }
+
+    /// Whether 2-D f32 convolutions run in oneDNN.
+    #[getter]
+    fn host_conv(&self) -> bool {
+        self.engine.host_conv()
+    }
+
+    /// `(forward, input gradient, weight gradient)`: how many oneDNN convolutions ran in this
+    /// process.
+    #[staticmethod]
+    fn host_conv_calls() -> (u64, u64, u64) {
+        tpuc_runtime::host_conv::calls()
+    }
+
     /// The alignment host memory needs for the plugin to compute on it in place.
     #[classattr]
     fn host_align() -> usize {

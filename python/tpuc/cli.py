@@ -53,6 +53,12 @@ def _doctor(args) -> int:
             else "off (TPUC_HOST_GEMM=0, or PyTorch here has no MKL)"
         )
         print(f"host BLAS: {host}")
+        conv = (
+            "oneDNN for 2-D f32 convolutions"
+            if rt.host_conv
+            else "off (TPUC_HOST_CONV=0, or no oneDNN 2.x here: apt package libdnnl2)"
+        )
+        print(f"host convolutions: {conv}")
     print(f"cache dir: {options_mod.parse({}).cache_dir}")
     print(f"lowering rules: {len(_native.supported_ops())} ATen ops")
     return 0

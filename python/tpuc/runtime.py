@@ -254,6 +254,7 @@ def get_runtime(
                 raise _native.PjrtError(_plain_start_error(str(e), path, family)) from None
             if family == "cpu":
                 _enable_host_gemm(rt)
+                _enable_host_conv(rt)
             _runtimes[key] = rt
         return rt
 
@@ -275,6 +276,20 @@ def _enable_host_gemm(rt: _native.Runtime) -> None:
     lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     if lib.is_file():
         rt.enable_host_gemm(str(lib), HOST_GEMM_MIN_MACS)
+
+
+# oneDNN 2.x (Debian's libdnnl2, which scripts/setup.sh installs), found by the loader's search.
+HOST_CONV_LIBRARY = "libdnnl.so.2"
+
+
+def _enable_host_conv(rt: _native.Runtime) -> None:
+    """Lets 2-D f32 convolutions run in oneDNN, the library PyTorch's own CPU convolutions use,
+    as XLA FFI custom calls inside the compiled program (XLA's CPU convolutions are Eigen's,
+    measured slower: README, "Host oneDNN"). Where oneDNN is missing, convolutions stay in XLA;
+    `TPUC_HOST_CONV=0` keeps them there."""
+    if os.environ.get("TPUC_HOST_CONV", "1").strip().lower() in ("0", "off", "false", "no"):
+        return
+    rt.enable_host_conv(HOST_CONV_LIBRARY)
 
 
 def _plain_start_error(message: str, path: Path, family: str) -> str:

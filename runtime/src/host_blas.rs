@@ -7,8 +7,7 @@
 //! process before a module naming them is compiled or deserialized: [`register`] does it once
 //! per plugin, through the plugin's PJRT FFI extension.
 //!
-//! Layouts: the XLA FFI and PJRT FFI-extension structs below mirror `xla/ffi/api/c_api.h` and
-//! `pjrt_c_api_ffi_extension.h` field for field (each struct carries its size, checked on read).
+//! The FFI plumbing (registration, call frames, errors) is [`super::xla_ffi`]'s.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::path::Path;
@@ -16,7 +15,11 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
-use super::{sys, PjrtError};
+use super::xla_ffi::{
+    answer_metadata, destroy, error, register_handler, CallFrame, ErrorGetMessageArgs, FfiApi,
+    FfiBuffer, Handler, DTYPE_F32,
+};
+use super::PjrtError;
 
 /// The custom-call targets, by whether A and B are stored transposed (`t`) or not (`n`):
 /// A is `[.., M, K]` (`n`) or `[.., K, M]` (`t`), B is `[.., K, N]` or `[.., N, K]`; the result
@@ -82,10 +85,6 @@ pub fn register(plugin: &Plugin, library: &Path) -> Result<bool, PjrtError> {
         };
         let _ = BLAS.set(b);
     }
-    let Some(ext) = ffi_extension(plugin) else {
-        tracing::debug!("plugin has no PJRT FFI extension: host BLAS not registered");
-        return Ok(false);
-    };
     for (name, ta, tb) in TARGETS {
         let handler: Handler = match (ta, tb) {
             (false, false) => gemm::<false, false>,
@@ -93,20 +92,10 @@ pub fn register(plugin: &Plugin, library: &Path) -> Result<bool, PjrtError> {
             (true, false) => gemm::<true, false>,
             (true, true) => gemm::<true, true>,
         };
-        let mut args = RegisterHandlerArgs {
-            struct_size: std::mem::offset_of!(RegisterHandlerArgs, traits)
-                + std::mem::size_of::<u32>(),
-            target_name: name.as_ptr() as *const c_char,
-            target_name_size: name.len(),
-            handler: handler as *mut c_void,
-            platform_name: PLATFORM.as_ptr() as *const c_char,
-            platform_name_size: PLATFORM.len(),
-            traits: 0,
-        };
-        // SAFETY: `ext` is the plugin's FFI extension (type checked, size checked), and `args`
-        // outlives the call; the plugin copies the names.
-        let err = unsafe { (ext.register_handler)(&mut args) };
-        plugin.api.check(err, "PJRT_FFI_Register_Handler")?;
+        if !register_handler(plugin, name, handler)? {
+            tracing::debug!("plugin has no PJRT FFI extension: host BLAS not registered");
+            return Ok(false);
+        }
     }
     tracing::debug!(
         "host BLAS sgemm registered with {}",
@@ -115,9 +104,6 @@ pub fn register(plugin: &Plugin, library: &Path) -> Result<bool, PjrtError> {
     done.push(plugin.path().to_path_buf());
     Ok(true)
 }
-
-/// XLA's name for the CPU platform.
-const PLATFORM: &str = "Host";
 
 /// MKL's `sgemm_` in `library`, if it is loaded and is MKL.
 fn find_blas(library: &Path) -> Option<Blas> {
@@ -142,162 +128,6 @@ fn find_blas(library: &Path) -> Option<Blas> {
     };
     std::mem::forget(lib);
     blas
-}
-
-fn ffi_extension(plugin: &Plugin) -> Option<&'static FfiExtension> {
-    let mut ext = plugin.api.extension_start();
-    while !ext.is_null() {
-        // SAFETY: the chain is the plugin's static data; every entry starts with the base.
-        let base = unsafe { &*ext };
-        if base.type_ == sys::PJRT_Extension_Type_FFI {
-            if base.struct_size < std::mem::size_of::<FfiExtension>() {
-                return None;
-            }
-            // SAFETY: type and size checked just above.
-            return Some(unsafe { &*(ext as *const FfiExtension) });
-        }
-        ext = base.next;
-    }
-    None
-}
-
-#[repr(C)]
-struct FfiExtension {
-    base: sys::PJRT_Extension_Base,
-    type_id_register: *const c_void,
-    user_data_add: *const c_void,
-    register_handler: unsafe extern "C" fn(*mut RegisterHandlerArgs) -> *mut sys::PJRT_Error,
-}
-
-/// As both plugins from PyPI read it (PJRT API 0.81 and 0.115: typed FFI handlers only). An older
-/// layout had an `int api_version` before `handler` and a larger size, which such a plugin's
-/// size check refuses with an error rather than misreading.
-#[repr(C)]
-struct RegisterHandlerArgs {
-    struct_size: usize,
-    target_name: *const c_char,
-    target_name_size: usize,
-    handler: *mut c_void,
-    platform_name: *const c_char,
-    platform_name_size: usize,
-    traits: u32,
-}
-
-// ------------------------------------------------------------------ XLA FFI (the handler side)
-
-type Handler = unsafe extern "C" fn(*mut CallFrame) -> *mut c_void;
-
-const EXTENSION_METADATA: c_int = 1;
-const DTYPE_F32: c_int = 11;
-const ERROR_INVALID_ARGUMENT: c_int = 3;
-
-#[repr(C)]
-struct FfiExtensionBase {
-    struct_size: usize,
-    type_: c_int,
-    next: *mut FfiExtensionBase,
-}
-
-#[repr(C)]
-struct ApiVersion {
-    struct_size: usize,
-    extension_start: *mut c_void,
-    major: c_int,
-    minor: c_int,
-}
-
-#[repr(C)]
-struct Metadata {
-    struct_size: usize,
-    api_version: ApiVersion,
-    traits: u32,
-}
-
-#[repr(C)]
-struct MetadataExtension {
-    base: FfiExtensionBase,
-    metadata: *mut Metadata,
-}
-
-#[repr(C)]
-struct FfiBuffer {
-    struct_size: usize,
-    extension_start: *mut c_void,
-    dtype: c_int,
-    data: *mut c_void,
-    rank: i64,
-    dims: *const i64,
-}
-
-#[repr(C)]
-struct List {
-    struct_size: usize,
-    extension_start: *mut c_void,
-    size: i64,
-    types: *const c_int,
-    items: *const *mut c_void,
-}
-
-#[repr(C)]
-struct Attrs {
-    struct_size: usize,
-    extension_start: *mut c_void,
-    size: i64,
-    types: *const c_int,
-    names: *const c_void,
-    attrs: *const *mut c_void,
-}
-
-#[repr(C)]
-struct CallFrame {
-    struct_size: usize,
-    extension_start: *mut FfiExtensionBase,
-    api: *const FfiApi,
-    ctx: *mut c_void,
-    stage: c_int,
-    args: List,
-    rets: List,
-    attrs: Attrs,
-}
-
-#[repr(C)]
-struct ErrorCreateArgs {
-    struct_size: usize,
-    extension_start: *mut c_void,
-    message: *const c_char,
-    errc: c_int,
-}
-
-/// XLA's FFI function table, up to the thread-pool entries (both PyPI plugins have them; the
-/// entry is checked to be what it should before use, see [`xla_pool`]).
-#[repr(C)]
-struct FfiApi {
-    struct_size: usize,
-    extension_start: *mut c_void,
-    api_version: ApiVersion,
-    internal_api: *mut c_void,
-    error_create: unsafe extern "C" fn(*mut ErrorCreateArgs) -> *mut c_void,
-    error_get_message: unsafe extern "C" fn(*mut ErrorGetMessageArgs),
-    error_destroy: unsafe extern "C" fn(*mut ErrorDestroyArgs),
-    /// Handler_Register, Stream_Get, TypeId_Register, ExecutionContext_Get, State_Set,
-    /// State_Get, DeviceMemory_Allocate, DeviceMemory_Free.
-    unused: [*const c_void; 8],
-    thread_pool_schedule: *const c_void,
-}
-
-#[repr(C)]
-struct ErrorGetMessageArgs {
-    struct_size: usize,
-    extension_start: *mut c_void,
-    error: *mut c_void,
-    message: *const c_char,
-}
-
-#[repr(C)]
-struct ErrorDestroyArgs {
-    struct_size: usize,
-    extension_start: *mut c_void,
-    error: *mut c_void,
 }
 
 #[repr(C)]
@@ -375,34 +205,6 @@ fn check_schedule(api: *const FfiApi) -> Option<Schedule> {
 
 unsafe extern "C" fn noop_task(_: *mut c_void) {}
 
-fn destroy(api: *const FfiApi, err: *mut c_void) {
-    let mut args = ErrorDestroyArgs {
-        struct_size: std::mem::size_of::<ErrorDestroyArgs>(),
-        extension_start: std::ptr::null_mut(),
-        error: err,
-    };
-    // SAFETY: `err` came from this table's functions, and is destroyed once.
-    unsafe { ((*api).error_destroy)(&mut args) };
-}
-
-/// An XLA FFI error with `message` (null if the API cannot make one, which XLA reads as success:
-/// only for frames too malformed to have an API).
-fn error(frame: &CallFrame, message: &str) -> *mut c_void {
-    if frame.api.is_null() {
-        return std::ptr::null_mut();
-    }
-    let text = std::ffi::CString::new(message).unwrap_or_default();
-    let mut args = ErrorCreateArgs {
-        struct_size: std::mem::offset_of!(ErrorCreateArgs, errc) + std::mem::size_of::<c_int>(),
-        extension_start: std::ptr::null_mut(),
-        message: text.as_ptr(),
-        errc: ERROR_INVALID_ARGUMENT,
-    };
-    // SAFETY: `api` is XLA's FFI table, which has `XLA_FFI_Error_Create` first; it copies the
-    // message.
-    unsafe { ((*frame.api).error_create)(&mut args) }
-}
-
 /// A buffer's dims, after checking it is an f32 buffer of rank 2 or 3.
 ///
 /// # Safety
@@ -425,25 +227,10 @@ unsafe fn dims<'a>(p: *mut c_void) -> Option<(&'a [i64], *mut f32)> {
 /// Called by XLA with a valid call frame.
 unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: XLA passes a valid frame; its size is checked before any field past the header.
-    let frame = unsafe { &mut *frame };
-    if !frame.extension_start.is_null() {
-        // SAFETY: every extension starts with the base.
-        let ext = unsafe { &*frame.extension_start };
-        if ext.type_ == EXTENSION_METADATA {
-            // SAFETY: type checked; the metadata struct is XLA's, its size checked below.
-            let m = unsafe { &*(frame.extension_start as *const MetadataExtension) };
-            if !m.metadata.is_null() {
-                let md = unsafe { &mut *m.metadata };
-                if md.struct_size
-                    >= std::mem::offset_of!(Metadata, traits) + std::mem::size_of::<u32>()
-                {
-                    md.api_version.major = 0;
-                    md.api_version.minor = 1;
-                    md.traits = 0;
-                }
-            }
-            return std::ptr::null_mut();
-        }
+    let frame = unsafe { &*frame };
+    // SAFETY: XLA's frame.
+    if unsafe { answer_metadata(frame) } {
+        return std::ptr::null_mut();
     }
     if frame.struct_size < std::mem::size_of::<CallFrame>() {
         return error(frame, "tpuc_sgemm: call frame too small");

@@ -17,10 +17,12 @@ mod client;
 mod executable;
 mod hlo_text;
 pub mod host_blas;
+pub mod host_conv;
 mod plugin;
 mod sys;
 #[cfg(test)]
 mod tests;
+mod xla_ffi;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -126,6 +126,9 @@ pub struct Emitter<'c, 'b> {
     /// f32 products of at least this many multiply-adds go to the host BLAS (see
     /// [`LowerOptions::host_gemm_min_macs`](crate::lower::LowerOptions)).
     pub host_gemm_min_macs: Option<u64>,
+    /// 2-D f32 convolutions go to oneDNN (see
+    /// [`LowerOptions::host_conv`](crate::lower::LowerOptions)).
+    pub host_conv: bool,
 }
 
 /// A value's physical form: the logical value is `transpose(physical, permutation)` (logical dim
@@ -457,6 +460,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             broadcast_of: Default::default(),
             materialized: Default::default(),
             host_gemm_min_macs: None,
+            host_conv: false,
         }
     }
 
@@ -477,6 +481,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             broadcast_of: Default::default(),
             materialized: Default::default(),
             host_gemm_min_macs: self.host_gemm_min_macs,
+            host_conv: self.host_conv,
         }
     }
 

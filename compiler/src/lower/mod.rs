@@ -64,6 +64,9 @@ pub struct LowerOptions {
     /// host's BLAS (`tpuc_sgemm_*` custom calls, which the runtime registered with the CPU
     /// plugin: `tpuc_runtime::host_blas`); `None` keeps every product in XLA.
     pub host_gemm_min_macs: Option<u64>,
+    /// 2-D f32 convolutions (channels-last) are lowered to oneDNN calls (`tpuc_conv2d_*`
+    /// custom calls, registered with the CPU plugin by `tpuc_runtime::host_conv`).
+    pub host_conv: bool,
 }
 
 /// What lowering produced: the module and the signature of `main`.
@@ -478,6 +481,7 @@ fn lower_in(
             attrs,
         );
         e.host_gemm_min_macs = options.host_gemm_min_macs.filter(|_| plan.is_none());
+        e.host_conv = options.host_conv && plan.is_none();
         let mut values: HashMap<ValueRef, T> = HashMap::default();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block

@@ -1,0 +1,854 @@
+//! f32 2-D convolutions through oneDNN (`libdnnl.so.2`, the C API of oneDNN 2.x, as Debian's
+//! `libdnnl2` ships it), registered with a CPU plugin as XLA FFI custom calls.
+//!
+//! XLA's CPU plugin runs convolutions through Eigen; oneDNN's JIT kernels (the ones PyTorch's
+//! eager and Inductor call) run ResNet-50's convolutions about 1.4x faster on the same cores.
+//! Unless `TPUC_HOST_CONV=0`, the compiler emits `stablehlo.custom_call @tpuc_conv2d_<kind>`
+//! (typed FFI, api_version 4) for 2-D f32 convolutions of the channels-last form; XLA's runtime
+//! calls the handlers below with the operands' host memory. As for the host BLAS, the targets
+//! must be registered in every process before a module naming them is compiled or loaded.
+//!
+//! Operands (activations channels-last, the kernel as PyTorch holds it):
+//! - [`FORWARD`]: `x [N, H, W, C]`, `w [O, C/g, KH, KW]`, geometry -> `y [N, OH, OW, O]`
+//! - [`INPUT_GRAD`]: `dy [N, OH, OW, O]`, `w [O, C/g, KH, KW]`, geometry -> `dx [N, H, W, C]`
+//! - [`WEIGHT_GRAD`]: `x [N, H, W, C]`, `dy [N, OH, OW, O]`, geometry -> `dw [O, C/g, KH, KW]`
+//!
+//! The geometry is an s64 operand of [`GEOMETRY_LEN`] entries: stride (2), padding before (2),
+//! padding after (2), dilation (2, PyTorch's: 1 = dense), groups.
+//!
+//! oneDNN's kernels want the kernel in a blocked layout of their own choosing: it is reordered
+//! from (or, for the weight gradient, to) PyTorch's layout on every call, into a per-thread
+//! buffer; nothing derived from a call's data is kept past the call. Primitives (JIT code for one
+//! shape) are made once per shape and kept.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::plugin::Plugin;
+use super::xla_ffi::{answer_metadata, arg, error, register_handler, ret, CallFrame, FfiBuffer};
+use super::xla_ffi::{Handler, DTYPE_F32};
+use super::PjrtError;
+
+pub const FORWARD: &str = "tpuc_conv2d_fwd";
+pub const INPUT_GRAD: &str = "tpuc_conv2d_bwd_data";
+pub const WEIGHT_GRAD: &str = "tpuc_conv2d_bwd_weights";
+
+/// Entries of the geometry operand.
+pub const GEOMETRY_LEN: usize = 9;
+
+const DTYPE_S64: c_int = 5;
+
+/// The three kinds of call.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Kind {
+    Forward,
+    InputGrad,
+    WeightGrad,
+}
+
+impl Kind {
+    fn target(self) -> &'static str {
+        match self {
+            Kind::Forward => FORWARD,
+            Kind::InputGrad => INPUT_GRAD,
+            Kind::WeightGrad => WEIGHT_GRAD,
+        }
+    }
+}
+
+// ------------------------------------------------------------------ oneDNN's C API (2.x)
+
+type Status = c_int;
+type Handle = *mut c_void;
+
+/// `dnnl_memory_desc_t` (696 bytes in 2.6) and `dnnl_convolution_desc_t` (5976), held in
+/// larger aligned storage: only their addresses cross the API.
+#[repr(C, align(64))]
+struct MemoryDesc([u8; 1024]);
+#[repr(C, align(64))]
+struct OpDesc([u8; 8192]);
+
+impl MemoryDesc {
+    fn zeroed() -> Box<MemoryDesc> {
+        Box::new(MemoryDesc([0; 1024]))
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ExecArg {
+    arg: c_int,
+    memory: Handle,
+}
+
+#[repr(C)]
+struct Version {
+    major: c_int,
+    minor: c_int,
+    patch: c_int,
+    hash: *const c_char,
+    cpu_runtime: u32,
+    gpu_runtime: u32,
+}
+
+const SUCCESS: Status = 0;
+const ENGINE_CPU: c_int = 1;
+const STREAM_DEFAULT: u32 = 1;
+const F32: c_int = 3;
+const TAG_ANY: c_int = 1;
+const TAG_OIHW: c_int = 5;
+const TAG_GOIHW: c_int = 7;
+const TAG_NHWC: c_int = 20;
+const FORWARD_TRAINING: c_int = 64;
+const FORWARD_INFERENCE: c_int = 96;
+const CONVOLUTION_DIRECT: c_int = 1;
+const ARG_SRC: c_int = 1;
+const ARG_DST: c_int = 17;
+const ARG_WEIGHTS: c_int = 33;
+const ARG_DIFF_SRC: c_int = 129;
+const ARG_DIFF_DST: c_int = 145;
+const ARG_DIFF_WEIGHTS: c_int = 161;
+const ARG_FROM: c_int = ARG_SRC;
+const ARG_TO: c_int = ARG_DST;
+const ARG_SCRATCHPAD: c_int = 80;
+const SCRATCHPAD_MODE_USER: c_int = 1;
+const QUERY_IMPL_INFO: c_int = 8;
+const QUERY_SCRATCHPAD_MD: c_int = 136;
+const QUERY_WEIGHTS_MD: c_int = 131;
+const QUERY_DIFF_WEIGHTS_MD: c_int = 132;
+
+type Dims = *const i64;
+
+/// The entry points used, resolved once from the library.
+struct Dnnl {
+    engine: Handle,
+    /// Primitive attributes asking for the scratchpad to be passed in (see [`Primitive`]).
+    user_scratchpad: Handle,
+    memory_desc_init_by_tag:
+        unsafe extern "C" fn(*mut MemoryDesc, c_int, Dims, c_int, c_int) -> Status,
+    #[allow(clippy::type_complexity)]
+    forward_desc_init: unsafe extern "C" fn(
+        *mut OpDesc,
+        c_int,
+        c_int,
+        *const MemoryDesc,
+        *const MemoryDesc,
+        *const MemoryDesc,
+        *const MemoryDesc,
+        Dims,
+        Dims,
+        Dims,
+        Dims,
+    ) -> Status,
+    #[allow(clippy::type_complexity)]
+    backward_data_desc_init: unsafe extern "C" fn(
+        *mut OpDesc,
+        c_int,
+        *const MemoryDesc,
+        *const MemoryDesc,
+        *const MemoryDesc,
+        Dims,
+        Dims,
+        Dims,
+        Dims,
+    ) -> Status,
+    #[allow(clippy::type_complexity)]
+    backward_weights_desc_init: unsafe extern "C" fn(
+        *mut OpDesc,
+        c_int,
+        *const MemoryDesc,
+        *const MemoryDesc,
+        *const MemoryDesc,
+        *const MemoryDesc,
+        Dims,
+        Dims,
+        Dims,
+        Dims,
+    ) -> Status,
+    primitive_desc_create:
+        unsafe extern "C" fn(*mut Handle, *const OpDesc, Handle, Handle, Handle) -> Status,
+    primitive_desc_query: unsafe extern "C" fn(Handle, c_int, c_int, *mut c_void) -> Status,
+    primitive_desc_query_md: unsafe extern "C" fn(Handle, c_int, c_int) -> *const MemoryDesc,
+    reorder_primitive_desc_create: unsafe extern "C" fn(
+        *mut Handle,
+        *const MemoryDesc,
+        Handle,
+        *const MemoryDesc,
+        Handle,
+        Handle,
+    ) -> Status,
+    primitive_create: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
+    memory_desc_equal: unsafe extern "C" fn(*const MemoryDesc, *const MemoryDesc) -> c_int,
+    memory_desc_get_size: unsafe extern "C" fn(*const MemoryDesc) -> usize,
+    memory_create:
+        unsafe extern "C" fn(*mut Handle, *const MemoryDesc, Handle, *mut c_void) -> Status,
+    memory_destroy: unsafe extern "C" fn(Handle) -> Status,
+    primitive_execute: unsafe extern "C" fn(Handle, Handle, c_int, *const ExecArg) -> Status,
+    stream_create: unsafe extern "C" fn(*mut Handle, Handle, u32) -> Status,
+    stream_wait: unsafe extern "C" fn(Handle) -> Status,
+}
+
+// SAFETY: oneDNN's engine and entry points are thread-safe (a CPU engine is shared by design).
+unsafe impl Send for Dnnl {}
+// SAFETY: see Send.
+unsafe impl Sync for Dnnl {}
+
+static DNNL: OnceLock<Option<Dnnl>> = OnceLock::new();
+
+/// Loads `library` (oneDNN 2.x with the OpenMP runtime: PyTorch's wheels bundle the OpenMP
+/// library by the same name, so oneDNN's threads are the ones PyTorch's own work uses) and makes
+/// its CPU engine. None where it is missing or not a 2.x build.
+fn load(library: &str) -> Option<Dnnl> {
+    // SAFETY: loading oneDNN runs its initializers, which only set up its own state; the
+    // library stays loaded for the process (the handle is leaked below).
+    let lib = unsafe { libloading::Library::new(library) }
+        .map_err(|e| tracing::debug!("oneDNN not loaded ({library}): {e}"))
+        .ok()?;
+    macro_rules! sym {
+        ($name:literal) => {
+            // SAFETY: the signature is the one `dnnl.h` of oneDNN 2.x declares for the name.
+            match unsafe { lib.get(concat!($name, "\0").as_bytes()) } {
+                Ok(s) => *s,
+                Err(e) => {
+                    tracing::debug!("oneDNN {library} lacks {}: {e}", $name);
+                    return None;
+                }
+            }
+        };
+    }
+    let version: unsafe extern "C" fn() -> *const Version = sym!("dnnl_version");
+    // SAFETY: oneDNN's static version record.
+    let v = unsafe { &*version() };
+    // 2: the OpenMP CPU runtime (`DNNL_RUNTIME_OMP`).
+    if v.major != 2 || v.cpu_runtime != 2 {
+        tracing::debug!(
+            "oneDNN {library} is {}.{} with CPU runtime {}: not used (2.x with OpenMP expected)",
+            v.major,
+            v.minor,
+            v.cpu_runtime
+        );
+        return None;
+    }
+    let engine_create: unsafe extern "C" fn(*mut Handle, c_int, usize) -> Status =
+        sym!("dnnl_engine_create");
+    let mut engine: Handle = std::ptr::null_mut();
+    // SAFETY: the CPU engine 0 always exists.
+    if unsafe { engine_create(&mut engine, ENGINE_CPU, 0) } != SUCCESS {
+        return None;
+    }
+    let attr_create: unsafe extern "C" fn(*mut Handle) -> Status =
+        sym!("dnnl_primitive_attr_create");
+    let set_scratchpad_mode: unsafe extern "C" fn(Handle, c_int) -> Status =
+        sym!("dnnl_primitive_attr_set_scratchpad_mode");
+    let mut user_scratchpad: Handle = std::ptr::null_mut();
+    // SAFETY: a new attribute object, kept for the process.
+    if unsafe { attr_create(&mut user_scratchpad) } != SUCCESS
+        || unsafe { set_scratchpad_mode(user_scratchpad, SCRATCHPAD_MODE_USER) } != SUCCESS
+    {
+        return None;
+    }
+    let d = Dnnl {
+        engine,
+        user_scratchpad,
+        memory_desc_init_by_tag: sym!("dnnl_memory_desc_init_by_tag"),
+        forward_desc_init: sym!("dnnl_dilated_convolution_forward_desc_init"),
+        backward_data_desc_init: sym!("dnnl_dilated_convolution_backward_data_desc_init"),
+        backward_weights_desc_init: sym!("dnnl_dilated_convolution_backward_weights_desc_init"),
+        primitive_desc_create: sym!("dnnl_primitive_desc_create"),
+        primitive_desc_query: sym!("dnnl_primitive_desc_query"),
+        primitive_desc_query_md: sym!("dnnl_primitive_desc_query_md"),
+        reorder_primitive_desc_create: sym!("dnnl_reorder_primitive_desc_create"),
+        primitive_create: sym!("dnnl_primitive_create"),
+        memory_desc_equal: sym!("dnnl_memory_desc_equal"),
+        memory_desc_get_size: sym!("dnnl_memory_desc_get_size"),
+        memory_create: sym!("dnnl_memory_create"),
+        memory_destroy: sym!("dnnl_memory_destroy"),
+        primitive_execute: sym!("dnnl_primitive_execute"),
+        stream_create: sym!("dnnl_stream_create"),
+        stream_wait: sym!("dnnl_stream_wait"),
+    };
+    tracing::debug!(
+        "oneDNN {}.{}.{} loaded from {library}",
+        v.major,
+        v.minor,
+        v.patch
+    );
+    std::mem::forget(lib);
+    Some(d)
+}
+
+/// Plugins (by path) whose XLA has the targets registered.
+static REGISTERED: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
+
+/// Loads oneDNN from `library` (once per process) and registers the three targets with
+/// `plugin`'s XLA. Idempotent per plugin. Returns whether the targets are usable: false where
+/// oneDNN is missing or unsuitable, or the plugin has no FFI extension.
+pub fn register(plugin: &Plugin, library: &str) -> Result<bool, PjrtError> {
+    let mut done = REGISTERED.lock().unwrap_or_else(|p| p.into_inner());
+    if done.iter().any(|p| p == plugin.path()) {
+        return Ok(true);
+    }
+    if DNNL.get_or_init(|| load(library)).is_none() {
+        return Ok(false);
+    }
+    for (name, handler) in [
+        (FORWARD, forward as Handler),
+        (INPUT_GRAD, input_grad as Handler),
+        (WEIGHT_GRAD, weight_grad as Handler),
+    ] {
+        if !register_handler(plugin, name, handler)? {
+            tracing::debug!("plugin has no PJRT FFI extension: oneDNN convolutions not registered");
+            return Ok(false);
+        }
+    }
+    tracing::debug!(
+        "oneDNN convolutions registered with {}",
+        plugin.path().display()
+    );
+    done.push(plugin.path().to_path_buf());
+    Ok(true)
+}
+
+/// Calls run in this process, by kind (forward, input gradient, weight gradient).
+static CALLS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+/// How many convolutions of each kind (forward, input gradient, weight gradient) ran here.
+pub fn calls() -> (u64, u64, u64) {
+    (
+        CALLS[0].load(Ordering::Relaxed),
+        CALLS[1].load(Ordering::Relaxed),
+        CALLS[2].load(Ordering::Relaxed),
+    )
+}
+
+// ------------------------------------------------------------------ primitives per shape
+
+/// What decides a primitive: the kind, the input `[N, C, H, W]`, the kernel `[O, C/g, KH, KW]`,
+/// the output's spatial size and the geometry.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+struct Shape {
+    kind: Kind,
+    input: [i64; 4],
+    kernel: [i64; 4],
+    out_hw: [i64; 2],
+    geometry: [i64; GEOMETRY_LEN],
+}
+
+impl Shape {
+    fn groups(&self) -> i64 {
+        self.geometry[8]
+    }
+    fn output(&self) -> [i64; 4] {
+        let [n, ..] = self.input;
+        [n, self.kernel[0], self.out_hw[0], self.out_hw[1]]
+    }
+}
+
+/// A shape's convolution primitive, with the kernel reorder between PyTorch's layout and the
+/// primitive's (None where they are the same).
+struct Primitive {
+    conv: Handle,
+    reorder: Option<Handle>,
+    /// The kernel in PyTorch's layout and in the primitive's (kept with the primitive
+    /// descriptor, which is never destroyed).
+    user_kernel: Box<MemoryDesc>,
+    kernel: *const MemoryDesc,
+    kernel_bytes: usize,
+    activations: [Box<MemoryDesc>; 2],
+    /// The scratchpad oneDNN needs, which each call passes in from a per-thread buffer (left to
+    /// oneDNN, it allocates and frees it on every call: training ResNet-50 took 16k page faults
+    /// per step that way).
+    scratchpad: *const MemoryDesc,
+    scratchpad_bytes: usize,
+}
+
+// SAFETY: oneDNN primitives may be executed from several threads at once; the descriptors are
+// immutable after creation.
+unsafe impl Send for Primitive {}
+// SAFETY: see Send.
+unsafe impl Sync for Primitive {}
+
+static PRIMITIVES: OnceLock<Mutex<HashMap<Shape, Arc<Primitive>>>> = OnceLock::new();
+
+fn check(status: Status, what: &str) -> Result<(), String> {
+    if status == SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("oneDNN {what} failed (status {status})"))
+    }
+}
+
+fn primitive(d: &Dnnl, shape: &Shape) -> Result<Arc<Primitive>, String> {
+    let cache = PRIMITIVES.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(p) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(shape) {
+        return Ok(p.clone());
+    }
+    let p = Arc::new(make_primitive(d, shape)?);
+    cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(shape.clone(), p.clone());
+    Ok(p)
+}
+
+fn make_primitive(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
+    let g = shape.groups();
+    let [o, cg, kh, kw] = shape.kernel;
+    let md = |dims: &[i64], tag: c_int| -> Result<Box<MemoryDesc>, String> {
+        let mut m = MemoryDesc::zeroed();
+        // SAFETY: `dims` has `len` entries; `m` is large enough for the descriptor.
+        let s = unsafe {
+            (d.memory_desc_init_by_tag)(&mut *m, dims.len() as c_int, dims.as_ptr(), F32, tag)
+        };
+        check(s, "memory_desc_init_by_tag")?;
+        Ok(m)
+    };
+    // The kernel with the groups split out where there are several.
+    let (kernel_dims, user_tag): (Vec<i64>, c_int) = if g > 1 {
+        (vec![g, o / g, cg, kh, kw], TAG_GOIHW)
+    } else {
+        (vec![o, cg, kh, kw], TAG_OIHW)
+    };
+    let user_kernel = md(&kernel_dims, user_tag)?;
+    let any_kernel = md(&kernel_dims, TAG_ANY)?;
+    let src = md(&shape.input, TAG_NHWC)?;
+    let dst = md(&shape.output(), TAG_NHWC)?;
+    let geo = &shape.geometry;
+    let stride = [geo[0], geo[1]];
+    let (pad_l, pad_r) = ([geo[2], geo[3]], [geo[4], geo[5]]);
+    // oneDNN counts dilation from 0 (dense).
+    let dilates = [geo[6] - 1, geo[7] - 1];
+    let forward_desc = |prop: c_int| -> Result<Box<OpDesc>, String> {
+        let mut op = Box::new(OpDesc([0; 8192]));
+        // SAFETY: descriptors initialized above; dims arrays of 2 entries (2 spatial dims).
+        let s = unsafe {
+            (d.forward_desc_init)(
+                &mut *op,
+                prop,
+                CONVOLUTION_DIRECT,
+                &*src,
+                &*any_kernel,
+                std::ptr::null(),
+                &*dst,
+                stride.as_ptr(),
+                dilates.as_ptr(),
+                pad_l.as_ptr(),
+                pad_r.as_ptr(),
+            )
+        };
+        check(s, "convolution_forward_desc_init")?;
+        Ok(op)
+    };
+    let create_pd = |op: &OpDesc, hint: Handle| -> Result<Handle, String> {
+        let mut pd: Handle = std::ptr::null_mut();
+        // SAFETY: an initialized op descriptor, the process's attributes.
+        let s =
+            unsafe { (d.primitive_desc_create)(&mut pd, op, d.user_scratchpad, d.engine, hint) };
+        check(s, "primitive_desc_create")?;
+        Ok(pd)
+    };
+    let pd = match shape.kind {
+        Kind::Forward => create_pd(&*forward_desc(FORWARD_INFERENCE)?, std::ptr::null_mut())?,
+        Kind::InputGrad | Kind::WeightGrad => {
+            let hint = create_pd(&*forward_desc(FORWARD_TRAINING)?, std::ptr::null_mut())?;
+            let mut op = Box::new(OpDesc([0; 8192]));
+            // SAFETY: as for the forward descriptor.
+            let s = unsafe {
+                if shape.kind == Kind::InputGrad {
+                    (d.backward_data_desc_init)(
+                        &mut *op,
+                        CONVOLUTION_DIRECT,
+                        &*src,
+                        &*any_kernel,
+                        &*dst,
+                        stride.as_ptr(),
+                        dilates.as_ptr(),
+                        pad_l.as_ptr(),
+                        pad_r.as_ptr(),
+                    )
+                } else {
+                    (d.backward_weights_desc_init)(
+                        &mut *op,
+                        CONVOLUTION_DIRECT,
+                        &*src,
+                        &*any_kernel,
+                        std::ptr::null(),
+                        &*dst,
+                        stride.as_ptr(),
+                        dilates.as_ptr(),
+                        pad_l.as_ptr(),
+                        pad_r.as_ptr(),
+                    )
+                }
+            };
+            check(s, "convolution_backward_desc_init")?;
+            // The hint is kept alive with the backward one (never destroyed: a handful per
+            // shape, for the process).
+            create_pd(&op, hint)?
+        }
+    };
+    let which = if shape.kind == Kind::WeightGrad {
+        QUERY_DIFF_WEIGHTS_MD
+    } else {
+        QUERY_WEIGHTS_MD
+    };
+    // SAFETY: a live primitive descriptor; the descriptor it returns lives as long.
+    let kernel = unsafe { (d.primitive_desc_query_md)(pd, which, 0) };
+    if kernel.is_null() {
+        return Err("oneDNN gave no kernel layout".into());
+    }
+    // SAFETY: both are initialized descriptors.
+    let same = unsafe { (d.memory_desc_equal)(kernel, &*user_kernel) } != 0;
+    let reorder = if same {
+        None
+    } else {
+        let (from, to) = if shape.kind == Kind::WeightGrad {
+            (kernel, &*user_kernel as *const MemoryDesc)
+        } else {
+            (&*user_kernel as *const MemoryDesc, kernel)
+        };
+        let mut rpd: Handle = std::ptr::null_mut();
+        // SAFETY: initialized descriptors, the same CPU engine both sides.
+        check(
+            unsafe {
+                (d.reorder_primitive_desc_create)(
+                    &mut rpd,
+                    from,
+                    d.engine,
+                    to,
+                    d.engine,
+                    std::ptr::null_mut(),
+                )
+            },
+            "reorder_primitive_desc_create",
+        )?;
+        let mut r: Handle = std::ptr::null_mut();
+        // SAFETY: a live reorder descriptor.
+        check(
+            unsafe { (d.primitive_create)(&mut r, rpd) },
+            "reorder primitive_create",
+        )?;
+        Some(r)
+    };
+    let mut conv: Handle = std::ptr::null_mut();
+    // SAFETY: a live primitive descriptor.
+    check(
+        unsafe { (d.primitive_create)(&mut conv, pd) },
+        "primitive_create",
+    )?;
+    // SAFETY: as above.
+    let kernel_bytes = unsafe { (d.memory_desc_get_size)(kernel) };
+    // SAFETY: as above; a zero-size descriptor where none is needed.
+    let scratchpad = unsafe { (d.primitive_desc_query_md)(pd, QUERY_SCRATCHPAD_MD, 0) };
+    let scratchpad_bytes = if scratchpad.is_null() {
+        0
+    } else {
+        // SAFETY: as above.
+        unsafe { (d.memory_desc_get_size)(scratchpad) }
+    };
+    let mut info: *const c_char = std::ptr::null();
+    // SAFETY: the query writes a pointer to a string the descriptor owns.
+    let impl_name = if unsafe {
+        (d.primitive_desc_query)(pd, QUERY_IMPL_INFO, 0, &mut info as *mut _ as *mut c_void)
+    } == SUCCESS
+        && !info.is_null()
+    {
+        // SAFETY: a NUL-terminated string owned by the descriptor.
+        unsafe { CStr::from_ptr(info) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        String::new()
+    };
+    tracing::debug!(
+        "oneDNN {} primitive for {:?}: {impl_name}, kernel reorder {}",
+        shape.kind.target(),
+        shape,
+        if same { "none" } else { "per call" }
+    );
+    Ok(Primitive {
+        conv,
+        reorder,
+        user_kernel,
+        kernel,
+        kernel_bytes,
+        activations: [src, dst],
+        scratchpad,
+        scratchpad_bytes,
+    })
+}
+
+thread_local! {
+    /// This thread's oneDNN stream (a CPU stream per thread: calls on several of XLA's threads
+    /// never share one).
+    static STREAM: std::cell::Cell<Handle> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+    /// This thread's buffers for a kernel in oneDNN's layout and for oneDNN's scratchpad
+    /// (64-byte aligned on use).
+    static BUFFERS: std::cell::RefCell<[Vec<u8>; 2]> =
+        const { std::cell::RefCell::new([Vec::new(), Vec::new()]) };
+}
+
+fn stream(d: &Dnnl) -> Result<Handle, String> {
+    STREAM.with(|s| {
+        if s.get().is_null() {
+            let mut h: Handle = std::ptr::null_mut();
+            // SAFETY: the live CPU engine.
+            check(
+                unsafe { (d.stream_create)(&mut h, d.engine, STREAM_DEFAULT) },
+                "stream_create",
+            )?;
+            s.set(h);
+        }
+        Ok(s.get())
+    })
+}
+
+/// Memory objects over the call's buffers, destroyed when dropped.
+struct Memories<'a> {
+    d: &'a Dnnl,
+    handles: Vec<Handle>,
+}
+
+impl<'a> Memories<'a> {
+    fn wrap(&mut self, md: *const MemoryDesc, data: *mut c_void) -> Result<Handle, String> {
+        let mut m: Handle = std::ptr::null_mut();
+        // SAFETY: an initialized descriptor; `data` holds at least its size (checked shapes).
+        check(
+            unsafe { (self.d.memory_create)(&mut m, md, self.d.engine, data) },
+            "memory_create",
+        )?;
+        self.handles.push(m);
+        Ok(m)
+    }
+}
+
+impl Drop for Memories<'_> {
+    fn drop(&mut self) {
+        for &m in &self.handles {
+            // SAFETY: created above, destroyed once; the memory does not own the data.
+            unsafe { (self.d.memory_destroy)(m) };
+        }
+    }
+}
+
+/// Runs `shape`'s convolution over the call's buffers: `a` and `b` the operands in the order of
+/// the module docs, `out` the result.
+fn run(
+    d: &Dnnl,
+    shape: &Shape,
+    a: *mut c_void,
+    b: *mut c_void,
+    out: *mut c_void,
+) -> Result<(), String> {
+    let p = primitive(d, shape)?;
+    let stream = stream(d)?;
+    let mut mems = Memories {
+        d,
+        handles: Vec::with_capacity(5),
+    };
+    BUFFERS.with(|buffers| -> Result<(), String> {
+        let mut buffers = buffers.borrow_mut();
+        let [kernel_buffer, scratch_buffer] = &mut *buffers;
+        // The kernel in oneDNN's layout: the call's own buffer where the layouts agree, else
+        // this thread's buffer, filled by the reorder (forward, input gradient) or read back by
+        // it (weight gradient).
+        let user_kernel_data = if shape.kind == Kind::WeightGrad {
+            out
+        } else {
+            b
+        };
+        let kernel_data = if p.reorder.is_some() {
+            aligned(kernel_buffer, p.kernel_bytes)
+        } else {
+            user_kernel_data
+        };
+        let scratchpad = if p.scratchpad_bytes > 0 {
+            Some(mems.wrap(p.scratchpad, aligned(scratch_buffer, p.scratchpad_bytes))?)
+        } else {
+            None
+        };
+        let user = mems.wrap(&*p.user_kernel, user_kernel_data)?;
+        let kernel = mems.wrap(p.kernel, kernel_data)?;
+        let [src_md, dst_md] = &p.activations;
+        let execute = |prim: Handle, args: &[ExecArg]| -> Result<(), String> {
+            // SAFETY: a live primitive, memories over the call's buffers of the checked shapes.
+            check(
+                unsafe { (d.primitive_execute)(prim, stream, args.len() as c_int, args.as_ptr()) },
+                "primitive_execute",
+            )
+        };
+        // The convolution's arguments, with the scratchpad where it has one.
+        let conv = |args: [ExecArg; 3]| -> Result<(), String> {
+            let mut all = args.to_vec();
+            all.extend(scratchpad.map(|memory| ExecArg {
+                arg: ARG_SCRATCHPAD,
+                memory,
+            }));
+            execute(p.conv, &all)
+        };
+        let arg = |arg, memory| ExecArg { arg, memory };
+        match shape.kind {
+            Kind::Forward | Kind::InputGrad => {
+                if let Some(r) = p.reorder {
+                    execute(r, &[arg(ARG_FROM, user), arg(ARG_TO, kernel)])?;
+                }
+                if shape.kind == Kind::Forward {
+                    let src = mems.wrap(&**src_md, a)?;
+                    let dst = mems.wrap(&**dst_md, out)?;
+                    conv([
+                        arg(ARG_SRC, src),
+                        arg(ARG_WEIGHTS, kernel),
+                        arg(ARG_DST, dst),
+                    ])?;
+                } else {
+                    let diff_dst = mems.wrap(&**dst_md, a)?;
+                    let diff_src = mems.wrap(&**src_md, out)?;
+                    conv([
+                        arg(ARG_DIFF_DST, diff_dst),
+                        arg(ARG_WEIGHTS, kernel),
+                        arg(ARG_DIFF_SRC, diff_src),
+                    ])?;
+                }
+            }
+            Kind::WeightGrad => {
+                let src = mems.wrap(&**src_md, a)?;
+                let diff_dst = mems.wrap(&**dst_md, b)?;
+                conv([
+                    arg(ARG_SRC, src),
+                    arg(ARG_DIFF_DST, diff_dst),
+                    arg(ARG_DIFF_WEIGHTS, kernel),
+                ])?;
+                if let Some(r) = p.reorder {
+                    execute(r, &[arg(ARG_FROM, kernel), arg(ARG_TO, user)])?;
+                }
+            }
+        }
+        // SAFETY: this thread's live stream.
+        check(unsafe { (d.stream_wait)(stream) }, "stream_wait")
+    })
+}
+
+/// `bytes` of `buffer`, grown as needed, from a 64-byte boundary.
+fn aligned(buffer: &mut Vec<u8>, bytes: usize) -> *mut c_void {
+    if buffer.len() < bytes + 64 {
+        buffer.resize(bytes + 64, 0);
+    }
+    let offset = buffer.as_ptr().align_offset(64);
+    // SAFETY: `offset + bytes` is inside the buffer.
+    unsafe { buffer.as_mut_ptr().add(offset) as *mut c_void }
+}
+
+// ------------------------------------------------------------------ the handlers
+
+unsafe extern "C" fn forward(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA passes a valid frame.
+    unsafe { handle(frame, Kind::Forward) }
+}
+
+unsafe extern "C" fn input_grad(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA passes a valid frame.
+    unsafe { handle(frame, Kind::InputGrad) }
+}
+
+unsafe extern "C" fn weight_grad(frame: *mut CallFrame) -> *mut c_void {
+    // SAFETY: XLA passes a valid frame.
+    unsafe { handle(frame, Kind::WeightGrad) }
+}
+
+/// An f32 buffer's `[d0, d1, d2, d3]`.
+fn dims4(b: &FfiBuffer) -> Option<[i64; 4]> {
+    (b.dtype == DTYPE_F32)
+        .then(|| b.dims().try_into().ok())
+        .flatten()
+}
+
+/// # Safety
+/// `frame` must be a call frame XLA passed to a handler.
+unsafe fn handle(frame: *mut CallFrame, kind: Kind) -> *mut c_void {
+    // SAFETY: XLA's frame.
+    let frame = unsafe { &*frame };
+    if unsafe { answer_metadata(frame) } {
+        return std::ptr::null_mut();
+    }
+    let target = kind.target();
+    if frame.struct_size < std::mem::size_of::<CallFrame>() {
+        return error(frame, &format!("{target}: call frame too small"));
+    }
+    match unsafe { call(frame, kind) } {
+        Ok(()) => {
+            CALLS[kind as usize].fetch_add(1, Ordering::Relaxed);
+            std::ptr::null_mut()
+        }
+        Err(e) => error(frame, &format!("{target}: {e}")),
+    }
+}
+
+/// # Safety
+/// `frame` must be a live call frame whose size was checked.
+unsafe fn call(frame: &CallFrame, kind: Kind) -> Result<(), String> {
+    let (Some(a), Some(b), Some(geo), Some(out)) =
+        (unsafe { (arg(frame, 0), arg(frame, 1), arg(frame, 2), ret(frame, 0)) })
+    else {
+        return Err("expects 3 operands and 1 result".into());
+    };
+    if frame.args.size != 3 || frame.rets.size != 1 {
+        return Err("expects 3 operands and 1 result".into());
+    }
+    if geo.dtype != DTYPE_S64 || geo.dims() != [GEOMETRY_LEN as i64] {
+        return Err(format!("the geometry must be s64[{GEOMETRY_LEN}]"));
+    }
+    // SAFETY: an s64 buffer of GEOMETRY_LEN entries (checked).
+    let geometry: [i64; GEOMETRY_LEN] =
+        unsafe { std::slice::from_raw_parts(geo.data as *const i64, GEOMETRY_LEN) }
+            .try_into()
+            .expect("length checked");
+    let (Some(ad), Some(bd), Some(od)) = (dims4(a), dims4(b), dims4(out)) else {
+        return Err("operands and result must be f32 of rank 4".into());
+    };
+    // [N, H, W, C] activations, the kernel [O, C/g, KH, KW].
+    let (input, kernel, out_nhwc) = match kind {
+        Kind::Forward => (ad, bd, od),
+        Kind::InputGrad => (od, bd, ad),
+        Kind::WeightGrad => (ad, od, bd),
+    };
+    let [n, h, w, c] = input;
+    let [on, oh, ow, o] = out_nhwc;
+    let [ko, kc, kh, kw] = kernel;
+    let g = geometry[8];
+    let [sh, sw, pt, pl, pb, pr, dh, dw, _] = geometry;
+    let span = |size: i64, pad: (i64, i64), k: i64, d: i64, s: i64| {
+        (size + pad.0 + pad.1 - d * (k - 1) - 1).div_euclid(s) + 1
+    };
+    if g < 1
+        || sh < 1
+        || sw < 1
+        || dh < 1
+        || dw < 1
+        || [pt, pl, pb, pr].iter().any(|&p| p < 0)
+        || on != n
+        || ko != o
+        || o % g != 0
+        || c != kc * g
+        || oh != span(h, (pt, pb), kh, dh, sh)
+        || ow != span(w, (pl, pr), kw, dw, sw)
+        || [n, h, w, c, o, kh, kw, oh, ow].iter().any(|&x| x < 1)
+    {
+        return Err(format!(
+            "shapes do not make a convolution: input (NHWC) {input:?}, kernel {kernel:?}, \
+             output (NHWC) {out_nhwc:?}, geometry {geometry:?}"
+        ));
+    }
+    let Some(Some(d)) = DNNL.get() else {
+        return Err("oneDNN is not loaded in this process".into());
+    };
+    let shape = Shape {
+        kind,
+        input: [n, c, h, w],
+        kernel,
+        out_hw: [oh, ow],
+        geometry,
+    };
+    run(d, &shape, a.data, b.data, out.data)
+}

@@ -1,0 +1,279 @@
+//! The XLA FFI plumbing the host custom calls share (host BLAS products, host oneDNN
+//! convolutions): registering a typed handler with a CPU plugin through its PJRT FFI extension,
+//! and the handler side of a call (call frame, buffers, errors).
+//!
+//! Layouts: the structs below mirror `xla/ffi/api/c_api.h` and `pjrt_c_api_ffi_extension.h`
+//! field for field (each struct carries its size, checked on read).
+
+use std::ffi::{c_char, c_int, c_void};
+
+use super::plugin::Plugin;
+use super::{sys, PjrtError};
+
+/// XLA's name for the CPU platform.
+pub(crate) const PLATFORM: &str = "Host";
+
+pub(crate) fn ffi_extension(plugin: &Plugin) -> Option<&'static FfiExtension> {
+    let mut ext = plugin.api.extension_start();
+    while !ext.is_null() {
+        // SAFETY: the chain is the plugin's static data; every entry starts with the base.
+        let base = unsafe { &*ext };
+        if base.type_ == sys::PJRT_Extension_Type_FFI {
+            if base.struct_size < std::mem::size_of::<FfiExtension>() {
+                return None;
+            }
+            // SAFETY: type and size checked just above.
+            return Some(unsafe { &*(ext as *const FfiExtension) });
+        }
+        ext = base.next;
+    }
+    None
+}
+
+#[repr(C)]
+pub(crate) struct FfiExtension {
+    pub(crate) base: sys::PJRT_Extension_Base,
+    pub(crate) type_id_register: *const c_void,
+    pub(crate) user_data_add: *const c_void,
+    pub(crate) register_handler:
+        unsafe extern "C" fn(*mut RegisterHandlerArgs) -> *mut sys::PJRT_Error,
+}
+
+/// As both plugins from PyPI read it (PJRT API 0.81 and 0.115: typed FFI handlers only). An older
+/// layout had an `int api_version` before `handler` and a larger size, which such a plugin's
+/// size check refuses with an error rather than misreading.
+#[repr(C)]
+pub(crate) struct RegisterHandlerArgs {
+    pub(crate) struct_size: usize,
+    pub(crate) target_name: *const c_char,
+    pub(crate) target_name_size: usize,
+    pub(crate) handler: *mut c_void,
+    pub(crate) platform_name: *const c_char,
+    pub(crate) platform_name_size: usize,
+    pub(crate) traits: u32,
+}
+
+/// Registers `handler` as the typed FFI custom-call target `name` for the CPU platform with
+/// `plugin`'s XLA. Ok(false) where the plugin has no PJRT FFI extension.
+pub(crate) fn register_handler(
+    plugin: &Plugin,
+    name: &str,
+    handler: Handler,
+) -> Result<bool, PjrtError> {
+    let Some(ext) = ffi_extension(plugin) else {
+        return Ok(false);
+    };
+    let mut args = RegisterHandlerArgs {
+        struct_size: std::mem::offset_of!(RegisterHandlerArgs, traits) + std::mem::size_of::<u32>(),
+        target_name: name.as_ptr() as *const c_char,
+        target_name_size: name.len(),
+        handler: handler as *mut c_void,
+        platform_name: PLATFORM.as_ptr() as *const c_char,
+        platform_name_size: PLATFORM.len(),
+        traits: 0,
+    };
+    // SAFETY: `ext` is the plugin's FFI extension (type checked, size checked), and `args`
+    // outlives the call; the plugin copies the names.
+    let err = unsafe { (ext.register_handler)(&mut args) };
+    plugin.api.check(err, "PJRT_FFI_Register_Handler")?;
+    Ok(true)
+}
+
+/// Whether `frame` is XLA's metadata query (made once per target, before any call), answered
+/// here: API version 0.1, no traits. The handler then returns success at once.
+///
+/// # Safety
+/// `frame` must be a call frame XLA passed to a handler.
+pub(crate) unsafe fn answer_metadata(frame: &CallFrame) -> bool {
+    if frame.extension_start.is_null() {
+        return false;
+    }
+    // SAFETY: every extension starts with the base.
+    let ext = unsafe { &*frame.extension_start };
+    if ext.type_ != EXTENSION_METADATA {
+        return false;
+    }
+    // SAFETY: type checked; the metadata struct is XLA's, its size checked below.
+    let m = unsafe { &*(frame.extension_start as *const MetadataExtension) };
+    if !m.metadata.is_null() {
+        let md = unsafe { &mut *m.metadata };
+        if md.struct_size >= std::mem::offset_of!(Metadata, traits) + std::mem::size_of::<u32>() {
+            md.api_version.major = 0;
+            md.api_version.minor = 1;
+            md.traits = 0;
+        }
+    }
+    true
+}
+
+/// Operand `i` of the call (None past the last), as XLA's buffer struct.
+///
+/// # Safety
+/// `frame` must be a live call frame whose size was checked.
+pub(crate) unsafe fn arg(frame: &CallFrame, i: usize) -> Option<&FfiBuffer> {
+    // SAFETY: the frame lists `size` buffers.
+    (i < frame.args.size as usize)
+        .then(|| unsafe { &*(*frame.args.items.add(i) as *const FfiBuffer) })
+}
+
+/// Result `i` of the call (None past the last).
+///
+/// # Safety
+/// As for [`arg`].
+pub(crate) unsafe fn ret(frame: &CallFrame, i: usize) -> Option<&FfiBuffer> {
+    // SAFETY: the frame lists `size` buffers.
+    (i < frame.rets.size as usize)
+        .then(|| unsafe { &*(*frame.rets.items.add(i) as *const FfiBuffer) })
+}
+
+impl FfiBuffer {
+    /// The dims (`rank` entries).
+    pub(crate) fn dims(&self) -> &[i64] {
+        // SAFETY: XLA's buffer struct has `rank` dims.
+        unsafe { std::slice::from_raw_parts(self.dims, self.rank.max(0) as usize) }
+    }
+}
+// ------------------------------------------------------------------ XLA FFI (the handler side)
+
+pub(crate) type Handler = unsafe extern "C" fn(*mut CallFrame) -> *mut c_void;
+
+pub(crate) const EXTENSION_METADATA: c_int = 1;
+pub(crate) const DTYPE_F32: c_int = 11;
+pub(crate) const ERROR_INVALID_ARGUMENT: c_int = 3;
+
+#[repr(C)]
+pub(crate) struct FfiExtensionBase {
+    pub(crate) struct_size: usize,
+    pub(crate) type_: c_int,
+    pub(crate) next: *mut FfiExtensionBase,
+}
+
+#[repr(C)]
+pub(crate) struct ApiVersion {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut c_void,
+    pub(crate) major: c_int,
+    pub(crate) minor: c_int,
+}
+
+#[repr(C)]
+pub(crate) struct Metadata {
+    pub(crate) struct_size: usize,
+    pub(crate) api_version: ApiVersion,
+    pub(crate) traits: u32,
+}
+
+#[repr(C)]
+pub(crate) struct MetadataExtension {
+    pub(crate) base: FfiExtensionBase,
+    pub(crate) metadata: *mut Metadata,
+}
+
+#[repr(C)]
+pub(crate) struct FfiBuffer {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut c_void,
+    pub(crate) dtype: c_int,
+    pub(crate) data: *mut c_void,
+    pub(crate) rank: i64,
+    pub(crate) dims: *const i64,
+}
+
+#[repr(C)]
+pub(crate) struct List {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut c_void,
+    pub(crate) size: i64,
+    pub(crate) types: *const c_int,
+    pub(crate) items: *const *mut c_void,
+}
+
+#[repr(C)]
+pub(crate) struct Attrs {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut c_void,
+    pub(crate) size: i64,
+    pub(crate) types: *const c_int,
+    pub(crate) names: *const c_void,
+    pub(crate) attrs: *const *mut c_void,
+}
+
+#[repr(C)]
+pub(crate) struct CallFrame {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut FfiExtensionBase,
+    pub(crate) api: *const FfiApi,
+    pub(crate) ctx: *mut c_void,
+    pub(crate) stage: c_int,
+    pub(crate) args: List,
+    pub(crate) rets: List,
+    pub(crate) attrs: Attrs,
+}
+
+#[repr(C)]
+pub(crate) struct ErrorCreateArgs {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut c_void,
+    pub(crate) message: *const c_char,
+    pub(crate) errc: c_int,
+}
+
+/// XLA's FFI function table, up to the thread-pool entries (both PyPI plugins have them; the
+/// entry is checked to be what it should before use, see [`xla_pool`]).
+#[repr(C)]
+pub(crate) struct FfiApi {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut c_void,
+    pub(crate) api_version: ApiVersion,
+    pub(crate) internal_api: *mut c_void,
+    pub(crate) error_create: unsafe extern "C" fn(*mut ErrorCreateArgs) -> *mut c_void,
+    pub(crate) error_get_message: unsafe extern "C" fn(*mut ErrorGetMessageArgs),
+    pub(crate) error_destroy: unsafe extern "C" fn(*mut ErrorDestroyArgs),
+    /// Handler_Register, Stream_Get, TypeId_Register, ExecutionContext_Get, State_Set,
+    /// State_Get, DeviceMemory_Allocate, DeviceMemory_Free.
+    pub(crate) unused: [*const c_void; 8],
+    pub(crate) thread_pool_schedule: *const c_void,
+}
+
+#[repr(C)]
+pub(crate) struct ErrorGetMessageArgs {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut c_void,
+    pub(crate) error: *mut c_void,
+    pub(crate) message: *const c_char,
+}
+
+#[repr(C)]
+pub(crate) struct ErrorDestroyArgs {
+    pub(crate) struct_size: usize,
+    pub(crate) extension_start: *mut c_void,
+    pub(crate) error: *mut c_void,
+}
+
+pub(crate) fn destroy(api: *const FfiApi, err: *mut c_void) {
+    let mut args = ErrorDestroyArgs {
+        struct_size: std::mem::size_of::<ErrorDestroyArgs>(),
+        extension_start: std::ptr::null_mut(),
+        error: err,
+    };
+    // SAFETY: `err` came from this table's functions, and is destroyed once.
+    unsafe { ((*api).error_destroy)(&mut args) };
+}
+
+/// An XLA FFI error with `message` (null if the API cannot make one, which XLA reads as success:
+/// only for frames too malformed to have an API).
+pub(crate) fn error(frame: &CallFrame, message: &str) -> *mut c_void {
+    if frame.api.is_null() {
+        return std::ptr::null_mut();
+    }
+    let text = std::ffi::CString::new(message).unwrap_or_default();
+    let mut args = ErrorCreateArgs {
+        struct_size: std::mem::offset_of!(ErrorCreateArgs, errc) + std::mem::size_of::<c_int>(),
+        extension_start: std::ptr::null_mut(),
+        message: text.as_ptr(),
+        errc: ERROR_INVALID_ARGUMENT,
+    };
+    // SAFETY: `api` is XLA's FFI table, which has `XLA_FFI_Error_Create` first; it copies the
+    // message.
+    unsafe { ((*frame.api).error_create)(&mut args) }
+}
