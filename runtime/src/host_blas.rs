@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
 use super::xla_ffi::{
-    answer_metadata, destroy, error, register_handler, CallFrame, ErrorGetMessageArgs, FfiApi,
+    answer_metadata, destroy, error, register_targets, CallFrame, ErrorGetMessageArgs, FfiApi,
     FfiBuffer, Handler, DTYPE_F32,
 };
 use super::PjrtError;
@@ -85,22 +85,18 @@ pub fn register(plugin: &Plugin, library: &Path) -> Result<bool, PjrtError> {
         };
         let _ = BLAS.set(b);
     }
-    for (name, ta, tb) in TARGETS {
+    let targets = TARGETS.map(|(name, ta, tb)| {
         let handler: Handler = match (ta, tb) {
             (false, false) => gemm::<false, false>,
             (false, true) => gemm::<false, true>,
             (true, false) => gemm::<true, false>,
             (true, true) => gemm::<true, true>,
         };
-        if !register_handler(plugin, name, handler)? {
-            tracing::debug!("plugin has no PJRT FFI extension: host BLAS not registered");
-            return Ok(false);
-        }
+        (name, handler)
+    });
+    if !register_targets(plugin, &targets, "host BLAS sgemm")? {
+        return Ok(false);
     }
-    tracing::debug!(
-        "host BLAS sgemm registered with {}",
-        plugin.path().display()
-    );
     done.push(plugin.path().to_path_buf());
     Ok(true)
 }

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
-use super::xla_ffi::{answer_metadata, arg, error, register_handler, ret, CallFrame, FfiBuffer};
+use super::xla_ffi::{answer_metadata, arg, error, register_targets, ret, CallFrame, FfiBuffer};
 use super::xla_ffi::{Handler, DTYPE_F32};
 use super::PjrtError;
 
@@ -293,20 +293,14 @@ pub fn register(plugin: &Plugin, library: &str) -> Result<bool, PjrtError> {
     if DNNL.get_or_init(|| load(library)).is_none() {
         return Ok(false);
     }
-    for (name, handler) in [
+    let targets = [
         (FORWARD, forward as Handler),
         (INPUT_GRAD, input_grad as Handler),
         (WEIGHT_GRAD, weight_grad as Handler),
-    ] {
-        if !register_handler(plugin, name, handler)? {
-            tracing::debug!("plugin has no PJRT FFI extension: oneDNN convolutions not registered");
-            return Ok(false);
-        }
+    ];
+    if !register_targets(plugin, &targets, "oneDNN convolutions")? {
+        return Ok(false);
     }
-    tracing::debug!(
-        "oneDNN convolutions registered with {}",
-        plugin.path().display()
-    );
     done.push(plugin.path().to_path_buf());
     Ok(true)
 }

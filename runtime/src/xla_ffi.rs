@@ -55,11 +55,7 @@ pub(crate) struct RegisterHandlerArgs {
 
 /// Registers `handler` as the typed FFI custom-call target `name` for the CPU platform with
 /// `plugin`'s XLA. Ok(false) where the plugin has no PJRT FFI extension.
-pub(crate) fn register_handler(
-    plugin: &Plugin,
-    name: &str,
-    handler: Handler,
-) -> Result<bool, PjrtError> {
+fn register_handler(plugin: &Plugin, name: &str, handler: Handler) -> Result<bool, PjrtError> {
     let Some(ext) = ffi_extension(plugin) else {
         return Ok(false);
     };
@@ -76,6 +72,23 @@ pub(crate) fn register_handler(
     // outlives the call; the plugin copies the names.
     let err = unsafe { (ext.register_handler)(&mut args) };
     plugin.api.check(err, "PJRT_FFI_Register_Handler")?;
+    Ok(true)
+}
+
+/// Registers every `(name, handler)` of `targets` with `plugin` (see [`register_handler`]);
+/// `what` names them in the log. Ok(false) where the plugin has no PJRT FFI extension.
+pub(crate) fn register_targets(
+    plugin: &Plugin,
+    targets: &[(&str, Handler)],
+    what: &str,
+) -> Result<bool, PjrtError> {
+    for &(name, handler) in targets {
+        if !register_handler(plugin, name, handler)? {
+            tracing::debug!("plugin has no PJRT FFI extension: {what} not registered");
+            return Ok(false);
+        }
+    }
+    tracing::debug!("{what} registered with {}", plugin.path().display());
     Ok(true)
 }
 
