@@ -23,12 +23,11 @@ counts the activations handed over (`saved_channels_last`).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.fx
 
 from . import counters, input_views
+from .runtime import env_off
 
 # NHWC of an NCHW tensor, and back.
 NHWC_OF_NCHW = (0, 2, 3, 1)
@@ -36,7 +35,7 @@ NCHW_OF_NHWC = (0, 3, 1, 2)
 
 
 def enabled() -> bool:
-    return os.environ.get("TPUC_LAYOUT_HANDOFF", "1").strip().lower() not in ("0", "off", "false", "no")
+    return not env_off("TPUC_LAYOUT_HANDOFF")
 
 
 class Handoff:

@@ -173,6 +173,11 @@ def create_options(family: str, devices: int | None, overrides: dict | None = No
     return options
 
 
+def env_off(name: str) -> bool:
+    """Whether the environment variable `name` switches something off: 0, off, false or no."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "off", "false", "no")
+
+
 def positive_int_env(name: str, default: int) -> int:
     """The environment variable `name` as a positive integer (`default` when unset); anything
     else raises ValueError naming the variable."""
@@ -269,7 +274,7 @@ def _enable_host_gemm(rt: _native.Runtime) -> None:
     calls (MKL in its x86 wheels), as XLA FFI custom calls inside the compiled program, where
     MKL was measured faster than XLA's dot (README, "Host BLAS"). Only where that BLAS is MKL;
     `TPUC_HOST_GEMM=0` keeps every product in XLA."""
-    if os.environ.get("TPUC_HOST_GEMM", "1").strip().lower() in ("0", "off", "false", "no"):
+    if env_off("TPUC_HOST_GEMM"):
         return
     import torch
 
@@ -287,7 +292,7 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
     as XLA FFI custom calls inside the compiled program (XLA's CPU convolutions are Eigen's,
     measured slower: README, "Host oneDNN"). Where oneDNN is missing, convolutions stay in XLA;
     `TPUC_HOST_CONV=0` keeps them there."""
-    if os.environ.get("TPUC_HOST_CONV", "1").strip().lower() in ("0", "off", "false", "no"):
+    if env_off("TPUC_HOST_CONV"):
         return
     rt.enable_host_conv(HOST_CONV_LIBRARY)
 

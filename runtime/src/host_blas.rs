@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
 use super::xla_ffi::{
-    answer_metadata, destroy, error, register_targets, CallFrame, ErrorGetMessageArgs, FfiApi,
+    arg, destroy, error, open_frame, register_targets, ret, CallFrame, ErrorGetMessageArgs, FfiApi,
     FfiBuffer, Handler, DTYPE_F32,
 };
 use super::PjrtError;
@@ -68,17 +68,10 @@ struct Blas {
 
 static BLAS: OnceLock<Blas> = OnceLock::new();
 
-/// Plugins (by path) whose XLA has the targets registered.
-static REGISTERED: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
-
 /// Finds `sgemm_` in `library` (already loaded by the process: PyTorch's own `libtorch_cpu.so`)
 /// and registers the targets with `plugin`'s XLA. Idempotent per plugin. Returns whether the
 /// targets are usable: false where the library has no `sgemm_` or the plugin no FFI extension.
 pub fn register(plugin: &Plugin, library: &Path) -> Result<bool, PjrtError> {
-    let mut done = REGISTERED.lock().unwrap_or_else(|p| p.into_inner());
-    if done.iter().any(|p| p == plugin.path()) {
-        return Ok(true);
-    }
     if BLAS.get().is_none() {
         let Some(b) = find_blas(library) else {
             return Ok(false);
@@ -94,11 +87,7 @@ pub fn register(plugin: &Plugin, library: &Path) -> Result<bool, PjrtError> {
         };
         (name, handler)
     });
-    if !register_targets(plugin, &targets, "host BLAS sgemm")? {
-        return Ok(false);
-    }
-    done.push(plugin.path().to_path_buf());
-    Ok(true)
+    register_targets(plugin, &targets, "host BLAS sgemm")
 }
 
 /// MKL's `sgemm_` in `library`, if it is loaded and is MKL.
@@ -201,20 +190,9 @@ fn check_schedule(api: *const FfiApi) -> Option<Schedule> {
 
 unsafe extern "C" fn noop_task(_: *mut c_void) {}
 
-/// A buffer's dims, after checking it is an f32 buffer of rank 2 or 3.
-///
-/// # Safety
-/// `p` must be an `XLA_FFI_Buffer` of a live call frame.
-unsafe fn dims<'a>(p: *mut c_void) -> Option<(&'a [i64], *mut f32)> {
-    // SAFETY: the caller's contract; the dims array has `rank` entries.
-    let b = unsafe { &*(p as *const FfiBuffer) };
-    if b.dtype != DTYPE_F32 || !(2..=3).contains(&b.rank) {
-        return None;
-    }
-    Some((
-        unsafe { std::slice::from_raw_parts(b.dims, b.rank as usize) },
-        b.data as *mut f32,
-    ))
+/// A buffer's dims and data, after checking it is an f32 buffer of rank 2 or 3.
+fn f32_matrix(b: &FfiBuffer) -> Option<(&[i64], *mut f32)> {
+    (b.dtype == DTYPE_F32 && (2..=3).contains(&b.rank)).then(|| (b.dims(), b.data as *mut f32))
 }
 
 /// The handler: `C = op(A) @ op(B)` for row-major operands, each batch entry by one `sgemm_`.
@@ -222,24 +200,20 @@ unsafe fn dims<'a>(p: *mut c_void) -> Option<(&'a [i64], *mut f32)> {
 /// # Safety
 /// Called by XLA with a valid call frame.
 unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame) -> *mut c_void {
-    // SAFETY: XLA passes a valid frame; its size is checked before any field past the header.
-    let frame = unsafe { &*frame };
-    // SAFETY: XLA's frame.
-    if unsafe { answer_metadata(frame) } {
-        return std::ptr::null_mut();
-    }
-    if frame.struct_size < std::mem::size_of::<CallFrame>() {
-        return error(frame, "tpuc_sgemm: call frame too small");
-    }
+    // SAFETY: the pointer XLA passed.
+    let frame = match unsafe { open_frame(frame, "tpuc_sgemm") } {
+        Ok(frame) => frame,
+        Err(done) => return done,
+    };
     if frame.args.size != 2 || frame.rets.size != 1 {
         return error(frame, "tpuc_sgemm: expects 2 operands and 1 result");
     }
-    // SAFETY: the frame lists `size` buffers.
+    // SAFETY: a checked frame of 2 operands and 1 result.
     let (a, b, c) = unsafe {
         (
-            dims(*frame.args.items),
-            dims(*frame.args.items.add(1)),
-            dims(*frame.rets.items),
+            arg(frame, 0).and_then(f32_matrix),
+            arg(frame, 1).and_then(f32_matrix),
+            ret(frame, 0).and_then(f32_matrix),
         )
     };
     let (Some((ad, ap)), Some((bd, bp)), Some((cd, cp))) = (a, b, c) else {

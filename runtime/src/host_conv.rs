@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
-use super::xla_ffi::{answer_metadata, arg, error, register_targets, ret, CallFrame, FfiBuffer};
+use super::xla_ffi::{arg, error, open_frame, register_targets, ret, CallFrame, FfiBuffer};
 use super::xla_ffi::{Handler, DTYPE_F32};
 use super::PjrtError;
 
@@ -279,17 +279,10 @@ fn load(library: &str) -> Option<Dnnl> {
     Some(d)
 }
 
-/// Plugins (by path) whose XLA has the targets registered.
-static REGISTERED: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
-
 /// Loads oneDNN from `library` (once per process) and registers the three targets with
 /// `plugin`'s XLA. Idempotent per plugin. Returns whether the targets are usable: false where
 /// oneDNN is missing or unsuitable, or the plugin has no FFI extension.
 pub fn register(plugin: &Plugin, library: &str) -> Result<bool, PjrtError> {
-    let mut done = REGISTERED.lock().unwrap_or_else(|p| p.into_inner());
-    if done.iter().any(|p| p == plugin.path()) {
-        return Ok(true);
-    }
     if DNNL.get_or_init(|| load(library)).is_none() {
         return Ok(false);
     }
@@ -298,11 +291,7 @@ pub fn register(plugin: &Plugin, library: &str) -> Result<bool, PjrtError> {
         (INPUT_GRAD, input_grad as Handler),
         (WEIGHT_GRAD, weight_grad as Handler),
     ];
-    if !register_targets(plugin, &targets, "oneDNN convolutions")? {
-        return Ok(false);
-    }
-    done.push(plugin.path().to_path_buf());
-    Ok(true)
+    register_targets(plugin, &targets, "oneDNN convolutions")
 }
 
 /// Calls run in this process, by kind (forward, input gradient, weight gradient).
@@ -761,15 +750,12 @@ fn dims4(b: &FfiBuffer) -> Option<[i64; 4]> {
 /// # Safety
 /// `frame` must be a call frame XLA passed to a handler.
 unsafe fn handle(frame: *mut CallFrame, kind: Kind) -> *mut c_void {
-    // SAFETY: XLA's frame.
-    let frame = unsafe { &*frame };
-    if unsafe { answer_metadata(frame) } {
-        return std::ptr::null_mut();
-    }
     let target = kind.target();
-    if frame.struct_size < std::mem::size_of::<CallFrame>() {
-        return error(frame, &format!("{target}: call frame too small"));
-    }
+    // SAFETY: the pointer XLA passed.
+    let frame = match unsafe { open_frame(frame, target) } {
+        Ok(frame) => frame,
+        Err(done) => return done,
+    };
     match unsafe { call(frame, kind) } {
         Ok(()) => {
             CALLS[kind as usize].fetch_add(1, Ordering::Relaxed);
@@ -782,14 +768,18 @@ unsafe fn handle(frame: *mut CallFrame, kind: Kind) -> *mut c_void {
 /// # Safety
 /// `frame` must be a live call frame whose size was checked.
 unsafe fn call(frame: &CallFrame, kind: Kind) -> Result<(), String> {
-    let (Some(a), Some(b), Some(geo), Some(out)) =
-        (unsafe { (arg(frame, 0), arg(frame, 1), arg(frame, 2), ret(frame, 0)) })
-    else {
+    let (Some(a), Some(b), Some(geo), Some(out), None, None) = (unsafe {
+        (
+            arg(frame, 0),
+            arg(frame, 1),
+            arg(frame, 2),
+            ret(frame, 0),
+            arg(frame, 3),
+            ret(frame, 1),
+        )
+    }) else {
         return Err("expects 3 operands and 1 result".into());
     };
-    if frame.args.size != 3 || frame.rets.size != 1 {
-        return Err("expects 3 operands and 1 result".into());
-    }
     if geo.dtype != DTYPE_S64 || geo.dims() != [GEOMETRY_LEN as i64] {
         return Err(format!("the geometry must be s64[{GEOMETRY_LEN}]"));
     }

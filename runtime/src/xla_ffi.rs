@@ -6,6 +6,8 @@
 //! field for field (each struct carries its size, checked on read).
 
 use std::ffi::{c_char, c_int, c_void};
+use std::path::PathBuf;
+use std::sync::Mutex;
 
 use super::plugin::Plugin;
 use super::{sys, PjrtError};
@@ -75,13 +77,21 @@ fn register_handler(plugin: &Plugin, name: &str, handler: Handler) -> Result<boo
     Ok(true)
 }
 
-/// Registers every `(name, handler)` of `targets` with `plugin` (see [`register_handler`]);
-/// `what` names them in the log. Ok(false) where the plugin has no PJRT FFI extension.
+/// `(plugin path, what)` of the target sets registered in this process.
+static REGISTERED: Mutex<Vec<(PathBuf, String)>> = Mutex::new(Vec::new());
+
+/// Registers every `(name, handler)` of `targets` with `plugin` (see [`register_handler`]),
+/// once per plugin: `what` names the set (and in the log). Ok(false) where the plugin has no
+/// PJRT FFI extension.
 pub(crate) fn register_targets(
     plugin: &Plugin,
     targets: &[(&str, Handler)],
     what: &str,
 ) -> Result<bool, PjrtError> {
+    let mut done = REGISTERED.lock().unwrap_or_else(|p| p.into_inner());
+    if done.iter().any(|(p, w)| p == plugin.path() && w == what) {
+        return Ok(true);
+    }
     for &(name, handler) in targets {
         if !register_handler(plugin, name, handler)? {
             tracing::debug!("plugin has no PJRT FFI extension: {what} not registered");
@@ -89,7 +99,30 @@ pub(crate) fn register_targets(
         }
     }
     tracing::debug!("{what} registered with {}", plugin.path().display());
+    done.push((plugin.path().to_path_buf(), what.to_string()));
     Ok(true)
+}
+
+/// The call frame XLA passed to `target`'s handler, or what the handler returns at once:
+/// success for XLA's metadata query (see [`answer_metadata`]), an error for a frame too small
+/// to read.
+///
+/// # Safety
+/// `frame` must be the pointer XLA passed to the handler.
+pub(crate) unsafe fn open_frame<'a>(
+    frame: *mut CallFrame,
+    target: &str,
+) -> Result<&'a CallFrame, *mut c_void> {
+    // SAFETY: XLA passes a valid frame; its size is checked before any field past the header.
+    let frame = unsafe { &*frame };
+    // SAFETY: XLA's frame.
+    if unsafe { answer_metadata(frame) } {
+        return Err(std::ptr::null_mut());
+    }
+    if frame.struct_size < std::mem::size_of::<CallFrame>() {
+        return Err(error(frame, &format!("{target}: call frame too small")));
+    }
+    Ok(frame)
 }
 
 /// Whether `frame` is XLA's metadata query (made once per target, before any call), answered
@@ -97,7 +130,7 @@ pub(crate) fn register_targets(
 ///
 /// # Safety
 /// `frame` must be a call frame XLA passed to a handler.
-pub(crate) unsafe fn answer_metadata(frame: &CallFrame) -> bool {
+unsafe fn answer_metadata(frame: &CallFrame) -> bool {
     if frame.extension_start.is_null() {
         return false;
     }

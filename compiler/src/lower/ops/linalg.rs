@@ -265,10 +265,10 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     // a grouped convolution through Eigen, group by group (MobileNet-v2 at 224, batch 1: 39 ms
     // as XLA's grouped convolution, 10.2 as channels-last taps; batch 8 251 vs 55).
     let depthwise = is_depthwise(&x.shape, &w.shape, groups);
-    // Small 2-D convolutions are their NHWC patches times the kernel (below); small 1-D and
-    // 3-D ones the NCHW-like patch products of the tap rules.
     // Every other 2-D one goes to oneDNN where the session enables it (measured faster than
-    // each of the XLA lowerings here, at every size: see [`host_conv`]).
+    // each of the XLA lowerings here, at every size: see [`host_conv`]). Without it, small 2-D
+    // ones are their NHWC patches times the kernel (below); small 1-D and 3-D ones the
+    // NCHW-like patch products of the tap rules.
     let onednn = !transposed
         && !depthwise
         && !pointwise
@@ -1250,7 +1250,7 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     // Channels-last where the operands already are, or where oneDNN computes the gradients
     // (it takes channels-last activations).
     let onednn = channels_last(nsp) && onednn_conv(e, &[&g, &x, &w], (&x.shape, g.dtype));
-    if channels_last(nsp) && (nhwc_form(&g) || nhwc_form(&x) || onednn) {
+    if onednn || (channels_last(nsp) && (nhwc_form(&g) || nhwc_form(&x))) {
         let window = Window {
             kernel: w.shape[2..].to_vec(),
             stride,
