@@ -246,6 +246,43 @@ def test_index_put_with_boolean_mask():
     check(f, x, m2, m1, v2, v1, fallback="error")
 
 
+def test_index_put_of_one_index_into_an_input_is_a_select(tmp_path):
+    """One index written into a graph input (a KV cache's `index_copy_` at a decode step) is a
+    select over the input, not a scatter, whatever dim, index form (0-d, one element, negative,
+    int32), value broadcast or dtype; several indices, accumulation and targets computed in the
+    graph stay scatters."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(1, 4, 9, 6, generator=g)
+    ints = torch.arange(24, dtype=torch.int32).view(4, 6)
+    row = torch.randn(1, 4, 1, 6, generator=g)
+
+    def f(cache, ints, row, pos, neg, i32):
+        op = torch.ops.aten.index_put.default
+        return (
+            op(cache, [None, None, pos], row),  # the decode step
+            op(cache, [None, None, neg], row[:, :, 0]),  # 0-d negative index
+            op(cache, [i32], torch.tensor(2.5)),  # dim 0, one broadcast value
+            op(ints, [None, pos], torch.tensor([7], dtype=torch.int32)),
+        )
+
+    pos, neg, i32 = torch.tensor([4]), torch.tensor(-2), torch.tensor([0], dtype=torch.int32)
+    check(f, cache, ints, row, pos, neg, i32, fallback="error", dump_dir=str(tmp_path / "select"))
+    (module,) = (tmp_path / "select").glob("*/stablehlo.mlir")
+    assert "stablehlo.scatter" not in module.read_text()
+
+    def g2(cache, row, two):
+        op = torch.ops.aten.index_put.default
+        return (
+            op(cache, [None, None, two], row.expand(1, 4, 2, 6)),  # two indices
+            op(cache, [None, None, two[:1]], row, True),  # accumulate
+            op(cache * 2, [None, None, two[:1]], row),  # not an input: in place in XLA
+        )
+
+    check(g2, cache, row, torch.tensor([1, 7]), fallback="error", dump_dir=str(tmp_path / "scatter"))
+    (module,) = (tmp_path / "scatter").glob("*/stablehlo.mlir")
+    assert module.read_text().count('"stablehlo.scatter"(') == 3
+
+
 def test_index_put_with_boolean_mask_checks_the_value_count():
     """A value count other than the mask's True count raises, as in eager, instead of writing
     clamped or unused values (the count is checked on the host after the call)."""

@@ -329,6 +329,10 @@ def _residency(rt, mode: str = "auto"):
         slot.ref = weakref.ref(storage)
         return None
 
+    # Read by the call plan, which then skips this call for tensors that cannot be resident:
+    # an address off this alignment at a position with nothing resident (0: never resident).
+    never.align = 0
+    device_arg.align = align
     return device_arg if enabled else never
 
 

@@ -21,12 +21,13 @@ def keeps_resident(rt, mode: str) -> tuple[bool, bool]:
 
 def still_resident(slot, t, ptr: int, storage) -> bool:
     """Whether `slot`'s resident buffer still stands for `t` (whose `data_ptr()` is `ptr` and
-    `untyped_storage()` is `storage`): the same tensor, `_version` and address and, for a copy,
-    the same storage. `.data =`, `module.to(dtype)`, swap_tensors and FSDP's storage resizes
-    change the memory without bumping the version."""
+    `untyped_storage()` is `storage`): the same tensor at the same address and, for a copy, the
+    same `_version` and storage. `.data =`, `module.to(dtype)`, swap_tensors and FSDP's storage
+    resizes change the memory without bumping the version. A buffer that is the tensor's memory
+    (`aliased`) reads its current bytes, so an in-place write (a KV cache at every step) keeps
+    it resident; the caller has checked shape, dtype and layout."""
     return (
         slot.tensor is t
-        and slot.version == t._version
         and slot.ptr == ptr
-        and (slot.aliased or slot.storage is storage)
+        and (slot.aliased or (slot.version == t._version and slot.storage is storage))
     )

@@ -1332,6 +1332,13 @@ impl<'c, 'b> Emitter<'c, 'b> {
         format!("[#stablehlo<precision {p}>, #stablehlo<precision {p}>]")
     }
 
+    /// Whether `t` is one of the function's arguments: a graph input, which lives in PyTorch's
+    /// memory and is never donated, so XLA copies it before updating it in place.
+    pub fn is_input(&self, t: &T<'c, 'b>) -> bool {
+        melior::ir::block::BlockArgument::try_from(t.v)
+            .is_ok_and(|a| a.owner().to_raw().ptr == self.block.to_raw().ptr)
+    }
+
     /// `stablehlo.iota` along `dim`.
     pub fn iota(&self, shape: &[i64], dim: i64, dtype: DType) -> R<T<'c, 'b>> {
         self.op(

@@ -623,6 +623,11 @@ fn index_put<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         }
         return Ok(vec![v]);
     }
+    if !accumulate {
+        if let Some(out) = put_one_into_input(cx, &x, &indices, &values)? {
+            return Ok(vec![out]);
+        }
+    }
     let ix = advanced_index(cx, &x.shape, &indices)?;
     let upd =
         cx.e.broadcast_to(&cx.e.convert(&values, x.dtype)?, &ix.out_shape)?;
@@ -635,6 +640,60 @@ fn index_put<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         &ix.dims,
         accumulate,
     )?])
+}
+
+/// `x[..., i, ...] = values` for a single index `i` along one dim of a graph input (a static KV
+/// cache's `index_copy_` at a decode step), as one select over `x` instead of a scatter, or
+/// `None` where that does not apply. XLA never updates an input in place (inputs are PyTorch's
+/// memory, never donated), so a scatter into one starts with a copy that waits for nothing: a
+/// Llama decode step had 16 of them among 34 ready operations at its start, which XLA's executor
+/// splits over its pool, and the chain of host products that then ran on XLA's threads (in
+/// pieces) took 1-2 ms longer per step. The select reads and writes `x` once, as the copy did,
+/// and waits for the values. An index out of range matches no position and leaves `x` as it
+/// is, as the scatter does.
+fn put_one_into_input<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    x: &T<'c, 'b>,
+    indices: &[Option<T<'c, 'b>>],
+    values: &T<'c, 'b>,
+) -> R<Option<T<'c, 'b>>> {
+    let e = cx.e;
+    let given: Vec<(usize, &T)> = indices
+        .iter()
+        .enumerate()
+        .filter_map(|(d, t)| t.as_ref().map(|t| (d, t)))
+        .collect();
+    let [(d, index)] = given[..] else {
+        return Ok(None);
+    };
+    if index.numel() != 1
+        || matches!(index.dtype, DType::Bool | DType::Uint8)
+        || x.numel() == 0
+        || !e.is_input(x)
+    {
+        return Ok(None);
+    }
+    // `values` broadcasts to x's shape with the index's dims in place of dim d (one element).
+    let mut indexed = x.shape[..d].to_vec();
+    indexed.extend_from_slice(&index.shape);
+    indexed.extend_from_slice(&x.shape[d + 1..]);
+    let mut one_row = x.shape.clone();
+    one_row[d] = 1;
+    let row = e.reshape(
+        &e.broadcast_to(&e.convert(values, x.dtype)?, &indexed)?,
+        &one_row,
+    )?;
+    let i = e.reshape(&wrap_index(e, index, x.shape[d])?, &[])?;
+    let hit = e.compare(
+        &e.iota(&x.shape, d as i64, DType::Int64)?,
+        &e.broadcast_to(&i, &x.shape)?,
+        "EQ",
+    )?;
+    let all: Vec<i64> = (0..x.rank() as i64).collect();
+    let out = e.select(&hit, &e.broadcast_in_dim(&row, &x.shape, &all)?, x, x.dtype)?;
+    // Materialized once: XLA would otherwise fuse the select into every reader (attention reads
+    // a KV cache once per query head of a group) and compute it again in each.
+    e.barrier(&out).map(Some)
 }
 
 /// Writes `src` into `x` at positions `start, start + step, ...` of dim `d`.
