@@ -19,7 +19,7 @@ use pyo3::types::{PyList, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 use smallvec::SmallVec;
 use std::ffi::{c_void, CStr};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tpuc_compiler::pipeline::{dense_bytes, Compiled, Engine, PtrArg, RunTimings};
@@ -204,6 +204,10 @@ pub struct Slot {
     /// the memory, which the version, address and storage checks stand for.
     #[pyo3(get, set)]
     aliased: bool,
+    /// The address of the last tensor the call plan saw here, resident or not (0: none yet).
+    /// A tensor at another address than last time is not the same storage coming back, so the
+    /// plan passes it without asking `backend._residency` (a fresh token tensor every step).
+    seen_ptr: AtomicUsize,
     /// Its device buffer.
     #[pyo3(get, set)]
     buffer: Option<Py<DeviceBuffer>>,
@@ -221,6 +225,7 @@ impl Slot {
             storage: None,
             aliased: false,
             buffer: None,
+            seen_ptr: AtomicUsize::new(0),
         }
     }
 
@@ -702,8 +707,10 @@ impl CallPlan {
         let slot = input.slot.bind(py);
         if let Ok(slot) = slot.try_borrow() {
             let nothing_resident = slot.tensor.is_none() && slot.buffer.is_none();
+            let last = slot.seen_ptr.swap(ptr, Ordering::Relaxed);
             if self.resident_align == 0
-                || (nothing_resident && !ptr.is_multiple_of(self.resident_align))
+                || (nothing_resident
+                    && (!ptr.is_multiple_of(self.resident_align) || (last != 0 && last != ptr)))
             {
                 return Ok(Some(Arg::Host(ptr)));
             }
