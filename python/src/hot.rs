@@ -6,9 +6,9 @@
 //!
 //! Everything that does not change between calls is computed once, in `CallPlan::new`, from
 //! what Python's `backend._call_plan` passes; the tensors' metadata, once checked one by one, is
-//! checked on later calls by one Dynamo `TensorGuards` call for all inputs. A call that does not fit the plan (a tensor of
-//! another shape, dtype or device, non-contiguous, lazily negated) goes to the graph's general
-//! path (`try_call` returns None instead).
+//! checked on later calls by one Dynamo `TensorGuards` call for all inputs. A call that does not
+//! fit the plan (a tensor of another shape, dtype or device, non-contiguous, lazily negated) goes
+//! to the graph's general path (`try_call` returns None instead).
 
 use crate::{compile_err, pjrt_err, DeviceBuffer, Executable};
 use pyo3::exceptions::PyValueError;
@@ -615,11 +615,13 @@ impl CallPlan {
             held.push(t);
         }
         let guard = self.guard.get();
+        // Anything but a plain yes (an error for an input that is not a tensor) checks one by one.
         let checked = match guard {
             Some(Some(g)) => g
                 .bind(py)
-                .call_method1(intern!(py, "check"), PyTuple::new(py, &held)?)?
-                .is_truthy()?,
+                .call_method1(intern!(py, "check"), PyTuple::new(py, &held)?)
+                .and_then(|r| r.is_truthy())
+                .unwrap_or(false),
             _ => false,
         };
         for (input, t) in self.inputs.iter().zip(&held) {
