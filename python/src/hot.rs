@@ -316,25 +316,18 @@ fn tensor_guard(py: Python<'_>, tensors: &[Bound<'_, PyAny>]) -> PyResult<Py<PyA
     let class = py
         .import(intern!(py, "torch._C._dynamo.guards"))?
         .getattr(intern!(py, "TensorGuards"))?;
-    let sizes = PyList::empty(py);
-    let strides = PyList::empty(py);
-    for t in tensors {
-        sizes.append(PyList::new(
-            py,
-            t.call_method0(intern!(py, "size"))?
-                .try_iter()?
-                .collect::<PyResult<Vec<_>>>()?,
-        )?)?;
-        strides.append(PyList::new(
-            py,
-            t.call_method0(intern!(py, "stride"))?
-                .try_iter()?
-                .collect::<PyResult<Vec<_>>>()?,
-        )?)?;
-    }
     let kwargs = pyo3::types::PyDict::new(py);
-    kwargs.set_item("dynamic_dims_sizes", sizes)?;
-    kwargs.set_item("dynamic_dims_strides", strides)?;
+    // Every dim given (none left dynamic): the guard compares these exact values.
+    for (method, key) in [
+        ("size", "dynamic_dims_sizes"),
+        ("stride", "dynamic_dims_strides"),
+    ] {
+        let per_tensor = tensors
+            .iter()
+            .map(|t| t.call_method0(method)?.extract::<Vec<i64>>())
+            .collect::<PyResult<Vec<_>>>()?;
+        kwargs.set_item(key, per_tensor)?;
+    }
     let guard = class.call(PyTuple::new(py, tensors)?, Some(&kwargs))?;
     // It must accept what it was built from, or it guards nothing we know of.
     if !guard
