@@ -329,14 +329,61 @@ fn tensor_guard(py: Python<'_>, tensors: &[Bound<'_, PyAny>]) -> PyResult<Py<PyA
         kwargs.set_item(key, per_tensor)?;
     }
     let guard = class.call(PyTuple::new(py, tensors)?, Some(&kwargs))?;
-    // It must accept what it was built from, or it guards nothing we know of.
-    if !guard
-        .call_method1(intern!(py, "check"), PyTuple::new(py, tensors)?)?
-        .is_truthy()?
-    {
+    let accepts = |with: Vec<Bound<'_, PyAny>>| -> PyResult<bool> {
+        guard
+            .call_method1(intern!(py, "check"), PyTuple::new(py, with)?)?
+            .is_truthy()
+    };
+    // It must accept what it was built from, and refuse one of them (the smallest with a dim, so
+    // that the probes are small) in another dtype or with other strides, what this torch's guard
+    // is relied on to compare, or it is not used.
+    if !accepts(tensors.to_vec())? {
         return Err(PyValueError::new_err(
             "TensorGuards rejects its own tensors",
         ));
+    }
+    let mut smallest: Option<(usize, i64)> = None;
+    for (i, t) in tensors.iter().enumerate() {
+        let numel: i64 = t.call_method0(intern!(py, "numel"))?.extract()?;
+        let rank: usize = t.call_method0(intern!(py, "dim"))?.extract()?;
+        if rank > 0 && smallest.is_none_or(|(_, n)| numel < n) {
+            smallest = Some((i, numel));
+        }
+    }
+    let at = smallest.map_or(0, |(i, _)| i);
+    if let Some(probed) = tensors.get(at) {
+        let torch = py.import(intern!(py, "torch"))?;
+        let dtype = probed.getattr(intern!(py, "dtype"))?;
+        let other = if dtype.is(torch.getattr("float64")?) {
+            torch.getattr("float32")?
+        } else {
+            torch.getattr("float64")?
+        };
+        let size: Vec<i64> = probed.call_method0(intern!(py, "size"))?.extract()?;
+        let stride: Vec<i64> = probed.call_method0(intern!(py, "stride"))?.extract()?;
+        let wider: Vec<i64> = stride.iter().map(|s| s * 2 + 1).collect();
+        let like = |strides: &[i64], dtype: &Bound<'_, PyAny>| -> PyResult<Bound<'_, PyAny>> {
+            let kw = pyo3::types::PyDict::new(py);
+            kw.set_item("dtype", dtype)?;
+            torch.call_method(
+                intern!(py, "empty_strided"),
+                (size.clone(), strides.to_vec()),
+                Some(&kw),
+            )
+        };
+        let mut probes = vec![("dtype", like(&stride, &other)?)];
+        if !size.is_empty() {
+            probes.push(("strides", like(&wider, &dtype)?));
+        }
+        for (what, probe) in probes {
+            let mut with = tensors.to_vec();
+            with[at] = probe;
+            if accepts(with)? {
+                return Err(PyValueError::new_err(format!(
+                    "TensorGuards ignores {what}"
+                )));
+            }
+        }
     }
     Ok(guard.unbind())
 }
