@@ -316,18 +316,17 @@ fn tensor_guard(py: Python<'_>, tensors: &[Bound<'_, PyAny>]) -> PyResult<Py<PyA
     let class = py
         .import(intern!(py, "torch._C._dynamo.guards"))?
         .getattr(intern!(py, "TensorGuards"))?;
-    let kwargs = pyo3::types::PyDict::new(py);
-    // Every dim given (none left dynamic): the guard compares these exact values.
-    for (method, key) in [
-        ("size", "dynamic_dims_sizes"),
-        ("stride", "dynamic_dims_strides"),
-    ] {
-        let per_tensor = tensors
+    let per_tensor = |method: &str| -> PyResult<Vec<Vec<i64>>> {
+        tensors
             .iter()
             .map(|t| t.call_method0(method)?.extract::<Vec<i64>>())
-            .collect::<PyResult<Vec<_>>>()?;
-        kwargs.set_item(key, per_tensor)?;
-    }
+            .collect()
+    };
+    let (sizes, strides) = (per_tensor("size")?, per_tensor("stride")?);
+    let kwargs = pyo3::types::PyDict::new(py);
+    // Every dim given (none left dynamic): the guard compares these exact values.
+    kwargs.set_item("dynamic_dims_sizes", &sizes)?;
+    kwargs.set_item("dynamic_dims_strides", &strides)?;
     let guard = class.call(PyTuple::new(py, tensors)?, Some(&kwargs))?;
     let accepts = |with: Vec<Bound<'_, PyAny>>| -> PyResult<bool> {
         guard
@@ -342,15 +341,10 @@ fn tensor_guard(py: Python<'_>, tensors: &[Bound<'_, PyAny>]) -> PyResult<Py<PyA
             "TensorGuards rejects its own tensors",
         ));
     }
-    let mut smallest: Option<(usize, i64)> = None;
-    for (i, t) in tensors.iter().enumerate() {
-        let numel: i64 = t.call_method0(intern!(py, "numel"))?.extract()?;
-        let rank: usize = t.call_method0(intern!(py, "dim"))?.extract()?;
-        if rank > 0 && smallest.is_none_or(|(_, n)| numel < n) {
-            smallest = Some((i, numel));
-        }
-    }
-    let at = smallest.map_or(0, |(i, _)| i);
+    let at = (0..tensors.len())
+        .filter(|&i| !sizes[i].is_empty())
+        .min_by_key(|&i| sizes[i].iter().product::<i64>())
+        .unwrap_or(0);
     if let Some(probed) = tensors.get(at) {
         let torch = py.import(intern!(py, "torch"))?;
         let dtype = probed.getattr(intern!(py, "dtype"))?;
@@ -359,8 +353,7 @@ fn tensor_guard(py: Python<'_>, tensors: &[Bound<'_, PyAny>]) -> PyResult<Py<PyA
         } else {
             torch.getattr("float64")?
         };
-        let size: Vec<i64> = probed.call_method0(intern!(py, "size"))?.extract()?;
-        let stride: Vec<i64> = probed.call_method0(intern!(py, "stride"))?.extract()?;
+        let (size, stride) = (&sizes[at], &strides[at]);
         let wider: Vec<i64> = stride.iter().map(|s| s * 2 + 1).collect();
         let like = |strides: &[i64], dtype: &Bound<'_, PyAny>| -> PyResult<Bound<'_, PyAny>> {
             let kw = pyo3::types::PyDict::new(py);
@@ -371,7 +364,7 @@ fn tensor_guard(py: Python<'_>, tensors: &[Bound<'_, PyAny>]) -> PyResult<Py<PyA
                 Some(&kw),
             )
         };
-        let mut probes = vec![("dtype", like(&stride, &other)?)];
+        let mut probes = vec![("dtype", like(stride, &other)?)];
         if !size.is_empty() {
             probes.push(("strides", like(&wider, &dtype)?));
         }

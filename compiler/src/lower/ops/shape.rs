@@ -689,10 +689,9 @@ fn put_one_into_input<'c, 'b>(
         &e.broadcast_to(&i, &x.shape)?,
         "EQ",
     )?;
-    let all: Vec<i64> = (0..x.rank() as i64).collect();
-    let out = e.select(&hit, &e.broadcast_in_dim(&row, &x.shape, &all)?, x, x.dtype)?;
-    // Materialized once: XLA would otherwise fuse the select into every reader (attention reads
-    // a KV cache once per query head of a group) and compute it again in each.
+    let out = e.select(&hit, &row, x, x.dtype)?; // the row broadcasts along dim d
+                                                 // Materialized once: XLA would otherwise fuse the select into every reader (attention reads
+                                                 // a KV cache once per query head of a group) and compute it again in each.
     e.barrier(&out).map(Some)
 }
 
