@@ -224,6 +224,33 @@ def test_cpu_flash_attention_in_query_blocks(kind):
     check(lambda q, k, v: op(q, k, v, **kwargs), q, k, v, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["causal", "float_mask", "grouped_heads"])
+def test_cpu_flash_attention_products_of_real_size_run_in_the_host_blas(tmp_path, kind):
+    """Per-head products of 128 x 64 x 128 multiply-adds (GPT-2's) go to the host BLAS as one
+    batched call each (scores with the keys stored transposed, then the weighted values), which
+    spreads the heads over the threads where XLA's dot ran them on one; the values match eager."""
+    from tpuc import runtime
+
+    if runtime.get_runtime(None).host_gemm_min_macs is None:
+        pytest.skip("no host BLAS in this process")
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 6, 128, 64, generator=g) for _ in range(3))
+    if kind == "grouped_heads":
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    kwargs = {"is_causal": True} if kind == "causal" else {"attn_mask": torch.randn(128, 128, generator=g)}
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    torch._dynamo.reset()
+    opts = {"fallback": "error", "dump_dir": str(tmp_path), "cache_dir": None}
+    fn = lambda q, k, v: op(q, k, v, **kwargs)  # noqa: E731
+    out, lse = torch.compile(fn, backend="tpu", options=opts)(q, k, v)
+    want, want_lse = fn(q, k, v)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    (module,) = tmp_path.glob("*/stablehlo.mlir")
+    text = module.read_text()
+    assert text.count("tpuc_sgemm_nt") == 1 and text.count("tpuc_sgemm_nn") == 1, text
+
+
 def test_inference_attention_keeps_the_fused_kernel_and_training_the_math_path(tmp_path):
     """Without gradients, F.scaled_dot_product_attention reaches tpuc as the fused CPU kernel
     (lowered in cache-sized blocks); with them, as math (the fused backward is not lowered)."""

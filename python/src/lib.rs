@@ -548,6 +548,13 @@ impl Runtime {
         tpuc_runtime::host_blas::calls()
     }
 
+    /// Sets how long the host BLAS's helper threads poll for the next product after their last
+    /// one before they sleep (`TPUC_HOST_GEMM_SPIN_US`), for this process.
+    #[staticmethod]
+    fn set_host_gemm_spin_us(us: u64) {
+        tpuc_runtime::spin_helpers::set_spin(std::time::Duration::from_micros(us));
+    }
+
     /// From now on, lowers 2-D f32 convolutions to calls of oneDNN loaded from `library` (None:
     /// off), registered with the plugin. Returns whether convolutions go there.
     #[pyo3(signature = (library))]

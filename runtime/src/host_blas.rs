@@ -274,31 +274,15 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
         next: AtomicI64::new(0),
         done: AtomicI64::new(0),
     });
+    // Help comes from the spinning helpers where there are any, else from XLA's pool.
+    let mut posted = None;
     if total > 1 {
-        if let Some(schedule) = xla_pool(frame.api) {
-            for _ in 1..total.min(threads()) {
-                let data = Arc::into_raw(job.clone()) as *mut c_void;
-                let mut args = ScheduleArgs {
-                    struct_size: std::mem::size_of::<ScheduleArgs>(),
-                    extension_start: std::ptr::null_mut(),
-                    ctx: frame.ctx,
-                    task: piece_task,
-                    data,
-                };
-                // SAFETY: checked to be XLA's ThreadPool_Schedule; the task owns `data`.
-                let err = unsafe { schedule(&mut args) };
-                if !err.is_null() {
-                    // Not scheduled: the task never runs, so its reference is dropped here
-                    // (this thread runs the pieces instead).
-                    // SAFETY: from `Arc::into_raw` just above, not handed over.
-                    drop(unsafe { Arc::from_raw(data as *const Pieces) });
-                    destroy(frame.api, err);
-                    break;
-                }
-            }
+        posted = super::spin_helpers::post(job.clone(), threads() as usize);
+        if posted.is_none() {
+            schedule_pieces(frame, &job, total);
         }
     }
-    job.work(blas);
+    job.work_with(blas);
     // The pieces other threads claimed are running now: wait for them (never for a task that
     // has not started, which may be queued behind this very thread).
     let mut polls = 0u32;
@@ -309,7 +293,37 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
         }
         std::hint::spin_loop();
     }
+    if let Some(number) = posted {
+        super::spin_helpers::retract(number);
+    }
     std::ptr::null_mut()
+}
+
+/// Hands `total - 1` piece tasks of `job` (at most one per other thread) to XLA's pool.
+fn schedule_pieces(frame: &CallFrame, job: &Arc<Pieces>, total: i64) {
+    let Some(schedule) = xla_pool(frame.api) else {
+        return;
+    };
+    for _ in 1..total.min(threads()) {
+        let data = Arc::into_raw(job.clone()) as *mut c_void;
+        let mut args = ScheduleArgs {
+            struct_size: std::mem::size_of::<ScheduleArgs>(),
+            extension_start: std::ptr::null_mut(),
+            ctx: frame.ctx,
+            task: piece_task,
+            data,
+        };
+        // SAFETY: checked to be XLA's ThreadPool_Schedule; the task owns `data`.
+        let err = unsafe { schedule(&mut args) };
+        if !err.is_null() {
+            // Not scheduled: the task never runs, so its reference is dropped here (this
+            // thread runs the pieces instead).
+            // SAFETY: from `Arc::into_raw` just above, not handed over.
+            drop(unsafe { Arc::from_raw(data as *const Pieces) });
+            destroy(frame.api, err);
+            break;
+        }
+    }
 }
 
 /// Products run on the thread that called execute (`[0]`) and in one-thread pieces (`[1]`).
@@ -349,7 +363,7 @@ struct Pieces {
 impl Pieces {
     /// Runs unclaimed pieces on this thread, each through a one-thread `sgemm_`, until none is
     /// left.
-    fn work(&self, blas: &Blas) {
+    fn work_with(&self, blas: &Blas) {
         // On the thread that called execute (only with `TPUC_HOST_GEMM_PIECES=1`) MKL's setting
         // is restored after: PyTorch's own products there use its threads.
         let restore = if EXECUTING.with(|e| e.get()) {
@@ -386,7 +400,15 @@ unsafe extern "C" fn piece_task(data: *mut c_void) {
     // SAFETY: `data` is one `Arc::into_raw` reference, given to this task.
     let job = unsafe { Arc::from_raw(data as *const Pieces) };
     if let Some(blas) = BLAS.get() {
-        job.work(blas);
+        job.work_with(blas);
+    }
+}
+
+impl super::spin_helpers::Work for Pieces {
+    fn work(&self) {
+        if let Some(blas) = BLAS.get() {
+            self.work_with(blas);
+        }
     }
 }
 

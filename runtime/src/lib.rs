@@ -19,6 +19,7 @@ mod hlo_text;
 pub mod host_blas;
 pub mod host_conv;
 mod plugin;
+pub mod spin_helpers;
 mod sys;
 #[cfg(test)]
 mod tests;

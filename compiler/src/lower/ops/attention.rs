@@ -3,6 +3,7 @@
 //! is the logsumexp).
 
 use crate::lower::emit::Emitter;
+use crate::lower::ops::linalg::host_matmul;
 use crate::lower::ops::reduce::acc_dtype;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
@@ -137,7 +138,7 @@ fn attend<'c, 'b>(
     // neither the product nor the max, so on the scores it is one more pass over them (UNet's
     // 4096-token attention: 134 ms instead of 178).
     let q = e.mul(q, &e.splat(Scalar::Float(scale), &[], acc)?)?;
-    let mut scores = e.dot_general(&q, k, (&[0, 1], &[0, 1]), (&[3], &[3]), &[b, h, l, s], acc)?;
+    let mut scores = batched_product(e, (&q, false), (k, true), [b, h, l, s])?;
     let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &[], acc)?;
     if causal {
         let mut i = e.iota(&[b, h, l, s], 2, DType::Int64)?;
@@ -166,10 +167,29 @@ fn attend<'c, 'b>(
     let p = e.unary("stablehlo.exponential", &e.sub(&scores, &shift)?)?;
     let sum = e.reduce(&p, &[3], ReduceKind::Sum, true)?;
     let lse = e.add(&e.unary("stablehlo.log", &sum)?, &shift)?;
-    let pv = e.dot_general(&p, v, (&[0, 1], &[0, 1]), (&[3], &[2]), &[b, h, l, dv], acc)?;
+    let pv = batched_product(e, (&p, false), (v, false), [b, h, l, dv])?;
     let out = e.div(&pv, &sum)?;
     Ok((
         e.select(&finite, &out, &zero, acc)?,
         e.select(&finite, &lse, &zero, acc)?,
     ))
+}
+
+/// `x y` over the batch dims (b, h) of 4-d operands, `y` stored transposed in its last two dims
+/// where `ty`: through the host BLAS where the products qualify (each (b, h) entry one product
+/// of a 3-d call, spread over the threads), else XLA's dot. `out` is `[b, h, rows, cols]`.
+fn batched_product<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    (x, tx): (&T<'c, 'b>, bool),
+    (y, ty): (&T<'c, 'b>, bool),
+    out: [i64; 4],
+) -> R<T<'c, 'b>> {
+    let [b, h, rows, cols] = out;
+    let flat = |t: &T<'c, 'b>| e.reshape(t, &[b * h, t.shape[2], t.shape[3]]);
+    if let Some(p) = host_matmul(e, (&flat(x)?, tx), (&flat(y)?, ty), &[b * h, rows, cols])? {
+        return e.reshape(&p, &out);
+    }
+    let cx: &[i64] = if tx { &[2] } else { &[3] };
+    let cy: &[i64] = if ty { &[3] } else { &[2] };
+    e.dot_general(x, y, (&[0, 1], &[0, 1]), (cx, cy), &out, x.dtype)
 }

@@ -112,7 +112,7 @@ const VECTOR_ROWS: i64 = 16;
 /// (in the handler's blocks) was measured faster than XLA's dot: vector-matrix products 2-8x
 /// (1x768 @ 768x768: 165 vs 43 us), 128-row ones 1.1-1.8x (GPT-2 1x128 147 -> 127 ms),
 /// 1024-row ones 10-20%. None where XLA's dot should compute it.
-fn host_matmul<'c, 'b>(
+pub(crate) fn host_matmul<'c, 'b>(
     e: &Emitter<'c, 'b>,
     (a, ta): (&T<'c, 'b>, bool),
     (b, tb): (&T<'c, 'b>, bool),

@@ -1,0 +1,236 @@
+//! Helper threads that join work cut into pieces on one of XLA's threads (the host BLAS's
+//! one-thread pieces), and stay awake for a moment after each job.
+//!
+//! Why: a piece handed to XLA's own pool starts when one of its threads wakes, which on this
+//! kind of machine (a VM whose idle vCPUs halt) took 55-80 us per product: a third of a
+//! 32-row product of a 768-wide layer. PyTorch's OpenMP workers spin for a while after each
+//! parallel region, so its next product starts at once. The helpers do the same, briefly and
+//! politely: they poll for the next job for [`spin`] after their last one (yielding the core
+//! to any other runnable thread every few polls), then sleep until a job is posted.
+//!
+//! A posted job is only help: its owner works on it too and never waits for a helper that has
+//! not started (see [`super::host_blas`]'s claim counters), so a helper that arrives late finds
+//! nothing left and goes back to waiting.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Work the helpers may join: `work` runs what is left of it, if anything, on the calling
+/// thread.
+pub(crate) trait Work: Send + Sync {
+    fn work(&self);
+}
+
+struct Board {
+    /// The latest job and its number (0: none posted yet).
+    job: Option<Arc<dyn Work>>,
+    posted: u64,
+    sleeping: usize,
+}
+
+struct Helpers {
+    board: Mutex<Board>,
+    /// `board.posted`, readable without the lock by spinning helpers.
+    posted: AtomicU64,
+    wake: Condvar,
+}
+
+static HELPERS: OnceLock<Option<&'static Helpers>> = OnceLock::new();
+
+/// Set in a child forked after the helpers started: the helpers did not follow it, and the
+/// board's lock may have been held by one of them at the fork.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn forked_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+impl Helpers {
+    fn board(&self) -> MutexGuard<'_, Board> {
+        self.board.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// `TPUC_HOST_GEMM_SPIN_US` (default 1000; see [`set_spin`]): how long a helper polls for the
+/// next job after its last one before it sleeps.
+fn spin_nanos() -> &'static AtomicU64 {
+    static SPIN: OnceLock<AtomicU64> = OnceLock::new();
+    SPIN.get_or_init(|| {
+        let us = std::env::var("TPUC_HOST_GEMM_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(1000);
+        AtomicU64::new(us.saturating_mul(1000))
+    })
+}
+
+fn spin() -> Duration {
+    Duration::from_nanos(spin_nanos().load(Ordering::Relaxed))
+}
+
+/// Sets how long helpers poll for the next job before they sleep, for this process.
+pub fn set_spin(spin: Duration) {
+    let nanos = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
+    spin_nanos().store(nanos, Ordering::Relaxed);
+}
+
+/// The helpers, `count` of them, started on first use (none where threads cannot be made).
+fn helpers(count: usize) -> Option<&'static Helpers> {
+    *HELPERS.get_or_init(|| {
+        if count == 0 {
+            return None;
+        }
+        let helpers: &'static Helpers = Box::leak(Box::new(Helpers {
+            board: Mutex::new(Board {
+                job: None,
+                posted: 0,
+                sleeping: 0,
+            }),
+            posted: AtomicU64::new(0),
+            wake: Condvar::new(),
+        }));
+        // SAFETY: registers a handler that only stores to an atomic.
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+        let mut started = 0;
+        for i in 0..count {
+            let spawned = std::thread::Builder::new()
+                .name(format!("tpuc-gemm-{i}"))
+                .spawn(move || run(helpers));
+            match spawned {
+                Ok(_) => started += 1,
+                Err(e) => tracing::debug!("host BLAS helper thread not started: {e}"),
+            }
+        }
+        (started > 0).then_some(helpers)
+    })
+}
+
+/// A helper's life: run each job posted, poll for the next one for [`spin`], else sleep.
+fn run(helpers: &'static Helpers) {
+    let mut seen = 0u64;
+    let mut last_job = Instant::now();
+    let mut polls = 0u32;
+    loop {
+        let posted = helpers.posted.load(Ordering::Acquire);
+        if posted != seen {
+            seen = posted;
+            let job = helpers.board().job.clone();
+            if let Some(job) = job {
+                job.work();
+            }
+            last_job = Instant::now();
+            continue;
+        }
+        polls = polls.wrapping_add(1);
+        if !polls.is_multiple_of(32) {
+            std::hint::spin_loop();
+            continue;
+        }
+        if last_job.elapsed() < spin() {
+            std::thread::yield_now();
+            continue;
+        }
+        let mut board = helpers.board();
+        board.sleeping += 1;
+        while board.posted == seen {
+            board = helpers.wake.wait(board).unwrap_or_else(|p| p.into_inner());
+        }
+        board.sleeping -= 1;
+    }
+}
+
+/// Posts `job` for the helpers (one per thread beyond the caller's, for `threads` threads) to
+/// join; returns its number for [`retract`], or None where there are no helpers (none could
+/// start, or this process is a fork of the one they run in).
+pub(crate) fn post(job: Arc<dyn Work>, threads: usize) -> Option<u64> {
+    if FORKED.load(Ordering::Relaxed) {
+        return None;
+    }
+    let helpers = helpers(threads.saturating_sub(1))?;
+    let mut board = helpers.board();
+    board.posted += 1;
+    let number = board.posted;
+    board.job = Some(job);
+    helpers.posted.store(number, Ordering::Release);
+    let wake = board.sleeping > 0;
+    drop(board);
+    if wake {
+        helpers.wake.notify_all();
+    }
+    Some(number)
+}
+
+/// Drops the board's reference to job `number` once its owner is done with it (a later job
+/// may have replaced it already).
+pub(crate) fn retract(number: u64) {
+    if FORKED.load(Ordering::Relaxed) {
+        return;
+    }
+    if let Some(Some(helpers)) = HELPERS.get() {
+        let mut board = helpers.board();
+        if board.posted == number {
+            board.job = None;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicI64, AtomicUsize};
+
+    /// Units claimed one at a time, each counted by the thread that ran it.
+    struct Units {
+        next: AtomicI64,
+        done: AtomicI64,
+        total: i64,
+        runs: Vec<AtomicUsize>,
+        by_helpers: AtomicUsize,
+        owner: std::thread::ThreadId,
+    }
+
+    impl Work for Units {
+        fn work(&self) {
+            loop {
+                let i = self.next.fetch_add(1, Ordering::AcqRel);
+                if i >= self.total {
+                    return;
+                }
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_micros(20) {
+                    std::hint::spin_loop();
+                }
+                self.runs[i as usize].fetch_add(1, Ordering::Relaxed);
+                if std::thread::current().id() != self.owner {
+                    self.by_helpers.fetch_add(1, Ordering::Relaxed);
+                }
+                self.done.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    #[test]
+    fn helpers_join_posted_work_and_every_unit_runs_once() {
+        let mut helped = 0;
+        for _ in 0..50 {
+            let units = Arc::new(Units {
+                next: AtomicI64::new(0),
+                done: AtomicI64::new(0),
+                total: 32,
+                runs: (0..32).map(|_| AtomicUsize::new(0)).collect(),
+                by_helpers: AtomicUsize::new(0),
+                owner: std::thread::current().id(),
+            });
+            let number = post(units.clone(), 2).expect("a helper thread starts");
+            units.work();
+            while units.done.load(Ordering::Acquire) < units.total {
+                std::hint::spin_loop();
+            }
+            retract(number);
+            assert!(units.runs.iter().all(|r| r.load(Ordering::Relaxed) == 1));
+            helped += units.by_helpers.load(Ordering::Relaxed);
+        }
+        assert!(helped > 0, "no unit ran on a helper in 50 jobs");
+    }
+}
