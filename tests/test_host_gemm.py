@@ -120,3 +120,42 @@ def test_host_gemm_off_keeps_every_product_in_xla(tmp_path):
     out = _run(tmp_path, "off", "0")
     assert out["mm"] == "False" and out["vector_matrix"] == "False", out
     assert out["min_macs"] == "None", out
+
+
+CONCURRENT = r"""
+import threading, torch, tpuc
+torch.manual_seed(0)
+shapes = [(600, 256, 320), (128, 1024, 320), (64, 512, 512)]
+fns = [torch.compile(lambda a, b: torch.relu(a @ b), backend="tpu") for _ in shapes]
+inputs = [[(torch.randn(m, k), torch.randn(k, n)) for _ in range(4)] for m, k, n in shapes]
+bad = []
+
+def worker(i):
+    for r in range(12):
+        a, b = inputs[i][r % 4]
+        out = fns[i](a, b)
+        if not torch.allclose(out, torch.relu(a @ b), rtol=1e-5, atol=1e-4):
+            bad.append((i, r))
+
+for i in range(len(shapes)):
+    fns[i](*inputs[i][0])  # compile one at a time
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(shapes))]
+for t in threads: t.start()
+for t in threads: t.join()
+print("bad", bad, "pieces", tpuc._native.Runtime.host_gemm_calls()[1])
+"""
+
+
+def test_host_gemm_pieces_from_several_threads_at_once_match_eager(tmp_path):
+    """Products cut into pieces on three Python threads at once: each posts its blocks for the
+    helper threads (one board: a later product replaces an earlier one there, whose owner then
+    finishes it alone), and every result matches eager."""
+    env = dict(os.environ, TPUC_HOST_GEMM_PIECES="1", TPUC_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TPUC_HOST_GEMM", None)
+    r = subprocess.run(
+        [sys.executable, "-c", CONCURRENT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("bad [] pieces "), r.stdout + r.stderr
+    assert int(line.split()[-1]) >= 3 * 12, line
