@@ -23,15 +23,15 @@ pub(crate) trait Work: Send + Sync {
 }
 
 struct Board {
-    /// The latest job and its number (0: none posted yet).
+    /// The latest job (None: none posted yet, or retracted).
     job: Option<Arc<dyn Work>>,
-    posted: u64,
     sleeping: usize,
 }
 
 struct Helpers {
     board: Mutex<Board>,
-    /// `board.posted`, readable without the lock by spinning helpers.
+    /// The latest job's number (0: none posted yet): written only under the board's lock, read
+    /// without it by spinning helpers.
     posted: AtomicU64,
     wake: Condvar,
 }
@@ -84,7 +84,6 @@ fn helpers(count: usize) -> Option<&'static Helpers> {
         let helpers: &'static Helpers = Box::leak(Box::new(Helpers {
             board: Mutex::new(Board {
                 job: None,
-                posted: 0,
                 sleeping: 0,
             }),
             posted: AtomicU64::new(0),
@@ -133,7 +132,7 @@ fn run(helpers: &'static Helpers) {
         }
         let mut board = helpers.board();
         board.sleeping += 1;
-        while board.posted == seen {
+        while helpers.posted.load(Ordering::Acquire) == seen {
             board = helpers.wake.wait(board).unwrap_or_else(|p| p.into_inner());
         }
         board.sleeping -= 1;
@@ -149,8 +148,7 @@ pub(crate) fn post(job: Arc<dyn Work>, threads: usize) -> Option<u64> {
     }
     let helpers = helpers(threads.saturating_sub(1))?;
     let mut board = helpers.board();
-    board.posted += 1;
-    let number = board.posted;
+    let number = helpers.posted.load(Ordering::Relaxed) + 1;
     board.job = Some(job);
     helpers.posted.store(number, Ordering::Release);
     let wake = board.sleeping > 0;
@@ -169,7 +167,7 @@ pub(crate) fn retract(number: u64) {
     }
     if let Some(Some(helpers)) = HELPERS.get() {
         let mut board = helpers.board();
-        if board.posted == number {
+        if helpers.posted.load(Ordering::Relaxed) == number {
             board.job = None;
         }
     }

@@ -689,9 +689,10 @@ fn put_one_into_input<'c, 'b>(
         &e.broadcast_to(&i, &x.shape)?,
         "EQ",
     )?;
-    let out = e.select(&hit, &row, x, x.dtype)?; // the row broadcasts along dim d
-                                                 // Materialized once: XLA would otherwise fuse the select into every reader (attention reads
-                                                 // a KV cache once per query head of a group) and compute it again in each.
+    // The row broadcasts along dim d. Materialized once: XLA would otherwise fuse the select into
+    // every reader (attention reads a KV cache once per query head of a group) and compute it
+    // again in each.
+    let out = e.select(&hit, &row, x, x.dtype)?;
     e.barrier(&out).map(Some)
 }
 
