@@ -40,6 +40,9 @@ cases = {
     "mid_rows_transposed": (lambda a, b: a.t() @ b.t(), (torch.randn(768, 200), torch.randn(450, 768))),
     "mid_rows_narrow": (lambda a, b: a @ b, (torch.randn(256, 1024), torch.randn(1024, 100))),
     "bmm_mid_rows": (lambda a, b: torch.bmm(a, b.transpose(1, 2)), (torch.randn(1, 200, 96), torch.randn(1, 320, 96))),
+    # B's rows 12 KB / 4 KB apart at 128 / 96 rows: pieces pack B first (`wants_packed_b`).
+    "b_rows_4kb_apart": (lambda a, b: a @ b, (torch.randn(128, 768), torch.randn(768, 3072))),
+    "b_rows_4kb_apart_a_transposed": (lambda a, b: a.t() @ b, (torch.randn(300, 96), torch.randn(300, 1024))),
     "small": (lambda a, b: a @ b, (torch.randn(8, 16), torch.randn(16, 8))),
     "float64": (lambda a, b: a @ b, (torch.randn(600, 256, dtype=torch.float64), torch.randn(256, 320, dtype=torch.float64))),
 }
@@ -52,8 +55,9 @@ with torch.no_grad():
         print(name, "tpuc_sgemm" in text)
 s = tpuc.stats()
 print("xla_compiles", s["xla_compiles"], "disk_hits", s["cache_hits_disk"])
-inline, pieces = tpuc._native.Runtime.host_gemm_calls()
+inline, pieces, packed = tpuc._native.Runtime.host_gemm_calls()
 print("pieces", pieces)
+print("packed", packed)
 from tpuc import runtime
 print("min_macs", runtime.get_runtime(None).host_gemm_min_macs)
 """
@@ -71,6 +75,8 @@ HOST = (
     "mid_rows_transposed",
     "mid_rows_narrow",
     "bmm_mid_rows",
+    "b_rows_4kb_apart",
+    "b_rows_4kb_apart_a_transposed",
 )
 
 
@@ -114,6 +120,8 @@ def test_host_gemm_in_one_thread_pieces_over_xlas_pool_matches_eager(tmp_path):
     for name in HOST:
         assert out[name] == "True", (name, out)
     assert int(out["pieces"]) >= len(HOST), out
+    # The two products with B's rows a multiple of 4 KB apart, each in two column pieces.
+    assert int(out["packed"]) == 4, out
 
 
 def test_host_gemm_off_keeps_every_product_in_xla(tmp_path):

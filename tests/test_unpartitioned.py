@@ -1,6 +1,8 @@
-"""On the CPU plugin a graph whose tensors are all small (at most 2^18 elements) is compiled with
-its loop fusions unpartitioned (run on the calling thread, not split over XLA's pool); larger
-graphs keep XLA's partitions; `TPUC_UNPARTITIONED_MAX` sets the bound (0: never). Read from
+"""On the CPU plugin a graph whose tensors are all small (at most 2^18 elements), or a graph
+without convolutions whose loop results (not inputs, views or products) have at most 32 times
+that, is compiled with its loop fusions unpartitioned (run on the calling thread, not split over
+XLA's pool); other graphs keep XLA's partitions; `TPUC_UNPARTITIONED_MAX` sets the bound (0:
+never). Read from
 XLA's optimized HLO, where a partitioned fusion carries a non-empty `outer_dimension_partitions`. The compiling
 thread's CPU affinity is restored after."""
 
@@ -18,25 +20,42 @@ pytestmark = pytest.mark.skipif(
 )
 
 CHILD = r"""
-import os, pathlib, re, sys, torch, tpuc
+import json, os, pathlib, re, sys, torch, tpuc
 import torch.nn.functional as F
 before = os.sched_getaffinity(0)
 def small(x):
     return torch.exp(torch.sin(x) * 2.0) + x
-def large(x):
+def conv_free(x, w):
+    # A transformer MLP's shape: the 3072-wide loop result (and the weight) above 2^18. Loops
+    # of few flops per byte (XLA prices the others by its own thread count, unpinned).
+    return torch.relu(x @ w) + 1.0
+def conv_free_huge(x):
     return torch.exp(torch.sin(x) * 2.0) + x
+def conv(x, w):
+    return torch.relu(F.conv2d(x, w, padding=1)) * 2.0
+cases = (
+    ("small", small, (torch.randn(512, 512),)),
+    ("conv_free", conv_free, (torch.randn(256, 768), torch.randn(768, 3072))),
+    ("conv_free_huge", conv_free_huge, (torch.randn(3000, 3000),)),
+    ("conv", conv, (torch.randn(1, 8, 256, 256), torch.randn(8, 8, 3, 3))),
+)
 dump = pathlib.Path(sys.argv[1])
 with torch.no_grad():
-    for name, fn, x in (("small", small, torch.randn(512, 512)), ("large", large, torch.randn(700, 700))):
-        out = torch.compile(fn, backend="tpu", options={"cache_dir": None})(x)
-        torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)
+    for name, fn, args in cases:
+        opts = {"cache_dir": None, "dump_dir": str(dump / "tpuc" / name)}
+        out = torch.compile(fn, backend="tpu", options=opts)(*args)
+        torch.testing.assert_close(out, fn(*args), rtol=1e-4, atol=1e-4)
 assert os.sched_getaffinity(0) == before, (os.sched_getaffinity(0), before)
 # XLA's own dump, in compile order (tpuc's optimized_hlo.txt leaves out backend configs).
 hlos = sorted(dump.glob("module_*.cpu_after_optimizations.txt"))
-assert len(hlos) == 2, hlos
-for name, hlo in zip(("small", "large"), hlos):
+assert len(hlos) == len(cases), hlos
+for (name, _, _), hlo in zip(cases, hlos):
     # Non-empty: YNNPACK fusions (a convolution) carry an empty list either way.
-    print(name, re.search(r'outer_dimension_partitions"?[:=]\s*\["?\d', hlo.read_text()) is not None)
+    partitioned = re.search(r'outer_dimension_partitions"?[:=]\s*\["?\d', hlo.read_text()) is not None
+    # tpuc's own dump says which way it compiled the graph.
+    (meta,) = (dump / "tpuc" / name).rglob("meta.json")
+    assert json.loads(meta.read_text())["unpartitioned"] == (not partitioned), (name, partitioned)
+    print(name, partitioned)
 """
 
 
@@ -54,9 +73,19 @@ def _partitioned(tmp_path, **env) -> dict[str, bool]:
     return {name: flag == "True" for name, flag in (line.split() for line in out.stdout.split("\n") if line)}
 
 
-def test_small_graphs_run_unpartitioned_and_large_ones_keep_xlas_partitions(tmp_path):
-    assert _partitioned(tmp_path) == {"small": False, "large": True}
+def test_small_and_conv_free_graphs_run_unpartitioned_and_large_ones_keep_xlas_partitions(tmp_path):
+    assert _partitioned(tmp_path) == {
+        "small": False,
+        "conv_free": False,
+        "conv_free_huge": True,
+        "conv": True,
+    }
 
 
 def test_tpuc_unpartitioned_max_zero_keeps_every_partition(tmp_path):
-    assert _partitioned(tmp_path, TPUC_UNPARTITIONED_MAX="0") == {"small": True, "large": True}
+    assert _partitioned(tmp_path, TPUC_UNPARTITIONED_MAX="0") == {
+        "small": True,
+        "conv_free": True,
+        "conv_free_huge": True,
+        "conv": True,
+    }

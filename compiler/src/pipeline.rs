@@ -136,6 +136,8 @@ pub struct Compiled {
     pub outcome: CacheOutcome,
     pub lower_seconds: f64,
     pub compile_seconds: f64,
+    /// Whether its loop fusions were compiled unpartitioned (see [`runs_unpartitioned`]).
+    pub unpartitioned: bool,
     /// The graph as lowered: the caller's own where it was static already.
     pub specialized: Arc<Graph>,
 }
@@ -182,14 +184,28 @@ fn reads_as_bytecode_rejection(message: &str) -> bool {
     m.contains("bytecode") && (m.contains("version") || m.contains("parse") || m.contains("read"))
 }
 
-/// Largest tensor (elements) of a graph compiled for the CPU plugin with its loop fusions run
-/// on the calling thread, unpartitioned (`TPUC_UNPARTITIONED_MAX` sets it; 0: none). Below it
-/// XLA's partitions of a fusion each take microseconds, which the hand-offs to its thread pool
-/// (and that pool spinning after) cost more than the second core gives; above it, as in
-/// ResNet-50 (800k-element activations at batch 1), partitions win.
+/// Largest tensor (elements) of a graph with convolutions compiled for the CPU plugin with its
+/// loop fusions run on the calling thread, unpartitioned (`TPUC_UNPARTITIONED_MAX` sets it; 0:
+/// none). Below it XLA's partitions of a fusion each take microseconds, which the hand-offs to
+/// its thread pool (and that pool spinning after) cost more than the second core gives; above
+/// it, as in ResNet-50 (800k-element activations at batch 1), partitions win or tie.
 const UNPARTITIONED_MAX_ELEMENTS: i64 = 1 << 18;
 
-/// Whether a graph's largest tensor is at most [`UNPARTITIONED_MAX_ELEMENTS`].
+/// A graph without convolutions runs unpartitioned while its largest loop result (a tensor
+/// XLA may compute in a partitioned loop fusion: not an input, a view or a product) has at most
+/// this many times [`UNPARTITIONED_MAX_ELEMENTS`] elements. There the products (host BLAS, on
+/// tpuc's own threads) take most of the time, and each partitioned fusion between them costs a
+/// wake of XLA's pool and leaves that pool spinning on the core the next product's pieces
+/// need. Measured in one process against the partitioned build (tpuc/Inductor, 6-12 shuffled
+/// rounds): GPT-2 1x128 1.096 -> 1.044x, BERT 8x128 1.083 -> 1.041x, GPT-2 8x128 1.061 ->
+/// 1.042x, ViT-B/16 b1 0.952 -> 0.886x, b8 (4.8M-element GELU) 1.114 -> 1.097x, GPT-2
+/// training step 0.975 -> 0.926x, Llama generation 0.988 -> 0.972x; while ResNet-50 b8, whose
+/// batch-norm and ReLU loops cover 6.4M elements each, got slower unpartitioned (0.972 ->
+/// 1.038x, training 1.028 -> 1.121x), so graphs with convolutions keep the bound above.
+const UNPARTITIONED_CONV_FREE_FACTOR: i64 = 32;
+
+/// Whether XLA's CPU compiler should see one CPU while it compiles `g` (see the two bounds
+/// above).
 fn runs_unpartitioned(g: &Graph) -> bool {
     static MAX: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     let max = *MAX.get_or_init(|| {
@@ -198,14 +214,57 @@ fn runs_unpartitioned(g: &Graph) -> bool {
             .and_then(|v| v.parse().ok())
             .unwrap_or(UNPARTITIONED_MAX_ELEMENTS)
     });
-    max > 0
-        && g.dag
-            .node_weights()
+    if max <= 0 {
+        return false;
+    }
+    let largest = |nodes: &mut dyn Iterator<Item = &tpuc_frontend_fx::Node>| {
+        nodes
             .flat_map(|n| n.results.iter().flatten())
-            .all(|t| {
-                t.static_shape()
-                    .is_some_and(|s| s.iter().product::<i64>() <= max)
-            })
+            .map(|t| t.static_shape().map_or(i64::MAX, |s| s.iter().product()))
+            .max()
+            .unwrap_or(0)
+    };
+    if largest(&mut g.dag.node_weights()) <= max {
+        return true;
+    }
+    let has_conv = g
+        .dag
+        .node_weights()
+        .any(|n| n.op.starts_with("aten.convolution"));
+    !has_conv
+        && largest(&mut g.dag.node_weights().filter(|n| is_loop_op(&n.op)))
+            <= max.saturating_mul(UNPARTITIONED_CONV_FREE_FACTOR)
+}
+
+/// Whether XLA may compute `op`'s results in a loop fusion: not a graph input, a view (a
+/// bitcast, or fused into its reader) or a product (threaded by its library).
+fn is_loop_op(op: &str) -> bool {
+    const NOT_LOOPS: [&str; 23] = [
+        "input",
+        "aten.view.",
+        "aten._unsafe_view.",
+        "aten.reshape.",
+        "aten.alias.",
+        "aten.t.",
+        "aten.transpose.",
+        "aten.permute.",
+        "aten.expand.",
+        "aten.slice.",
+        "aten.select.",
+        "aten.squeeze.",
+        "aten.unsqueeze.",
+        "aten.split",
+        "aten.unbind.",
+        "aten.detach.",
+        "aten.mm.",
+        "aten.addmm.",
+        "aten.bmm.",
+        "aten.baddbmm.",
+        "aten._scaled_dot_product",
+        "aten.convolution",
+        "aten.as_strided.",
+    ];
+    !NOT_LOOPS.iter().any(|p| op == *p || op.starts_with(p))
 }
 
 /// Whether `TPUC_DISCRETE_DEVICE` asks to treat every plugin as a discrete device.
@@ -484,7 +543,7 @@ impl Engine {
             }
         };
         let compile_seconds = t1.elapsed().as_secs_f64();
-        tracing::debug!(key = %key, ?outcome, lower_seconds, compile_seconds, "compiled graph");
+        tracing::debug!(key = %key, ?outcome, lower_seconds, compile_seconds, unpartitioned, "compiled graph");
         Ok(Compiled {
             exe,
             lowered,
@@ -492,6 +551,7 @@ impl Engine {
             outcome,
             lower_seconds,
             compile_seconds,
+            unpartitioned,
             specialized,
         })
     }

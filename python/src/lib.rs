@@ -541,10 +541,10 @@ impl Runtime {
         self.engine.host_gemm_min_macs()
     }
 
-    /// `(on the calling thread, in one-thread pieces)`: how many host BLAS products ran each way
-    /// in this process.
+    /// `(on the calling thread, in one-thread pieces, pieces that packed B first)`: how many
+    /// host BLAS products (and pieces) ran each way in this process.
     #[staticmethod]
-    fn host_gemm_calls() -> (u64, u64) {
+    fn host_gemm_calls() -> (u64, u64, u64) {
         tpuc_runtime::host_blas::calls()
     }
 
@@ -997,6 +997,13 @@ impl Executable {
     #[getter]
     fn compile_seconds(&self) -> f64 {
         self.compiled.compile_seconds
+    }
+
+    /// Whether XLA compiled its loop fusions unpartitioned (CPU plugin: small graphs, and
+    /// graphs without convolutions up to a bound; `TPUC_UNPARTITIONED_MAX`).
+    #[getter]
+    fn unpartitioned(&self) -> bool {
+        self.compiled.unpartitioned
     }
 
     /// The specialized (static-shape) IR that was lowered.

@@ -135,6 +135,8 @@ def write(compiled, exe, bindings: dict) -> Path:
         "inputs": [{"shape": s, "dtype": d} for s, d in exe.input_types],
         "outputs": [{"shape": s, "dtype": d} for s, d in exe.output_types],
         "options": {k: str(v) for k, v in compiled.opts.__dict__.items()},
+        # CPU plugin: XLA's loop fusions compiled unpartitioned (run on the calling thread)
+        "unpartitioned": exe.unpartitioned,
         "timings": {
             # specialize + lower to StableHLO
             "lower_seconds": exe.lower_seconds,
