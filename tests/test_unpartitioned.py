@@ -1,6 +1,6 @@
-"""On the CPU plugin a graph whose tensors are all small (at most 2^18 elements), or a graph
-without convolutions whose loop results (not inputs, views or products) have at most 32 times
-that, is compiled with its loop fusions unpartitioned (run on the calling thread, not split over
+"""On the CPU plugin a graph whose tensors are all small (at most 2^18 elements), or a graph of
+matrix products (convolutions at most a quarter as many) whose loop results (not inputs, views or
+products) have at most 32 times that, is compiled with its loop fusions unpartitioned (run on the calling thread, not split over
 XLA's pool); other graphs keep XLA's partitions; `TPUC_UNPARTITIONED_MAX` sets the bound (0:
 never). Read from
 XLA's optimized HLO, where a partitioned fusion carries a non-empty `outer_dimension_partitions`. The compiling
@@ -33,11 +33,20 @@ def conv_free_huge(x):
     return torch.exp(torch.sin(x) * 2.0) + x
 def conv(x, w):
     return torch.relu(F.conv2d(x, w, padding=1)) * 2.0
+def patch_conv_then_products(x, w, a, b):
+    # A vision transformer's shape: one patch convolution, then four matrix products.
+    t = F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2)[0]
+    for _ in range(2):
+        t = torch.relu(t @ a) + 1.0
+        t = t @ b
+    return t
 cases = (
     ("small", small, (torch.randn(512, 512),)),
     ("conv_free", conv_free, (torch.randn(256, 768), torch.randn(768, 3072))),
     ("conv_free_huge", conv_free_huge, (torch.randn(3000, 3000),)),
     ("conv", conv, (torch.randn(1, 8, 256, 256), torch.randn(8, 8, 3, 3))),
+    ("patch_conv_then_products", patch_conv_then_products,
+     (torch.randn(1, 3, 256, 256), torch.randn(64, 3, 4, 4), torch.randn(64, 256) / 8, torch.randn(256, 64) / 16)),
 )
 dump = pathlib.Path(sys.argv[1])
 with torch.no_grad():
@@ -73,12 +82,13 @@ def _partitioned(tmp_path, **env) -> dict[str, bool]:
     return {name: flag == "True" for name, flag in (line.split() for line in out.stdout.split("\n") if line)}
 
 
-def test_small_and_conv_free_graphs_run_unpartitioned_and_large_ones_keep_xlas_partitions(tmp_path):
+def test_small_and_matrix_product_graphs_run_unpartitioned_large_ones_keep_partitions(tmp_path):
     assert _partitioned(tmp_path) == {
         "small": False,
         "conv_free": False,
         "conv_free_huge": True,
         "conv": True,
+        "patch_conv_then_products": False,
     }
 
 
@@ -88,4 +98,5 @@ def test_tpuc_unpartitioned_max_zero_keeps_every_partition(tmp_path):
         "conv_free": True,
         "conv_free_huge": True,
         "conv": True,
+        "patch_conv_then_products": True,
     }
