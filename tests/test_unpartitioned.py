@@ -1,6 +1,6 @@
-"""On the CPU plugin a graph whose tensors are all small (at most 2^18 elements), or a graph of
-matrix products (convolutions at most a quarter as many) whose loop results (not inputs, views or
-products) have at most 32 times that, is compiled with its loop fusions unpartitioned (run on the calling thread, not split over
+"""On the CPU plugin a graph whose tensors are all small (at most 2^18 elements), or a graph
+without convolutions whose loop results (not inputs, views or products) have at most 32 times
+that, is compiled with its loop fusions unpartitioned (run on the calling thread, not split over
 XLA's pool); other graphs keep XLA's partitions; `TPUC_UNPARTITIONED_MAX` sets the bound (0:
 never). Read from
 XLA's optimized HLO, where a partitioned fusion carries a non-empty `outer_dimension_partitions`. The compiling
@@ -34,7 +34,8 @@ def conv_free_huge(x):
 def conv(x, w):
     return torch.relu(F.conv2d(x, w, padding=1)) * 2.0
 def patch_conv_then_products(x, w, a, b):
-    # A vision transformer's shape: one patch convolution, then four matrix products.
+    # A vision transformer's shape: one patch convolution, then four matrix products (measured
+    # both ways from run to run on ViT-B/16: kept partitioned).
     t = F.conv2d(x, w, stride=4).flatten(2).transpose(1, 2)[0]
     for _ in range(2):
         t = torch.relu(t @ a) + 1.0
@@ -82,13 +83,13 @@ def _partitioned(tmp_path, **env) -> dict[str, bool]:
     return {name: flag == "True" for name, flag in (line.split() for line in out.stdout.split("\n") if line)}
 
 
-def test_small_and_matrix_product_graphs_run_unpartitioned_large_ones_keep_partitions(tmp_path):
+def test_small_and_conv_free_graphs_run_unpartitioned_large_ones_keep_partitions(tmp_path):
     assert _partitioned(tmp_path) == {
         "small": False,
         "conv_free": False,
         "conv_free_huge": True,
         "conv": True,
-        "patch_conv_then_products": False,
+        "patch_conv_then_products": True,
     }
 
 
