@@ -4,7 +4,7 @@ that, is compiled with its loop fusions unpartitioned (run on the calling thread
 XLA's pool); other graphs keep XLA's partitions; `TPUC_UNPARTITIONED_MAX` sets the bound (0:
 never). Read from
 XLA's optimized HLO, where a partitioned fusion carries a non-empty `outer_dimension_partitions`. The compiling
-thread's CPU affinity is restored after."""
+thread's CPU affinity is restored after, and given to the threads the plugin started meanwhile."""
 
 from __future__ import annotations
 
@@ -56,6 +56,10 @@ with torch.no_grad():
         out = torch.compile(fn, backend="tpu", options=opts)(*args)
         torch.testing.assert_close(out, fn(*args), rtol=1e-4, atol=1e-4)
 assert os.sched_getaffinity(0) == before, (os.sched_getaffinity(0), before)
+# Threads the plugin started during a pinned compile (XLA starts some pools lazily) got the
+# compiling thread's affinity back, as every other thread has.
+for task in pathlib.Path("/proc/self/task").iterdir():
+    assert os.sched_getaffinity(int(task.name)) == before, (task.name, os.sched_getaffinity(int(task.name)))
 # XLA's own dump, in compile order (tpuc's optimized_hlo.txt leaves out backend configs).
 hlos = sorted(dump.glob("module_*.cpu_after_optimizations.txt"))
 assert len(hlos) == len(cases), hlos

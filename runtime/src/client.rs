@@ -392,12 +392,19 @@ pub(crate) fn dense_size(ty: ElementType, dims: &[i64]) -> Result<usize, PjrtErr
 }
 
 /// The calling thread held to the first CPU it may run on, until dropped (then its affinity is
-/// restored); nothing where the affinity cannot be read or set.
-struct OneCpu(libc::cpu_set_t);
+/// restored); nothing where the affinity cannot be read or set. Threads the plugin starts
+/// meanwhile inherit the one CPU (XLA starts some of its own pools lazily, in the first
+/// compile), so on drop every thread of the process that was not there at `pin` gets the
+/// calling thread's old affinity too.
+struct OneCpu {
+    old: libc::cpu_set_t,
+    threads_before: std::collections::HashSet<libc::pid_t>,
+}
 
 impl OneCpu {
     fn pin() -> Option<OneCpu> {
         let size = std::mem::size_of::<libc::cpu_set_t>();
+        let threads_before = process_threads();
         // SAFETY: libc calls on zeroed cpu_set_t values for the calling thread (pid 0).
         unsafe {
             let mut old: libc::cpu_set_t = std::mem::zeroed();
@@ -407,16 +414,35 @@ impl OneCpu {
             let first = (0..libc::CPU_SETSIZE as usize).find(|&c| libc::CPU_ISSET(c, &old))?;
             let mut one: libc::cpu_set_t = std::mem::zeroed();
             libc::CPU_SET(first, &mut one);
-            (libc::sched_setaffinity(0, size, &one) == 0).then_some(OneCpu(old))
+            (libc::sched_setaffinity(0, size, &one) == 0).then_some(OneCpu {
+                old,
+                threads_before,
+            })
         }
     }
 }
 
+/// The thread ids of this process (`/proc/self/task`); empty where it cannot be read.
+fn process_threads() -> std::collections::HashSet<libc::pid_t> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 impl Drop for OneCpu {
     fn drop(&mut self) {
-        // SAFETY: restores, on the same thread, the affinity `pin` read.
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: restores, on the same thread, the affinity `pin` read; then gives it to the
+        // threads started while pinned (ids of this process's threads; one that has exited
+        // meanwhile makes the call fail, which is harmless).
         unsafe {
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.0);
+            libc::sched_setaffinity(0, size, &self.old);
+            for tid in process_threads().difference(&self.threads_before) {
+                libc::sched_setaffinity(*tid, size, &self.old);
+            }
         }
     }
 }
