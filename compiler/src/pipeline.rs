@@ -264,7 +264,7 @@ fn is_loop_op(op: &str) -> bool {
         "aten.convolution",
         "aten.as_strided.",
     ];
-    !NOT_LOOPS.iter().any(|p| op == *p || op.starts_with(p))
+    !NOT_LOOPS.iter().any(|p| op.starts_with(p))
 }
 
 /// Whether `TPUC_DISCRETE_DEVICE` asks to treat every plugin as a discrete device.

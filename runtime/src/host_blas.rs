@@ -647,11 +647,8 @@ impl Product {
             }
             let offset = scratch.as_ptr().align_offset(64);
             let dest = scratch[offset..].as_mut_ptr();
-            let (transa, lda) = if self.ta {
-                (CBLAS_TRANS, rows as c_int)
-            } else {
-                (CBLAS_NO_TRANS, k as c_int)
-            };
+            let transa = if self.ta { CBLAS_TRANS } else { CBLAS_NO_TRANS };
+            let lda = self.lda(rows) as c_int;
             // SAFETY: B (`[K, N]` block, row length `cols`), A and C lie inside the call's
             // buffers; `dest` holds at least the size MKL asked for.
             unsafe {
@@ -687,6 +684,16 @@ impl Product {
         CALLS[2].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A's leading dimension, for a product whose whole `op(A)` has `rows` rows: A stored
+    /// `[K, M]` (transposed) or `[M, K]`; at least 1 even for an empty dim (k = 0 writes zeros).
+    fn lda(&self, rows: i64) -> i64 {
+        if self.ta {
+            rows
+        } else {
+            self.k.max(1)
+        }
+    }
+
     /// The `batch` products, one `sgemm_` each.
     ///
     /// # Safety
@@ -706,7 +713,7 @@ impl Product {
         // Row-major C = A B is column-major C^T = B^T A^T: BLAS's first operand is B, its
         // second A. A leading dimension is at least 1 even for an empty dim (k = 0 writes zeros).
         let ldb = if self.tb { k.max(1) } else { cols };
-        let lda = if self.ta { rows } else { k.max(1) };
+        let lda = self.lda(rows);
         let (tb, ta) = (
             if self.tb { b'T' } else { b'N' } as c_char,
             if self.ta { b'T' } else { b'N' } as c_char,
