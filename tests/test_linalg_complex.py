@@ -226,13 +226,17 @@ def test_cpu_flash_attention_in_query_blocks(kind):
 
 @pytest.mark.parametrize("kind", ["causal", "float_mask", "grouped_heads"])
 def test_cpu_flash_attention_products_of_real_size_run_in_the_host_blas(tmp_path, kind):
-    """Per-head products of 128 x 64 x 128 multiply-adds (GPT-2's) go to the host BLAS as one
-    batched call each (scores with the keys stored transposed, then the weighted values), which
-    spreads the heads over the threads where XLA's dot ran them on one; the values match eager."""
+    """Without the host attention kernel (`TPUC_HOST_ROWS=0`, here switched off for the
+    compile; see test_host_kernels.py for the kernel), per-head products of 128 x 64 x 128
+    multiply-adds (GPT-2's) go to the host BLAS as one batched call each (scores with the keys
+    stored transposed, then the weighted values), which spreads the heads over the threads where
+    XLA's dot ran them on one; the values match eager."""
     from tpuc import runtime
 
-    if runtime.get_runtime(None).host_gemm_min_macs is None:
+    rt = runtime.get_runtime(None)
+    if rt.host_gemm_min_macs is None:
         pytest.skip("no host BLAS in this process")
+    rows_before = rt.host_rows
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(1, 6, 128, 64, generator=g) for _ in range(3))
     if kind == "grouped_heads":
@@ -242,13 +246,18 @@ def test_cpu_flash_attention_products_of_real_size_run_in_the_host_blas(tmp_path
     torch._dynamo.reset()
     opts = {"fallback": "error", "dump_dir": str(tmp_path), "cache_dir": None}
     fn = lambda q, k, v: op(q, k, v, **kwargs)  # noqa: E731
-    out, lse = torch.compile(fn, backend="tpu", options=opts)(q, k, v)
+    rt.enable_host_rows(False)
+    try:
+        out, lse = torch.compile(fn, backend="tpu", options=opts)(q, k, v)
+    finally:
+        rt.enable_host_rows(rows_before)
     want, want_lse = fn(q, k, v)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     (module,) = tmp_path.glob("*/stablehlo.mlir")
     text = module.read_text()
     assert text.count("tpuc_sgemm_nt") == 1 and text.count("tpuc_sgemm_nn") == 1, text
+    assert "tpuc_attention" not in text
 
 
 def test_inference_attention_keeps_the_fused_kernel_and_training_the_math_path(tmp_path):

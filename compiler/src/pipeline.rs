@@ -94,6 +94,9 @@ pub struct Engine {
     host_gemm_min_macs: std::sync::atomic::AtomicU64,
     /// 2-D f32 convolutions go to oneDNN, once [`Engine::enable_host_conv`] registered it.
     host_conv: std::sync::atomic::AtomicBool,
+    /// Large f32 layer norms go to the host row kernels, once [`Engine::enable_host_rows`]
+    /// registered them.
+    host_rows: std::sync::atomic::AtomicBool,
 }
 
 /// The oldest StableHLO (as a plugin reports its current version) that tpuc's bytecode was
@@ -317,6 +320,7 @@ impl Engine {
             xla_flags: std::env::var("XLA_FLAGS").unwrap_or_default(),
             host_gemm_min_macs: std::sync::atomic::AtomicU64::new(0),
             host_conv: std::sync::atomic::AtomicBool::new(false),
+            host_rows: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -366,6 +370,25 @@ impl Engine {
     /// Whether 2-D f32 convolutions go to oneDNN (see [`Engine::enable_host_conv`]).
     pub fn host_conv(&self) -> bool {
         self.host_conv.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Lowers large f32 layer norms to the runtime's row kernels (`tpuc_runtime::host_rows`)
+    /// from now on, registering them with the plugin first; false turns it off. Only on the CPU
+    /// plugin. Returns whether they go there (false: a plugin without the PJRT FFI extension).
+    pub fn enable_host_rows(&self, on: bool) -> Result<bool, PjrtError> {
+        let ok = on
+            && self.platform == "cpu"
+            && pjrt::host_rows::register(self.client.plugin())?
+            && pjrt::host_attention::register(self.client.plugin())?;
+        self.host_rows
+            .store(ok, std::sync::atomic::Ordering::Relaxed);
+        Ok(ok)
+    }
+
+    /// Whether large f32 layer norms go to the host row kernels (see
+    /// [`Engine::enable_host_rows`]).
+    pub fn host_rows(&self) -> bool {
+        self.host_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// `(current, minimum)` StableHLO versions the plugin accepts, as it reports them.
@@ -502,6 +525,7 @@ impl Engine {
                 sharding: plan,
                 host_gemm_min_macs: self.host_gemm_min_macs(),
                 host_conv: self.host_conv(),
+                host_rows: self.host_rows(),
             },
         )?;
         let lower_seconds = t0.elapsed().as_secs_f64();

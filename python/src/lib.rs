@@ -569,6 +569,19 @@ impl Runtime {
         self.engine.host_conv()
     }
 
+    /// From now on, lowers large f32 layer norms to the runtime's row kernels (registered with
+    /// the plugin), or (false) keeps them in XLA. Returns whether they go there.
+    fn enable_host_rows(&self, py: Python<'_>, on: bool) -> PyResult<bool> {
+        py.detach(|| self.engine.enable_host_rows(on))
+            .map_err(pjrt_err)
+    }
+
+    /// Whether large f32 layer norms run in the host row kernels.
+    #[getter]
+    fn host_rows(&self) -> bool {
+        self.engine.host_rows()
+    }
+
     /// `(forward, input gradient, weight gradient)`: how many oneDNN convolutions ran in this
     /// process.
     #[staticmethod]

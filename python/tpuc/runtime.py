@@ -260,6 +260,7 @@ def get_runtime(
             if family == "cpu":
                 _enable_host_gemm(rt)
                 _enable_host_conv(rt)
+                _enable_host_rows(rt)
             _runtimes[key] = rt
         return rt
 
@@ -295,6 +296,13 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
     if env_off("TPUC_HOST_CONV"):
         return
     rt.enable_host_conv(HOST_CONV_LIBRARY)
+
+
+def _enable_host_rows(rt: _native.Runtime) -> None:
+    """Lets large f32 layer norms run in tpuc's own row kernels (one pass over memory per row,
+    on both cores), as XLA FFI custom calls inside the compiled program: XLA's CPU lowering
+    makes five passes (README, "Host row kernels"). `TPUC_HOST_ROWS=0` keeps them in XLA."""
+    rt.enable_host_rows(not env_off("TPUC_HOST_ROWS"))
 
 
 def _plain_start_error(message: str, path: Path, family: str) -> str:

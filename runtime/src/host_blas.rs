@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
+use super::spin_helpers::cpus;
 use super::xla_ffi::{
     arg, destroy, error, open_frame, register_targets, ret, CallFrame, ErrorGetMessageArgs, FfiApi,
     FfiBuffer, Handler, DTYPE_F32,
@@ -332,7 +333,7 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
     // Help comes from the spinning helpers where there are any, else from XLA's pool.
     let mut posted = None;
     if total > 1 {
-        posted = super::spin_helpers::post(job.clone(), threads() as usize);
+        posted = super::spin_helpers::post(job.clone(), cpus() as usize);
         if posted.is_none() {
             schedule_pieces(frame, &job, total);
         }
@@ -359,7 +360,7 @@ fn schedule_pieces(frame: &CallFrame, job: &Arc<Pieces>, total: i64) {
     let Some(schedule) = xla_pool(frame.api) else {
         return;
     };
-    for _ in 1..total.min(threads()) {
+    for _ in 1..total.min(cpus()) {
         let data = Arc::into_raw(job.clone()) as *mut c_void;
         let mut args = ScheduleArgs {
             struct_size: std::mem::size_of::<ScheduleArgs>(),
@@ -400,13 +401,6 @@ pub fn calls() -> (u64, u64, u64) {
 fn always_pieces() -> bool {
     static ALWAYS: OnceLock<bool> = OnceLock::new();
     *ALWAYS.get_or_init(|| std::env::var("TPUC_HOST_GEMM_PIECES").is_ok_and(|v| v.trim() == "1"))
-}
-
-/// The CPUs this process may use, read once: std's `available_parallelism` asks the kernel for
-/// the affinity and reads the cgroup quota files on every call, and this is asked per product.
-fn threads() -> i64 {
-    static THREADS: OnceLock<i64> = OnceLock::new();
-    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as i64)
 }
 
 /// A call's products cut into pieces, claimed one at a time by the threads that run them.
@@ -489,6 +483,71 @@ fn one_thread_blas(blas: &Blas) {
     }
 }
 
+/// MKL's `sgemm_` on this thread alone while it lives, for host kernels that run their own
+/// products in one-thread units (see `super::host_attention`): on one of XLA's threads or a
+/// helper the setting stays (nothing else calls MKL there); on the thread that called execute,
+/// whose PyTorch products use MKL's threads, the setting before is restored on drop.
+pub(crate) struct OneThreadBlas {
+    blas: &'static Blas,
+    restore: Option<c_int>,
+}
+
+impl OneThreadBlas {
+    /// None where the process has no host BLAS.
+    pub(crate) fn enter() -> Option<OneThreadBlas> {
+        let blas = BLAS.get()?;
+        let restore = if EXECUTING.with(|e| e.get()) {
+            // SAFETY: MKL's setting for the calling thread, restored on drop.
+            Some(unsafe { (blas.set_local_threads)(1) })
+        } else {
+            one_thread_blas(blas);
+            None
+        };
+        Some(OneThreadBlas { blas, restore })
+    }
+
+    /// Row-major `C = alpha * A op(B)`: A `[m, k]` with rows `lda` apart, B `[k, n]` (or, where
+    /// `b_transposed`, `[n, k]`) with rows `ldb` apart, C `[m, n]` with rows `ldc` apart.
+    ///
+    /// # Safety
+    /// Every row of each matrix must lie inside a live buffer; `C` must not overlap A or B.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn product(
+        &self,
+        (m, n, k): (i64, i64, i64),
+        alpha: f32,
+        (a, lda): (*const f32, i64),
+        (b, ldb, b_transposed): (*const f32, i64, bool),
+        (c, ldc): (*mut f32, i64),
+    ) {
+        // Row-major C = A B is column-major C^T = B^T A^T: BLAS's first operand is B.
+        let tb = if b_transposed { b'T' } else { b'N' } as c_char;
+        let ta = b'N' as c_char;
+        let (mi, ni, ki) = (m as c_int, n as c_int, k as c_int);
+        let (lda, ldb, ldc) = (
+            lda.max(1) as c_int,
+            ldb.max(1) as c_int,
+            ldc.max(1) as c_int,
+        );
+        let beta = 0.0f32;
+        // SAFETY: the caller's contract.
+        unsafe {
+            (self.blas.sgemm)(
+                &tb, &ta, &ni, &mi, &ki, &alpha, b, &ldb, a, &lda, &beta, c, &ldc,
+            )
+        };
+    }
+}
+
+impl Drop for OneThreadBlas {
+    fn drop(&mut self) {
+        if let Some(before) = self.restore {
+            // SAFETY: MKL's setting for the calling thread, as it was.
+            unsafe { (self.blas.set_local_threads)(before) };
+        }
+    }
+}
+
 /// Marks this thread as calling execute while it lives: the CPU plugin may run a program on it,
 /// and products met there use the BLAS's own threading, as PyTorch's calls on it do.
 pub(crate) struct Executing(bool);
@@ -536,7 +595,7 @@ impl Product {
     /// How many pieces each product is cut into: one per thread where the batch does not
     /// already give every thread work, fewer for small products.
     fn pieces(&self, batch: i64) -> i64 {
-        let want = (threads() + batch - 1) / batch;
+        let want = (cpus() + batch - 1) / batch;
         let by_work = self.m * self.n * self.k.max(1) / MIN_PIECE_MACS;
         let by_shape = if self.by_rows() {
             self.m / 16
@@ -552,7 +611,7 @@ impl Product {
     /// 128x768 @ 768x3072 takes 1.8 ms, on half the rows 2.0, XLA's dot 2.4 on both threads),
     /// or where there are too few columns to give every thread a block.
     fn by_rows(&self) -> bool {
-        self.m >= ROW_BLOCKS_MIN_ROWS || self.n < COLUMN_BLOCK * threads()
+        self.m >= ROW_BLOCKS_MIN_ROWS || self.n < COLUMN_BLOCK * cpus()
     }
 
     /// Piece `piece` of `pieces` of batch entry `entry`, through one `sgemm_`.

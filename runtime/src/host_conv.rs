@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
 use super::xla_ffi::{arg, error, open_frame, register_targets, ret, CallFrame, FfiBuffer};
-use super::xla_ffi::{Handler, DTYPE_F32};
+use super::xla_ffi::{Handler, DTYPE_F32, DTYPE_S64};
 use super::PjrtError;
 
 pub const FORWARD: &str = "tpuc_conv2d_fwd";
@@ -37,8 +37,6 @@ pub const WEIGHT_GRAD: &str = "tpuc_conv2d_bwd_weights";
 
 /// Entries of the geometry operand.
 pub const GEOMETRY_LEN: usize = 9;
-
-const DTYPE_S64: c_int = 5;
 
 /// The three kinds of call.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]

@@ -12,7 +12,7 @@
 //! not started (see [`super::host_blas`]'s claim counters), so a helper that arrives late finds
 //! nothing left and goes back to waiting.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -173,10 +173,70 @@ pub(crate) fn retract(number: u64) {
     }
 }
 
+/// The CPUs this process may use, read once: std's `available_parallelism` asks the kernel for
+/// the affinity and reads the cgroup quota files on every call, and this is asked per call of a
+/// host kernel.
+pub(crate) fn cpus() -> i64 {
+    static CPUS: OnceLock<i64> = OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as i64)
+}
+
+/// `total` units of work, claimed one at a time by the threads that run them.
+struct Units<F> {
+    run: F,
+    total: i64,
+    next: AtomicI64,
+    done: AtomicI64,
+}
+
+impl<F: Fn(i64) + Send + Sync> Work for Units<F> {
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::AcqRel);
+            if i >= self.total {
+                return;
+            }
+            (self.run)(i);
+            self.done.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Runs `run(i)` for every `i` in `0..total`, each once, on this thread and on the helpers
+/// (`threads` threads in all), and returns when all have run. Without helpers (none could
+/// start, or a forked child) this thread runs them all.
+pub(crate) fn run_units(total: i64, threads: usize, run: impl Fn(i64) + Send + Sync + 'static) {
+    let units = Arc::new(Units {
+        run,
+        total,
+        next: AtomicI64::new(0),
+        done: AtomicI64::new(0),
+    });
+    let posted = if total > 1 && threads > 1 {
+        post(units.clone(), threads)
+    } else {
+        None
+    };
+    units.work();
+    // Units other threads claimed are running now: wait for them (a helper that has not
+    // started claims nothing, so this never waits for one).
+    let mut polls = 0u32;
+    while units.done.load(Ordering::Acquire) < total {
+        polls = polls.wrapping_add(1);
+        if polls.is_multiple_of(64) {
+            std::thread::yield_now();
+        }
+        std::hint::spin_loop();
+    }
+    if let Some(number) = posted {
+        retract(number);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicI64, AtomicUsize};
+    use std::sync::atomic::AtomicUsize;
 
     /// Units claimed one at a time, each counted by the thread that ran it.
     struct Units {
@@ -230,5 +290,25 @@ mod tests {
             helped += units.by_helpers.load(Ordering::Relaxed);
         }
         assert!(helped > 0, "no unit ran on a helper in 50 jobs");
+    }
+
+    #[test]
+    fn run_units_runs_every_unit_once_and_returns_after_the_last() {
+        for total in [0i64, 1, 2, 37] {
+            let runs: Arc<Vec<AtomicUsize>> =
+                Arc::new((0..total).map(|_| AtomicUsize::new(0)).collect());
+            let seen = runs.clone();
+            run_units(total, 2, move |i| {
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_micros(10) {
+                    std::hint::spin_loop();
+                }
+                seen[i as usize].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                runs.iter().all(|r| r.load(Ordering::Relaxed) == 1),
+                "total {total}"
+            );
+        }
     }
 }

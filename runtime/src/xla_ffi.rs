@@ -184,6 +184,7 @@ impl FfiBuffer {
 pub(crate) type Handler = unsafe extern "C" fn(*mut CallFrame) -> *mut c_void;
 
 pub(crate) const EXTENSION_METADATA: c_int = 1;
+pub(crate) const DTYPE_S64: c_int = 5;
 pub(crate) const DTYPE_F32: c_int = 11;
 pub(crate) const ERROR_INVALID_ARGUMENT: c_int = 3;
 

@@ -129,6 +129,9 @@ pub struct Emitter<'c, 'b> {
     /// 2-D f32 convolutions go to oneDNN (see
     /// [`LowerOptions::host_conv`](crate::lower::LowerOptions)).
     pub host_conv: bool,
+    /// Large f32 layer norms go to the host row kernels (see
+    /// [`LowerOptions::host_rows`](crate::lower::LowerOptions)).
+    pub host_rows: bool,
 }
 
 /// A value's physical form: the logical value is `transpose(physical, permutation)` (logical dim
@@ -461,6 +464,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             materialized: Default::default(),
             host_gemm_min_macs: None,
             host_conv: false,
+            host_rows: false,
         }
     }
 
@@ -482,6 +486,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             materialized: Default::default(),
             host_gemm_min_macs: self.host_gemm_min_macs,
             host_conv: self.host_conv,
+            host_rows: self.host_rows,
         }
     }
 
@@ -524,6 +529,33 @@ impl<'c, 'b> Emitter<'c, 'b> {
                 })
             })
             .collect()
+    }
+
+    /// A typed XLA FFI custom call (api_version 4) of a host handler the runtime registered with
+    /// the CPU plugin (`tpuc_runtime::host_blas`, `host_conv`, `host_rows`).
+    pub fn ffi_call(
+        &self,
+        target: &str,
+        operands: &[&T<'c, 'b>],
+        results: &[(Vec<i64>, DType)],
+    ) -> R<Vec<T<'c, 'b>>> {
+        self.op_n(
+            "stablehlo.custom_call",
+            operands,
+            &[
+                ("call_target_name", format!("\"{target}\"")),
+                ("api_version", "4 : i32".into()),
+                ("backend_config", "{}".into()),
+            ],
+            results,
+            vec![],
+        )
+    }
+
+    /// [`Emitter::ffi_call`] with one f32 result of shape `out`.
+    pub fn ffi_call_f32(&self, target: &str, operands: &[&T<'c, 'b>], out: &[i64]) -> R<T<'c, 'b>> {
+        let r = self.ffi_call(target, operands, &[(out.to_vec(), DType::Float32)])?;
+        Ok(r.into_iter().next().expect("one result"))
     }
 
     /// [`Emitter::op_n`] for an op with one result and no regions.

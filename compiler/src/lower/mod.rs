@@ -67,6 +67,9 @@ pub struct LowerOptions {
     /// 2-D f32 convolutions (channels-last) are lowered to oneDNN calls (`tpuc_conv2d_*`
     /// custom calls, registered with the CPU plugin by `tpuc_runtime::host_conv`).
     pub host_conv: bool,
+    /// Large f32 layer norms are lowered to the runtime's row kernels (`tpuc_layer_norm`
+    /// custom calls, registered with the CPU plugin by `tpuc_runtime::host_rows`).
+    pub host_rows: bool,
 }
 
 /// What lowering produced: the module and the signature of `main`.
@@ -482,6 +485,7 @@ fn lower_in(
         );
         e.host_gemm_min_macs = options.host_gemm_min_macs.filter(|_| plan.is_none());
         e.host_conv = options.host_conv && plan.is_none();
+        e.host_rows = options.host_rows && plan.is_none();
         let mut values: HashMap<ValueRef, T> = HashMap::default();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block

@@ -48,6 +48,9 @@ fn flash_attention_cpu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     };
     let (out_shape, out_dtype) = cx.out(0)?;
     let (lse_shape, lse_dtype) = cx.out(1)?;
+    if let Some(r) = host_attention(cx, [&q, &k, &v], mask.as_ref(), causal, scale)? {
+        return Ok(r);
+    }
     let acc = acc_dtype(out_dtype);
     let qa = e.convert(&q, acc)?;
     // Grouped-query attention: query head i reads key/value head i / (h / hk).
@@ -88,6 +91,86 @@ fn flash_attention_cpu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let lse = e.reshape(&lse, &[b, h, l])?;
     let lse = e.convert(&e.reshape(&lse, &lse_shape)?, lse_dtype)?;
     Ok(vec![out, lse])
+}
+
+/// Attentions of at least this many scores go to the host kernel where the session enables it.
+const HOST_MIN_SCORES: i64 = 1 << 12;
+
+/// The op's two results through the host kernel (`tpuc_attention`, see
+/// `tpuc_runtime::host_attention`), where the session enables it and everything is f32: q, k
+/// and v as they lie, the output written `[b, l, h, dv]` (the layout the heads are merged from)
+/// and returned as its transpose. None where XLA should compute it.
+fn host_attention<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    [q, k, v]: [&T<'c, 'b>; 3],
+    mask: Option<&T<'c, 'b>>,
+    causal: bool,
+    scale: f64,
+) -> R<Option<Vec<T<'c, 'b>>>> {
+    let e = cx.e;
+    let f32 = DType::Float32;
+    let (b, h, l, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3]);
+    let (hk, s, dv) = (k.shape[1], k.shape[2], v.shape[3]);
+    let (out_shape, out_dtype) = cx.out(0)?;
+    let (lse_shape, lse_dtype) = cx.out(1)?;
+    if !e.host_rows
+        || e.host_gemm_min_macs.is_none()
+        || [q, k, v].iter().any(|t| t.dtype != f32)
+        || out_dtype != f32
+        || lse_dtype != f32
+        || mask.is_some_and(|m| m.rank() > 4 || !matches!(m.dtype, DType::Float32 | DType::Bool))
+        || b * h * l * s < HOST_MIN_SCORES
+    {
+        return Ok(None);
+    }
+    // Contiguous [batch, heads, rows, cols] strides.
+    let dense = |heads: i64, rows: i64, cols: i64| [0, heads * rows * cols, rows * cols, cols];
+    let mut geometry = vec![b, h, hk, l, s, d, dv, i64::from(causal)];
+    geometry.extend(dense(h, l, d));
+    geometry.extend(dense(hk, s, d));
+    geometry.extend(dense(hk, s, dv));
+    let mut operands = vec![q.clone(), k.clone(), v.clone()];
+    let mask = match mask {
+        Some(m) => {
+            // 4-d, keys along the last dim, additive: a bool mask keeps where true.
+            let mut shape = vec![1; 4 - m.rank()];
+            shape.extend_from_slice(&m.shape);
+            let mut m = e.reshape(m, &shape)?;
+            if m.shape[3] != s {
+                shape[3] = s;
+                m = e.broadcast_to(&m, &shape)?;
+            }
+            if m.dtype == DType::Bool {
+                let zero = e.splat(Scalar::Float(0.0), &shape, f32)?;
+                let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &shape, f32)?;
+                m = e.select(&m, &zero, &ninf, f32)?;
+            }
+            let [mb, mh, ml, _] = [shape[0], shape[1], shape[2], shape[3]];
+            let stride = |n: i64, step: i64| if n == 1 { 0 } else { step };
+            geometry.extend([stride(mb, mh * ml * s), stride(mh, ml * s), stride(ml, s)]);
+            Some(m)
+        }
+        None => {
+            geometry.extend([0, 0, 0]);
+            None
+        }
+    };
+    // The output as [b, l, h, dv].
+    geometry.extend([l * h * dv, dv, h * dv]);
+    debug_assert_eq!(geometry.len(), tpuc_runtime::host_attention::GEOMETRY_LEN);
+    operands.push(e.constant_i64(&geometry, &[geometry.len() as i64], DType::Int64)?);
+    operands.push(e.splat(Scalar::Float(scale), &[1], f32)?);
+    operands.extend(mask);
+    let r = e.ffi_call(
+        tpuc_runtime::host_attention::ATTENTION,
+        &operands.iter().collect::<Vec<_>>(),
+        &[(vec![b, l, h, dv], f32), (vec![b, h, l], f32)],
+    )?;
+    let out = e.transpose(&r[0], &[0, 2, 1, 3])?;
+    Ok(Some(vec![
+        e.broadcast_to(&out, &out_shape)?,
+        e.reshape(&r[1], &lse_shape)?,
+    ]))
 }
 
 /// `t` (b, hk, s, d) with each head repeated to `h` heads, consecutive copies side by side.
@@ -169,9 +252,17 @@ fn attend<'c, 'b>(
     let lse = e.add(&e.unary("stablehlo.log", &sum)?, &shift)?;
     let pv = batched_product(e, (&p, false), (v, false), [b, h, l, dv])?;
     let out = e.div(&pv, &sum)?;
+    // XLA's max skips NaN: a row of NaN scores has max -inf too, but its sum is NaN, and its
+    // results stay NaN, as in PyTorch.
+    let masked = e.binary(
+        "stablehlo.and",
+        &e.compare(&mx, &ninf, "EQ")?,
+        &e.compare(&sum, &sum, "EQ")?,
+        DType::Bool,
+    )?;
     Ok((
-        e.select(&finite, &out, &zero, acc)?,
-        e.select(&finite, &lse, &zero, acc)?,
+        e.select(&masked, &zero, &out, acc)?,
+        e.select(&masked, &zero, &lse, acc)?,
     ))
 }
 

@@ -140,29 +140,7 @@ pub(crate) fn host_matmul<'c, 'b>(
         return Ok(None);
     }
     let target = tpuc_runtime::host_blas::target(ta, tb);
-    ffi_call(e, target, &[a, b], shape).map(Some)
-}
-
-/// A typed XLA FFI custom call (api_version 4) of a host handler the runtime registered with
-/// the CPU plugin (`tpuc_runtime::host_blas`, `tpuc_runtime::host_conv`), with one f32 result.
-fn ffi_call<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    target: &str,
-    operands: &[&T<'c, 'b>],
-    out: &[i64],
-) -> R<T<'c, 'b>> {
-    let r = e.op_n(
-        "stablehlo.custom_call",
-        operands,
-        &[
-            ("call_target_name", format!("\"{target}\"")),
-            ("api_version", "4 : i32".into()),
-            ("backend_config", "{}".into()),
-        ],
-        &[(out.to_vec(), DType::Float32)],
-        vec![],
-    )?;
-    Ok(r.into_iter().next().expect("one result"))
+    e.ffi_call_f32(target, &[a, b], shape).map(Some)
 }
 
 /// The 2-D product `a x b` (`[m, n]` = `shape`, operands transposed where `ta`/`tb`), through
@@ -482,7 +460,7 @@ fn host_conv<'c, 'b>(
     let geometry: Vec<i64> = [&stride[..], padding, padding, dilation, &[groups]].concat();
     debug_assert_eq!(geometry.len(), host_conv::GEOMETRY_LEN);
     let g = e.constant_i64(&geometry, &[geometry.len() as i64], DType::Int64)?;
-    ffi_call(e, target, &[a, b, &g], out)
+    e.ffi_call_f32(target, &[a, b, &g], out)
 }
 
 /// An NCHW value as NHWC: the physical form of a channels-last layout transpose, else a
