@@ -8,6 +8,8 @@ per head, a NaN. Each module is checked to hold the custom call (or, below the s
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -172,3 +174,54 @@ def test_flash_attention_in_xla_keeps_a_nan_row_nan(host_rows, tmp_path):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert "tpuc_attention" not in text
+
+
+def _views_case(name, g):
+    """A function of one input whose attention reads q, k and v through views of it."""
+    x = torch.randn(2, 50, 3 * 64, generator=g)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def heads(t):  # [b, s, 64] -> [b, 4, s, 16]
+        return t.view(2, 50, 4, 16).transpose(1, 2)
+
+    if name == "split_heads":  # one projection split into q, k, v, then into heads (HF)
+        return lambda x: op(*(heads(t) for t in x.split(64, dim=2)))[0], x
+    if name == "select_heads":  # torch's MultiheadAttention: [3, s, b, e] selected, as ViT's
+        y = torch.randn(50, 2, 3 * 64, generator=g)
+
+        def fn(y):
+            p = y.unflatten(-1, (3, 64)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+            q, k, v = (t.view(50, 8, 16).transpose(0, 1).view(2, 4, 50, 16) for t in (p[0], p[1], p[2]))
+            return op(q, k, v)[0]
+
+        return fn, y
+    if name == "strided_columns":  # every other column: rows not contiguous, read as a copy
+        return lambda x: op(*(t[..., ::2].reshape(2, 50, 2, 16).transpose(1, 2) for t in x.split(64, dim=2)))[
+            0
+        ], x
+    if name == "keys_columns_first":  # k stored [b, h, d, s]: transposed back, so a copy
+
+        def fn(x):
+            q, k, v = (heads(t) for t in x.split(64, dim=2))
+            kt = k.transpose(2, 3).contiguous() * 1.0
+            return op(q, kt.transpose(2, 3), v)[0]
+
+        return fn, x
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["split_heads", "select_heads", "strided_columns", "keys_columns_first"])
+def test_flash_attention_reads_q_k_v_through_views_and_matches_eager(host_rows, tmp_path, name):
+    """The kernel reads q, k and v where they lie in the buffer they were viewed from (through
+    reshapes, transposes and slices), or a copy where their rows are not contiguous there."""
+    fn, x = _views_case(name, torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        out, text = _compiled_module(fn, (x,), tmp_path)
+        torch.testing.assert_close(out, fn(x), rtol=1e-5, atol=1e-5)
+    assert "tpuc_attention" in text
+    if name in ("split_heads", "select_heads"):
+        # XLA's optimized program hands the kernel the input itself, three times: no copies.
+        (hlo,) = tmp_path.glob("*/optimized_hlo.txt")
+        (call,) = (line for line in hlo.read_text().splitlines() if '"tpuc_attention"' in line)
+        operands = re.search(r"custom-call\(([^)]*)\)", call).group(1).split(", ")[:3]
+        assert all(o.startswith("%Arg_") for o in operands), call

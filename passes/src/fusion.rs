@@ -337,8 +337,19 @@ fn operand_values(n: &Node, positions: &[usize]) -> Vec<ValueRef> {
 /// scalings that feed them.
 fn attention(gr: &Grower, root: NodeId) -> Option<(&'static str, BTreeSet<NodeId>)> {
     let n = gr.g.node(root);
+    // Selects, slices and splits too: a host kernel reads the heads of q, k and v where they lie in
+    // one projection's output (`tpuc_runtime::host_attention`), if the unit starts there.
     let layout = |n: &Node| {
         is(n, VIEWS)
+            || is(
+                n,
+                &[
+                    "aten.select.int",
+                    "aten.slice.Tensor",
+                    "aten.split.Tensor",
+                    "aten.split_with_sizes.default",
+                ],
+            )
             || (is(n, &["aten.mul.Scalar", "aten.div.Scalar"])
                 && tensor_arg(n, 0).is_some()
                 && !matches!(n.args.get(1), Some(Arg::Value(_))))

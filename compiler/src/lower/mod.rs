@@ -5,6 +5,7 @@
 mod emit;
 mod ops;
 pub mod registry;
+mod strided;
 #[cfg(test)]
 mod tests;
 

@@ -123,13 +123,21 @@ fn host_attention<'c, 'b>(
     {
         return Ok(None);
     }
-    // Contiguous [batch, heads, rows, cols] strides.
-    let dense = |heads: i64, rows: i64, cols: i64| [0, heads * rows * cols, rows * cols, cols];
+    // Each operand read where it lies: in the buffer it was reshaped, transposed or sliced
+    // from (the projection's output, without the copies that split the heads out of it), where
+    // its rows are contiguous there; else as it is.
     let mut geometry = vec![b, h, hk, l, s, d, dv, i64::from(causal)];
-    geometry.extend(dense(h, l, d));
-    geometry.extend(dense(hk, s, d));
-    geometry.extend(dense(hk, s, dv));
-    let mut operands = vec![q.clone(), k.clone(), v.clone()];
+    let mut operands = Vec::with_capacity(6);
+    for t in [q, k, v] {
+        let view = e.strided_view(t);
+        let (base, offset, strides) = if view.strides[3] == 1 || t.shape[3] <= 1 {
+            (view.base, view.offset, view.strides)
+        } else {
+            (t.clone(), 0, crate::lower::strided::row_major(&t.shape))
+        };
+        operands.push(base);
+        geometry.extend([offset, strides[0], strides[1], strides[2]]);
+    }
     let mask = match mask {
         Some(m) => {
             // 4-d, keys along the last dim, additive: a bool mask keeps where true.
