@@ -93,7 +93,12 @@ def build_resnet50(torch, batch):
 def build_vit_b16(torch, batch):
     import torchvision
 
-    return torchvision.models.vit_b_16(), _images(torch, batch), lambda out: out
+    model = torchvision.models.vit_b_16()
+    # torchvision zero-initializes the classifier, which makes every output 0 and the error
+    # column meaningless: random weights, as a trained head has.
+    with torch.no_grad():
+        model.heads.head.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
+    return model, _images(torch, batch), lambda out: out
 
 
 def build_unet(torch):

@@ -59,6 +59,13 @@ def _doctor(args) -> int:
             else "off (TPUC_HOST_CONV=0, or no oneDNN 2.x here: apt package libdnnl2)"
         )
         print(f"host convolutions: {conv}")
+        if not rt.host_rows:
+            rows = "off (TPUC_HOST_ROWS=0, or the plugin has no FFI extension)"
+        elif macs:
+            rows = "tpuc's kernels for large f32 layer norms and CPU flash attention"
+        else:
+            rows = "tpuc's kernel for large f32 layer norms (attention needs the host BLAS)"
+        print(f"host row kernels: {rows}")
     print(f"cache dir: {options_mod.parse({}).cache_dir}")
     print(f"lowering rules: {len(_native.supported_ops())} ATen ops")
     return 0
