@@ -341,14 +341,7 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
     job.work_with(blas);
     // The pieces other threads claimed are running now: wait for them (never for a task that
     // has not started, which may be queued behind this very thread).
-    let mut polls = 0u32;
-    while job.done.load(Ordering::Acquire) < total {
-        polls = polls.wrapping_add(1);
-        if polls.is_multiple_of(64) {
-            std::thread::yield_now();
-        }
-        std::hint::spin_loop();
-    }
+    super::spin_helpers::wait_until_done(&job.done, total);
     if let Some(number) = posted {
         super::spin_helpers::retract(number);
     }

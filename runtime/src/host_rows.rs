@@ -165,6 +165,39 @@ impl LayerNorm {
 /// The row arithmetic, written over independent lanes so that the compiler vectorizes it, in
 /// the widest instructions the CPU has (checked once).
 pub(crate) mod vector {
+    /// `fn name(args) -> ret = body`: a function that runs `body(args)` compiled for the widest
+    /// vectors the CPU has (AVX-512, else AVX2 with FMA: checked once, cached by std), else
+    /// as portable code.
+    macro_rules! widest {
+        ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) -> $r:ty = $body:ident) => {
+            $(#[$m])*
+            $vis fn $name($($a: $t),*) -> $r {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    #[target_feature(enable = "avx512f")]
+                    unsafe fn avx512($($a: $t),*) -> $r {
+                        $body($($a),*)
+                    }
+                    #[target_feature(enable = "avx2,fma")]
+                    unsafe fn avx2($($a: $t),*) -> $r {
+                        $body($($a),*)
+                    }
+                    if std::arch::is_x86_feature_detected!("avx512f") {
+                        // SAFETY: the CPU has the instructions.
+                        return unsafe { avx512($($a),*) };
+                    }
+                    if std::arch::is_x86_feature_detected!("avx2")
+                        && std::arch::is_x86_feature_detected!("fma")
+                    {
+                        // SAFETY: as above.
+                        return unsafe { avx2($($a),*) };
+                    }
+                }
+                $body($($a),*)
+            }
+        };
+    }
+
     /// Lanes of the softmax's loops: one AVX-512 register.
     const LANES: usize = 16;
     /// Lanes of the layer norm's sums: two registers, so that two chains of additions overlap
@@ -230,52 +263,16 @@ pub(crate) mod vector {
         (mean, rstd)
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn layer_norm_avx512(
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
-        y: &mut [f32],
-        eps: f32,
-    ) -> (f32, f32) {
-        layer_norm_body(x, w, b, y, eps)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn layer_norm_avx2(
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
-        y: &mut [f32],
-        eps: f32,
-    ) -> (f32, f32) {
-        layer_norm_body(x, w, b, y, eps)
-    }
-
-    /// One row: writes `y`, returns `(mean, rstd)`. `x`, `w`, `b` and `y` have the same length.
-    pub(super) fn layer_norm_row(
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
-        y: &mut [f32],
-        eps: f32,
-    ) -> (f32, f32) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has the instructions.
-                return unsafe { layer_norm_avx512(x, w, b, y, eps) };
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                // SAFETY: as above.
-                return unsafe { layer_norm_avx2(x, w, b, y, eps) };
-            }
-        }
-        layer_norm_body(x, w, b, y, eps)
+    widest! {
+        /// One row: writes `y`, returns `(mean, rstd)`. `x`, `w`, `b` and `y` have the same
+        /// length.
+        pub(super) fn layer_norm_row(
+            x: &[f32],
+            w: &[f32],
+            b: &[f32],
+            y: &mut [f32],
+            eps: f32,
+        ) -> (f32, f32) = layer_norm_body
     }
 
     /// `e^x` for `x <= 0` (NaN stays NaN): `2^n e^r` with `r = x - n ln 2` in `[-ln2/2, ln2/2]`
@@ -360,36 +357,11 @@ pub(crate) mod vector {
         (max, sum)
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn softmax_avx512(row: &mut [f32]) -> (f32, f32) {
-        softmax_body(row)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn softmax_avx2(row: &mut [f32]) -> (f32, f32) {
-        softmax_body(row)
-    }
-
-    /// Softmax of `row` in place; returns `(max, sum)` of the row and of its exponentials
-    /// `e^(x - max)`, whose logsumexp is `max + ln(sum)`. A row of -inf (every key masked)
-    /// becomes zeros, and `(-inf, 0)` is returned.
-    pub(crate) fn softmax_row(row: &mut [f32]) -> (f32, f32) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has the instructions.
-                return unsafe { softmax_avx512(row) };
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                // SAFETY: as above.
-                return unsafe { softmax_avx2(row) };
-            }
-        }
-        softmax_body(row)
+    widest! {
+        /// Softmax of `row` in place; returns `(max, sum)` of the row and of its exponentials
+        /// `e^(x - max)`, whose logsumexp is `max + ln(sum)`. A row of -inf (every key masked)
+        /// becomes zeros, and `(-inf, 0)` is returned.
+        pub(crate) fn softmax_row(row: &mut [f32]) -> (f32, f32) = softmax_body
     }
 
     /// `row += add`, elementwise (a float attention mask).

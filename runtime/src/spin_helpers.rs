@@ -181,6 +181,19 @@ pub(crate) fn cpus() -> i64 {
     *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as i64)
 }
 
+/// Spins (yielding now and then) until `done` reaches `total`: the end of work whose every
+/// claimed part is running on some thread.
+pub(crate) fn wait_until_done(done: &AtomicI64, total: i64) {
+    let mut polls = 0u32;
+    while done.load(Ordering::Acquire) < total {
+        polls = polls.wrapping_add(1);
+        if polls.is_multiple_of(64) {
+            std::thread::yield_now();
+        }
+        std::hint::spin_loop();
+    }
+}
+
 /// `total` units of work, claimed one at a time by the threads that run them.
 struct Units<F> {
     run: F,
@@ -218,16 +231,9 @@ pub(crate) fn run_units(total: i64, threads: usize, run: impl Fn(i64) + Send + S
         None
     };
     units.work();
-    // Units other threads claimed are running now: wait for them (a helper that has not
-    // started claims nothing, so this never waits for one).
-    let mut polls = 0u32;
-    while units.done.load(Ordering::Acquire) < total {
-        polls = polls.wrapping_add(1);
-        if polls.is_multiple_of(64) {
-            std::thread::yield_now();
-        }
-        std::hint::spin_loop();
-    }
+    // Units other threads claimed are running now (a helper that has not started claims
+    // nothing, so this never waits for one).
+    wait_until_done(&units.done, total);
     if let Some(number) = posted {
         retract(number);
     }
