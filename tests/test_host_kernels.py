@@ -181,8 +181,8 @@ def _views_case(name, g):
     x = torch.randn(2, 50, 3 * 64, generator=g)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-    def heads(t):  # [b, s, 64] -> [b, 4, s, 16]
-        return t.view(2, 50, 4, 16).transpose(1, 2)
+    def heads(t, n=50):  # [b, n, 64] -> [b, 4, n, 16]
+        return t.view(2, n, 4, 16).transpose(1, 2)
 
     if name == "split_heads":  # one projection split into q, k, v, then into heads (HF)
         return lambda x: op(*(heads(t) for t in x.split(64, dim=2)))[0], x
@@ -195,6 +195,9 @@ def _views_case(name, g):
             return op(q, k, v)[0]
 
         return fn, y
+    if name == "one_query_row":  # a decoding step: q of one row, viewed out of its projection
+        k, v = (torch.randn(2, 4, 600, 16, generator=g) for _ in range(2))
+        return lambda x: op(heads(x[:, :1].split(64, dim=2)[0], 1), k, v)[0], x
     if name == "strided_columns":  # every other column: rows not contiguous, read as a copy
         return lambda x: op(*(t[..., ::2].reshape(2, 50, 2, 16).transpose(1, 2) for t in x.split(64, dim=2)))[
             0
@@ -210,7 +213,9 @@ def _views_case(name, g):
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("name", ["split_heads", "select_heads", "strided_columns", "keys_columns_first"])
+@pytest.mark.parametrize(
+    "name", ["split_heads", "select_heads", "one_query_row", "strided_columns", "keys_columns_first"]
+)
 def test_flash_attention_reads_q_k_v_through_views_and_matches_eager(host_rows, tmp_path, name):
     """The kernel reads q, k and v where they lie in the buffer they were viewed from (through
     reshapes, transposes and slices), or a copy where their rows are not contiguous there."""

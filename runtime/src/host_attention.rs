@@ -231,7 +231,19 @@ unsafe fn geometry(frame: &CallFrame) -> Result<Option<Geometry>, String> {
         sh: geo[at + 2],
         sr: geo[at + 3],
     };
-    let (qv, kv, vv) = (view(q, 8), view(k, 12), view(v, 16));
+    // A matrix of one row may have any row stride in a view (its rows never step); the BLAS
+    // still wants a leading dimension of at least the row's length.
+    let lead = |mut view: View, rows: i64, cols: i64| {
+        if rows <= 1 {
+            view.sr = cols.max(1);
+        }
+        view
+    };
+    let (qv, kv, vv) = (
+        lead(view(q, 8), l, d),
+        lead(view(k, 12), s, d),
+        lead(view(v, 16), s, dv),
+    );
     let mask_view = mask.map(|m| View {
         ptr: m.0.data as *mut f32,
         offset: 0,
@@ -239,13 +251,17 @@ unsafe fn geometry(frame: &CallFrame) -> Result<Option<Geometry>, String> {
         sh: geo[21],
         sr: geo[22],
     });
-    let out_view = View {
-        ptr: out.0.data as *mut f32,
-        offset: 0,
-        sb: geo[23],
-        sh: geo[24],
-        sr: geo[25],
-    };
+    let out_view = lead(
+        View {
+            ptr: out.0.data as *mut f32,
+            offset: 0,
+            sb: geo[23],
+            sh: geo[24],
+            sr: geo[25],
+        },
+        l,
+        dv,
+    );
     if [b, h, hk, l, s, d, dv].iter().any(|&x| x < 0) || hk == 0 && h > 0 || h % hk.max(1) != 0 {
         return Err(format!("bad sizes {:?}", &geo[..7]));
     }
@@ -256,7 +272,8 @@ unsafe fn geometry(frame: &CallFrame) -> Result<Option<Geometry>, String> {
         (out_view, [b, h, l, dv], out.1, "output"),
     ];
     for (view, shape, len, what) in fits {
-        if !view.fits(shape, len) {
+        // Rows that overlap are no matrix the BLAS can read (nor write).
+        if !view.fits(shape, len) || view.sr < shape[3] {
             return Err(format!(
                 "the {what} view {view:?} of {shape:?} exceeds its {len} elements"
             ));

@@ -465,27 +465,5 @@ pub(crate) mod vector {
                 assert!(sum.is_nan() && all_nan.iter().all(|v| v.is_nan()));
             }
         }
-
-        #[test]
-        #[ignore]
-        fn softmax_speed() {
-            let mut rows: Vec<f32> = (0..197 * 197)
-                .map(|i| ((i * 31 % 97) as f32) * 0.05)
-                .collect();
-            let t = std::time::Instant::now();
-            for _ in 0..100 {
-                for r in rows.chunks_mut(197) {
-                    super::softmax_row(r);
-                }
-            }
-            eprintln!("softmax 197x197: {:?} per block", t.elapsed() / 100);
-            let x: Vec<f32> = (0..768).map(|i| i as f32).collect();
-            let mut y = vec![0f32; 768];
-            let t = std::time::Instant::now();
-            for _ in 0..10000 {
-                super::layer_norm_row(&x, &x, &x, &mut y, 1e-5);
-            }
-            eprintln!("layer norm 768: {:?} per row", t.elapsed() / 10000);
-        }
     }
 }
