@@ -315,7 +315,7 @@ impl FxGraph {
     /// The graph as Graphviz DOT text (see `tpuc_frontend_fx::dot`).
     #[pyo3(signature = (title="", clusters=true, legend=true))]
     fn to_dot(&self, title: &str, clusters: bool, legend: bool) -> String {
-        graph_dot(&self.graph, title, clusters, legend)
+        graph_dot(&self.graph, title, (clusters, legend), None)
     }
 
     /// Ops of this graph that have no lowering rule: `[(op, node name)]`.
@@ -380,15 +380,22 @@ impl FxGraph {
     }
 }
 
-fn graph_dot(g: &Graph, title: &str, clusters: bool, legend: bool) -> String {
-    // The units lowering emits as composites (when the `composites` pass ran), grouped.
-    let composites = if clusters && g.lowering.contains("composites") {
-        tpuc_passes::fusion_groups(g)
+/// `emitted`: the units lowering emitted as composites, where the graph was lowered; else the
+/// units the `composites` pass found (when it ran). Grouped where `clusters`.
+fn graph_dot(
+    g: &Graph,
+    title: &str,
+    (clusters, legend): (bool, bool),
+    emitted: Option<&[(String, Vec<tpuc_frontend_fx::NodeId>)]>,
+) -> String {
+    let composites = match emitted {
+        _ if !clusters => Vec::new(),
+        Some(units) => units.to_vec(),
+        None if g.lowering.contains("composites") => tpuc_passes::fusion_groups(g)
             .into_iter()
             .map(|u| (u.name.to_string(), u.nodes))
-            .collect()
-    } else {
-        Vec::new()
+            .collect(),
+        None => Vec::new(),
     };
     let opts = tpuc_frontend_fx::dot::DotOptions {
         title: title.to_string(),
@@ -1029,7 +1036,11 @@ impl Executable {
     #[pyo3(signature = (title="", clusters=true, legend=true))]
     fn graph_dot(&self, title: &str, clusters: bool, legend: bool) -> (String, usize) {
         let g = &self.compiled.specialized;
-        (graph_dot(g, title, clusters, legend), g.dag.node_count())
+        let emitted = Some(self.compiled.lowered.composites.as_slice());
+        (
+            graph_dot(g, title, (clusters, legend), emitted),
+            g.dag.node_count(),
+        )
     }
 
     /// How to assemble the graph's outputs, with sizes of this specialization filled in.

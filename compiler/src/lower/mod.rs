@@ -87,6 +87,9 @@ pub struct Lowered {
     pub output_perms: Vec<Option<Vec<i64>>>,
     /// The layouts the module was annotated with, which the runtime splits and reassembles by.
     pub sharding: Option<ShardingPlan>,
+    /// The units emitted as `stablehlo.composite`s: (name without `tpuc.`, member nodes), in
+    /// node order (what the dump's graph picture groups).
+    pub composites: Vec<(String, Vec<NodeId>)>,
 }
 
 impl Lowered {
@@ -465,7 +468,13 @@ fn lower_in(
     let plan = options.sharding.as_ref();
     // The fusion passes act here (see tpuc_passes::fusion); not on sharded modules, whose
     // layout constraints name IR values.
-    let fused = Fused::new(graph, plan.is_none());
+    // With the host attention kernel, the fused CPU attention is lowered in the main function:
+    // the kernel reads q, k and v where they lie, which it can trace back only within one
+    // function (a composite's operands are its arguments; GPT-2's keys and values are also
+    // graph outputs, so the unit stops at their views, and the heads were copied out).
+    let host_attention =
+        plan.is_none() && options.host_rows && options.host_gemm_min_macs.is_some();
+    let fused = Fused::new(graph, plan.is_none(), host_attention);
     let mut functions: Vec<melior::ir::Operation> = Vec::new();
     let constraints: HashMap<ValueRef, String> = plan
         .map(|p| {
@@ -619,12 +628,19 @@ fn lower_in(
     // Bytecode, not text: a third of the printing time, and what the plugin parses fastest.
     // `Lowered::text` prints it for dumps and tests.
     let bytecode = module.as_operation().write_bytecode();
+    let mut composites: Vec<(String, Vec<NodeId>)> = fused
+        .roots
+        .values()
+        .map(|g| (g.name.to_string(), g.nodes.clone()))
+        .collect();
+    composites.sort_by_key(|(_, nodes)| nodes.last().copied());
     Ok(Lowered {
         bytecode,
         inputs,
         outputs,
         output_perms,
         sharding: options.sharding.clone(),
+        composites,
     })
 }
 
@@ -669,7 +685,7 @@ struct Fused {
 }
 
 impl Fused {
-    fn new(graph: &Graph, allowed: bool) -> Fused {
+    fn new(graph: &Graph, allowed: bool, host_attention: bool) -> Fused {
         let on = |pass: &str| allowed && graph.lowering.contains(pass);
         let mut folds = Folds::default();
         if on(tpuc_passes::fusion::FOLD_TRANSPOSES) {
@@ -690,7 +706,11 @@ impl Fused {
         if on(tpuc_passes::fusion::COMPOSITES) {
             for group in tpuc_passes::fusion_groups(graph) {
                 let root = *group.nodes.last().expect("groups are not empty");
-                if graph.node(root).results.iter().any(Option::is_none) {
+                if graph.node(root).results.iter().any(Option::is_none)
+                    || (host_attention
+                        && graph.node(root).op
+                            == "aten._scaled_dot_product_flash_attention_for_cpu.default")
+                {
                     continue;
                 }
                 inner.extend(group.nodes[..group.nodes.len() - 1].iter().copied());
