@@ -408,24 +408,14 @@ struct Pieces {
 impl Pieces {
     /// Runs unclaimed pieces on this thread, each through a one-thread `sgemm_`, until none is
     /// left.
-    fn work_with(&self, blas: &Blas) {
+    fn work_with(&self, blas: &'static Blas) {
         // On the thread that called execute (only with `TPUC_HOST_GEMM_PIECES=1`) MKL's setting
         // is restored after: PyTorch's own products there use its threads.
-        let restore = if EXECUTING.with(|e| e.get()) {
-            // SAFETY: MKL's setting for the calling thread, restored below.
-            Some(unsafe { (blas.set_local_threads)(1) })
-        } else {
-            one_thread_blas(blas);
-            None
-        };
+        let _one_thread = OneThreadBlas::with(blas);
         let total = self.batch * self.pieces;
         loop {
             let i = self.next.fetch_add(1, Ordering::AcqRel);
             if i >= total {
-                if let Some(before) = restore {
-                    // SAFETY: as above.
-                    unsafe { (blas.set_local_threads)(before) };
-                }
                 return;
             }
             // SAFETY: the handler waits until every claimed piece is done, so the buffers live;
@@ -488,7 +478,10 @@ pub(crate) struct OneThreadBlas {
 impl OneThreadBlas {
     /// None where the process has no host BLAS.
     pub(crate) fn enter() -> Option<OneThreadBlas> {
-        let blas = BLAS.get()?;
+        BLAS.get().map(OneThreadBlas::with)
+    }
+
+    fn with(blas: &'static Blas) -> OneThreadBlas {
         let restore = if EXECUTING.with(|e| e.get()) {
             // SAFETY: MKL's setting for the calling thread, restored on drop.
             Some(unsafe { (blas.set_local_threads)(1) })
@@ -496,7 +489,7 @@ impl OneThreadBlas {
             one_thread_blas(blas);
             None
         };
-        Some(OneThreadBlas { blas, restore })
+        OneThreadBlas { blas, restore }
     }
 
     /// Row-major `C = alpha * A op(B)`: A `[m, k]` with rows `lda` apart, B `[k, n]` (or, where

@@ -132,6 +132,9 @@ pub struct Emitter<'c, 'b> {
     /// Large f32 layer norms go to the host row kernels (see
     /// [`LowerOptions::host_rows`](crate::lower::LowerOptions)).
     pub host_rows: bool,
+    /// The fused CPU attention goes to the host kernel (see
+    /// [`LowerOptions::host_attention`](crate::lower::LowerOptions::host_attention)).
+    pub host_attention: bool,
 }
 
 /// A value's physical form: the logical value is `transpose(physical, permutation)` (logical dim
@@ -465,6 +468,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_gemm_min_macs: None,
             host_conv: false,
             host_rows: false,
+            host_attention: false,
         }
     }
 
@@ -487,6 +491,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_gemm_min_macs: self.host_gemm_min_macs,
             host_conv: self.host_conv,
             host_rows: self.host_rows,
+            host_attention: self.host_attention,
         }
     }
 

@@ -73,6 +73,14 @@ pub struct LowerOptions {
     pub host_rows: bool,
 }
 
+impl LowerOptions {
+    /// Whether the fused CPU attention goes to the host kernel (`tpuc_attention`): the row
+    /// kernels and the host BLAS (its products) on, and no sharding.
+    pub fn host_attention(&self) -> bool {
+        self.sharding.is_none() && self.host_rows && self.host_gemm_min_macs.is_some()
+    }
+}
+
 /// What lowering produced: the module and the signature of `main`.
 #[derive(Clone, Debug)]
 pub struct Lowered {
@@ -472,9 +480,7 @@ fn lower_in(
     // the kernel reads q, k and v where they lie, which it can trace back only within one
     // function (a composite's operands are its arguments; GPT-2's keys and values are also
     // graph outputs, so the unit stops at their views, and the heads were copied out).
-    let host_attention =
-        plan.is_none() && options.host_rows && options.host_gemm_min_macs.is_some();
-    let fused = Fused::new(graph, plan.is_none(), host_attention);
+    let fused = Fused::new(graph, plan.is_none(), options.host_attention());
     let mut functions: Vec<melior::ir::Operation> = Vec::new();
     let constraints: HashMap<ValueRef, String> = plan
         .map(|p| {
@@ -496,6 +502,7 @@ fn lower_in(
         e.host_gemm_min_macs = options.host_gemm_min_macs.filter(|_| plan.is_none());
         e.host_conv = options.host_conv && plan.is_none();
         e.host_rows = options.host_rows && plan.is_none();
+        e.host_attention = options.host_attention();
         let mut values: HashMap<ValueRef, T> = HashMap::default();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block

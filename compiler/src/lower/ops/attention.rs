@@ -113,8 +113,7 @@ fn host_attention<'c, 'b>(
     let (hk, s, dv) = (k.shape[1], k.shape[2], v.shape[3]);
     let (out_shape, out_dtype) = cx.out(0)?;
     let (lse_shape, lse_dtype) = cx.out(1)?;
-    if !e.host_rows
-        || e.host_gemm_min_macs.is_none()
+    if !e.host_attention
         || [q, k, v].iter().any(|t| t.dtype != f32)
         || out_dtype != f32
         || lse_dtype != f32
