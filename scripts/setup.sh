@@ -89,6 +89,13 @@ for name in "${EXTRA_PLUGINS[@]}"; do
         "${PIP[@]}" --no-deps "$req"
     fi
 done
+# oneDNN 3.x with GNU OpenMP (the runtime PyTorch's threads use) into .venv/lib: tpuc's host
+# convolutions prefer it to Debian's 2.x (faster gradient kernels; runtime/src/host_conv.rs).
+ONEDNN=onednn-cpu-gomp==2023.2.0
+if ! have "import importlib.metadata as m, sys; sys.exit(m.version('${ONEDNN%%==*}') != '${ONEDNN##*==}')"; then
+    step "python: installing oneDNN 3.x ($ONEDNN)"
+    "${PIP[@]}" --no-deps "$ONEDNN"
+fi
 # Test tools first: the verifier wheel below needs numpy. expecttest is what PyTorch's op database
 # (bench/op_sweep.py) imports.
 if ! have "import maturin, pytest, numpy, expecttest" || [ ! -x .venv/bin/ruff ]; then

@@ -1,10 +1,12 @@
-"""2-D f32 convolutions run in oneDNN (Debian's libdnnl2) as XLA FFI custom calls
+"""2-D f32 convolutions run in oneDNN (3.x from PyPI's onednn-cpu-gomp, else Debian's libdnnl2
+2.x) as XLA FFI custom calls
 (`tpuc_conv2d_fwd|bwd_data|bwd_weights`) inside the compiled program, registered with the CPU
 plugin at start (`TPUC_HOST_CONV=0`: never). Checked against eager, forward and both gradients,
 over strides, padding, dilation, groups, non-square kernels and batch 1; with the weights changed
 under the compiled model in the ways PyTorch allows (in place, `.data =`, `load_state_dict`);
-from two threads at once; and with oneDNN off (a child process), where XLA's lowerings compute
-the same numbers. Depthwise and 1x1 convolutions, and other dtypes, stay in XLA."""
+from two threads at once; with oneDNN 2.x where 3.x is the default (a child process: the two
+generations make their descriptors through different calls); and with oneDNN off (a child
+process), where XLA's lowerings compute the same numbers. Depthwise and 1x1 convolutions, and other dtypes, stay in XLA."""
 
 from __future__ import annotations
 
@@ -17,19 +19,20 @@ import threading
 import pytest
 import torch
 
-from tpuc import _native
+from tpuc import _native, runtime
 
 
-def _onednn_loadable() -> bool:
+def _loadable(library: str) -> bool:
     try:
-        ctypes.CDLL("libdnnl.so.2")
+        ctypes.CDLL(library)
     except OSError:
         return False
     return True
 
 
 pytestmark = pytest.mark.skipif(
-    not _onednn_loadable(), reason="no oneDNN 2.x here (apt package libdnnl2; scripts/setup.sh installs it)"
+    not _loadable(runtime.host_conv_library()),
+    reason="no oneDNN here (PyPI onednn-cpu-gomp or apt libdnnl2; scripts/setup.sh installs both)",
 )
 
 
@@ -177,5 +180,36 @@ def test_xla_convolution_lowerings_still_match_eager_with_onednn_off(tmp_path):
         text=True,
         timeout=900,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+@pytest.mark.skipif(
+    runtime.host_conv_library() == runtime.HOST_CONV_LIBRARY_2 or not _loadable(runtime.HOST_CONV_LIBRARY_2),
+    reason="oneDNN 2.x is the default here, or missing",
+)
+def test_onednn_2_gives_eager_numbers_where_3_is_the_default(tmp_path):
+    # oneDNN 2.x makes its descriptors through other calls (op descriptors, format tags numbered
+    # differently): the cases above run again in a child that loads it.
+    env = dict(os.environ, TPUC_ONEDNN=runtime.HOST_CONV_LIBRARY_2, TPUC_CACHE_DIR=str(tmp_path / "cache"))
+    check = (
+        "import tpuc, tpuc.runtime as r; r.get_runtime(None); print(tpuc._native.Runtime.host_conv_version())"
+    )
+    r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.split("\n")[-2].startswith("(2, "), r.stdout + r.stderr
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_convolution_and_its_gradients_match_eager",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -596,6 +596,12 @@ impl Runtime {
         tpuc_runtime::host_conv::calls()
     }
 
+    /// `(major, minor, patch)` of the oneDNN that convolutions run in; None where none loaded.
+    #[staticmethod]
+    fn host_conv_version() -> Option<(i32, i32, i32)> {
+        tpuc_runtime::host_conv::version()
+    }
+
     /// The alignment host memory needs for the plugin to compute on it in place.
     #[classattr]
     fn host_align() -> usize {

@@ -53,10 +53,11 @@ def _doctor(args) -> int:
             else "off (TPUC_HOST_GEMM=0, or PyTorch here has no MKL)"
         )
         print(f"host BLAS: {host}")
+        version = _native.Runtime.host_conv_version()
         conv = (
-            "oneDNN for 2-D f32 convolutions"
+            f"oneDNN {'.'.join(map(str, version or ()))} for 2-D f32 convolutions"
             if rt.host_conv
-            else "off (TPUC_HOST_CONV=0, or no oneDNN 2.x here: apt package libdnnl2)"
+            else "off (TPUC_HOST_CONV=0, or no oneDNN here: PyPI onednn-cpu-gomp or apt libdnnl2)"
         )
         print(f"host convolutions: {conv}")
         if not rt.host_rows:

@@ -6,6 +6,7 @@ import glob
 import importlib.metadata
 import os
 import struct
+import sys
 import threading
 from pathlib import Path
 
@@ -284,8 +285,20 @@ def _enable_host_gemm(rt: _native.Runtime) -> None:
         rt.enable_host_gemm(str(lib), HOST_GEMM_MIN_MACS)
 
 
-# oneDNN 2.x (Debian's libdnnl2, which scripts/setup.sh installs), found by the loader's search.
-HOST_CONV_LIBRARY = "libdnnl.so.2"
+# oneDNN with the OpenMP runtime: 3.x from the environment's `lib` (PyPI's onednn-cpu-gomp, which
+# scripts/setup.sh installs: its brgemm backward convolutions are faster), else 2.x (Debian's
+# libdnnl2), found by the loader's search.
+HOST_CONV_LIBRARY_3 = Path(sys.prefix) / "lib" / "libdnnl.so.3"
+HOST_CONV_LIBRARY_2 = "libdnnl.so.2"
+
+
+def host_conv_library() -> str:
+    """The oneDNN library convolutions are handed to: `TPUC_ONEDNN` (a path, or a name the loader
+    searches for) where set, else 3.x where installed, else 2.x."""
+    chosen = os.environ.get("TPUC_ONEDNN")
+    if chosen:
+        return chosen
+    return str(HOST_CONV_LIBRARY_3) if HOST_CONV_LIBRARY_3.is_file() else HOST_CONV_LIBRARY_2
 
 
 def _enable_host_conv(rt: _native.Runtime) -> None:
@@ -295,7 +308,7 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
     `TPUC_HOST_CONV=0` keeps them there."""
     if env_off("TPUC_HOST_CONV"):
         return
-    rt.enable_host_conv(HOST_CONV_LIBRARY)
+    rt.enable_host_conv(host_conv_library())
 
 
 def _enable_host_rows(rt: _native.Runtime) -> None:

@@ -1,5 +1,5 @@
-//! f32 2-D convolutions through oneDNN (`libdnnl.so.2`, the C API of oneDNN 2.x, as Debian's
-//! `libdnnl2` ships it), registered with a CPU plugin as XLA FFI custom calls.
+//! f32 2-D convolutions through oneDNN's C API (3.x as PyPI's `onednn-cpu-gomp` ships it, or
+//! 2.x as Debian's `libdnnl2` does), registered with a CPU plugin as XLA FFI custom calls.
 //!
 //! XLA's CPU plugin runs convolutions through Eigen; oneDNN's JIT kernels (the ones PyTorch's
 //! eager and Inductor call) run ResNet-50's convolutions about 1.4x faster on the same cores.
@@ -56,7 +56,7 @@ impl Kind {
     }
 }
 
-// ------------------------------------------------------------------ oneDNN's C API (2.x)
+// ------------------------------------------------------------------ oneDNN's C API (2.x and 3.x)
 
 type Status = c_int;
 type Handle = *mut c_void;
@@ -97,8 +97,6 @@ const STREAM_DEFAULT: u32 = 1;
 const F32: c_int = 3;
 const TAG_ANY: c_int = 1;
 const TAG_OIHW: c_int = 5;
-const TAG_GOIHW: c_int = 7;
-const TAG_NHWC: c_int = 20;
 const FORWARD_TRAINING: c_int = 64;
 const FORWARD_INFERENCE: c_int = 96;
 const CONVOLUTION_DIRECT: c_int = 1;
@@ -124,49 +122,10 @@ struct Dnnl {
     engine: Handle,
     /// Primitive attributes asking for the scratchpad to be passed in (see [`Primitive`]).
     user_scratchpad: Handle,
-    memory_desc_init_by_tag:
-        unsafe extern "C" fn(*mut MemoryDesc, c_int, Dims, c_int, c_int) -> Status,
-    #[allow(clippy::type_complexity)]
-    forward_desc_init: unsafe extern "C" fn(
-        *mut OpDesc,
-        c_int,
-        c_int,
-        *const MemoryDesc,
-        *const MemoryDesc,
-        *const MemoryDesc,
-        *const MemoryDesc,
-        Dims,
-        Dims,
-        Dims,
-        Dims,
-    ) -> Status,
-    #[allow(clippy::type_complexity)]
-    backward_data_desc_init: unsafe extern "C" fn(
-        *mut OpDesc,
-        c_int,
-        *const MemoryDesc,
-        *const MemoryDesc,
-        *const MemoryDesc,
-        Dims,
-        Dims,
-        Dims,
-        Dims,
-    ) -> Status,
-    #[allow(clippy::type_complexity)]
-    backward_weights_desc_init: unsafe extern "C" fn(
-        *mut OpDesc,
-        c_int,
-        *const MemoryDesc,
-        *const MemoryDesc,
-        *const MemoryDesc,
-        *const MemoryDesc,
-        Dims,
-        Dims,
-        Dims,
-        Dims,
-    ) -> Status,
-    primitive_desc_create:
-        unsafe extern "C" fn(*mut Handle, *const OpDesc, Handle, Handle, Handle) -> Status,
+    /// How descriptors are made: the calls 2.x and 3.x spell differently.
+    api: Api,
+    /// `(major, minor, patch)` of the library.
+    version: (i32, i32, i32),
     primitive_desc_query: unsafe extern "C" fn(Handle, c_int, c_int, *mut c_void) -> Status,
     primitive_desc_query_md: unsafe extern "C" fn(Handle, c_int, c_int) -> *const MemoryDesc,
     reorder_primitive_desc_create: unsafe extern "C" fn(
@@ -193,11 +152,155 @@ unsafe impl Send for Dnnl {}
 // SAFETY: see Send.
 unsafe impl Sync for Dnnl {}
 
+/// The descriptor calls of oneDNN 2.x and 3.x. Everything else (querying, reordering, memory
+/// objects, execution) is the same C API in both. 3.x is preferred where it is installed: its
+/// brgemm input-gradient kernels (2.6 has direct JIT ones) took ResNet-50's 3x3, 7x7 input and
+/// weight gradients from 127 + 140 to 119 + 134 ms per batch-8 training step.
+enum Api {
+    /// Descriptors are structs in storage of ours; an op descriptor makes the primitive's.
+    V2 {
+        memory_desc_init_by_tag:
+            unsafe extern "C" fn(*mut MemoryDesc, c_int, Dims, c_int, c_int) -> Status,
+        #[allow(clippy::type_complexity)]
+        forward_desc_init: unsafe extern "C" fn(
+            *mut OpDesc,
+            c_int,
+            c_int,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            Dims,
+            Dims,
+            Dims,
+            Dims,
+        ) -> Status,
+        #[allow(clippy::type_complexity)]
+        backward_data_desc_init: unsafe extern "C" fn(
+            *mut OpDesc,
+            c_int,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            Dims,
+            Dims,
+            Dims,
+            Dims,
+        ) -> Status,
+        #[allow(clippy::type_complexity)]
+        backward_weights_desc_init: unsafe extern "C" fn(
+            *mut OpDesc,
+            c_int,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            Dims,
+            Dims,
+            Dims,
+            Dims,
+        ) -> Status,
+        primitive_desc_create:
+            unsafe extern "C" fn(*mut Handle, *const OpDesc, Handle, Handle, Handle) -> Status,
+    },
+    /// Descriptors are oneDNN's objects; one call per kind makes the primitive's.
+    V3 {
+        memory_desc_create_with_tag:
+            unsafe extern "C" fn(*mut *const MemoryDesc, c_int, Dims, c_int, c_int) -> Status,
+        memory_desc_destroy: unsafe extern "C" fn(*const MemoryDesc) -> Status,
+        #[allow(clippy::type_complexity)]
+        forward: unsafe extern "C" fn(
+            *mut Handle,
+            Handle,
+            c_int,
+            c_int,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            Dims,
+            Dims,
+            Dims,
+            Dims,
+            Handle,
+        ) -> Status,
+        #[allow(clippy::type_complexity)]
+        backward_data: unsafe extern "C" fn(
+            *mut Handle,
+            Handle,
+            c_int,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            Dims,
+            Dims,
+            Dims,
+            Dims,
+            Handle,
+            Handle,
+        ) -> Status,
+        #[allow(clippy::type_complexity)]
+        backward_weights: unsafe extern "C" fn(
+            *mut Handle,
+            Handle,
+            c_int,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            *const MemoryDesc,
+            Dims,
+            Dims,
+            Dims,
+            Dims,
+            Handle,
+            Handle,
+        ) -> Status,
+    },
+}
+
+impl Api {
+    /// `(goihw, nhwc)`: format tags whose numbers moved between the versions.
+    fn tags(&self) -> (c_int, c_int) {
+        match self {
+            Api::V2 { .. } => (7, 20),
+            Api::V3 { .. } => (6, 22),
+        }
+    }
+}
+
+/// A memory descriptor: 2.x's struct in storage of ours, or a 3.x object (destroyed on drop; the
+/// ones a primitive keeps live as long as the process).
+enum Md {
+    Inline(Box<MemoryDesc>),
+    Object(
+        *const MemoryDesc,
+        unsafe extern "C" fn(*const MemoryDesc) -> Status,
+    ),
+}
+
+impl Md {
+    fn ptr(&self) -> *const MemoryDesc {
+        match self {
+            Md::Inline(m) => &**m,
+            Md::Object(m, _) => *m,
+        }
+    }
+}
+
+impl Drop for Md {
+    fn drop(&mut self) {
+        if let Md::Object(m, destroy) = *self {
+            // SAFETY: created by `memory_desc_create_with_tag`, destroyed once.
+            unsafe { destroy(m) };
+        }
+    }
+}
+
 static DNNL: OnceLock<Option<Dnnl>> = OnceLock::new();
 
-/// Loads `library` (oneDNN 2.x with the OpenMP runtime: PyTorch's wheels bundle the OpenMP
+/// Loads `library` (oneDNN 2.x or 3.x with the OpenMP runtime: PyTorch's wheels bundle the OpenMP
 /// library by the same name, so oneDNN's threads are the ones PyTorch's own work uses) and makes
-/// its CPU engine. None where it is missing or not a 2.x build.
+/// its CPU engine. None where it is missing or another build.
 fn load(library: &str) -> Option<Dnnl> {
     // SAFETY: loading oneDNN runs its initializers, which only set up its own state; the
     // library stays loaded for the process (the handle is leaked below).
@@ -206,7 +309,8 @@ fn load(library: &str) -> Option<Dnnl> {
         .ok()?;
     macro_rules! sym {
         ($name:literal) => {
-            // SAFETY: the signature is the one `dnnl.h` of oneDNN 2.x declares for the name.
+            // SAFETY: the signature is the one `dnnl.h` of the loaded major version declares
+            // for the name (the callers below ask each version only for its own names).
             match unsafe { lib.get(concat!($name, "\0").as_bytes()) } {
                 Ok(s) => *s,
                 Err(e) => {
@@ -220,9 +324,9 @@ fn load(library: &str) -> Option<Dnnl> {
     // SAFETY: oneDNN's static version record.
     let v = unsafe { &*version() };
     // 2: the OpenMP CPU runtime (`DNNL_RUNTIME_OMP`).
-    if v.major != 2 || v.cpu_runtime != 2 {
+    if !(v.major == 2 || v.major == 3) || v.cpu_runtime != 2 {
         tracing::debug!(
-            "oneDNN {library} is {}.{} with CPU runtime {}: not used (2.x with OpenMP expected)",
+            "oneDNN {library} is {}.{} with CPU runtime {}: not used (2.x or 3.x with OpenMP expected)",
             v.major,
             v.minor,
             v.cpu_runtime
@@ -247,14 +351,28 @@ fn load(library: &str) -> Option<Dnnl> {
     {
         return None;
     }
+    let api = if v.major == 2 {
+        Api::V2 {
+            memory_desc_init_by_tag: sym!("dnnl_memory_desc_init_by_tag"),
+            forward_desc_init: sym!("dnnl_dilated_convolution_forward_desc_init"),
+            backward_data_desc_init: sym!("dnnl_dilated_convolution_backward_data_desc_init"),
+            backward_weights_desc_init: sym!("dnnl_dilated_convolution_backward_weights_desc_init"),
+            primitive_desc_create: sym!("dnnl_primitive_desc_create"),
+        }
+    } else {
+        Api::V3 {
+            memory_desc_create_with_tag: sym!("dnnl_memory_desc_create_with_tag"),
+            memory_desc_destroy: sym!("dnnl_memory_desc_destroy"),
+            forward: sym!("dnnl_convolution_forward_primitive_desc_create"),
+            backward_data: sym!("dnnl_convolution_backward_data_primitive_desc_create"),
+            backward_weights: sym!("dnnl_convolution_backward_weights_primitive_desc_create"),
+        }
+    };
     let d = Dnnl {
         engine,
         user_scratchpad,
-        memory_desc_init_by_tag: sym!("dnnl_memory_desc_init_by_tag"),
-        forward_desc_init: sym!("dnnl_dilated_convolution_forward_desc_init"),
-        backward_data_desc_init: sym!("dnnl_dilated_convolution_backward_data_desc_init"),
-        backward_weights_desc_init: sym!("dnnl_dilated_convolution_backward_weights_desc_init"),
-        primitive_desc_create: sym!("dnnl_primitive_desc_create"),
+        api,
+        version: (v.major, v.minor, v.patch),
         primitive_desc_query: sym!("dnnl_primitive_desc_query"),
         primitive_desc_query_md: sym!("dnnl_primitive_desc_query_md"),
         reorder_primitive_desc_create: sym!("dnnl_reorder_primitive_desc_create"),
@@ -295,6 +413,12 @@ pub fn register(plugin: &Plugin, library: &str) -> Result<bool, PjrtError> {
 /// Calls run in this process, by kind (forward, input gradient, weight gradient).
 static CALLS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 
+/// The oneDNN version convolutions run in, `(major, minor, patch)`; None before
+/// [`register`] loaded one.
+pub fn version() -> Option<(i32, i32, i32)> {
+    DNNL.get().and_then(|d| d.as_ref().map(|d| d.version))
+}
+
 /// How many convolutions of each kind (forward, input gradient, weight gradient) ran here.
 pub fn calls() -> (u64, u64, u64) {
     (
@@ -334,10 +458,10 @@ struct Primitive {
     reorder: Option<Handle>,
     /// The kernel in PyTorch's layout and in the primitive's (kept with the primitive
     /// descriptor, which is never destroyed).
-    user_kernel: Box<MemoryDesc>,
+    user_kernel: Md,
     kernel: *const MemoryDesc,
     kernel_bytes: usize,
-    activations: [Box<MemoryDesc>; 2],
+    activations: [Md; 2],
     /// The scratchpad oneDNN needs, which each call passes in from a per-thread buffer (left to
     /// oneDNN, it allocates and frees it on every call: training ResNet-50 took 16k page faults
     /// per step that way).
@@ -374,49 +498,82 @@ fn primitive(d: &Dnnl, shape: &Shape) -> Result<Arc<Primitive>, String> {
     Ok(p)
 }
 
-fn make_primitive(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
-    let g = shape.groups();
-    let [o, cg, kh, kw] = shape.kernel;
-    let md = |dims: &[i64], tag: c_int| -> Result<Box<MemoryDesc>, String> {
-        let mut m = MemoryDesc::zeroed();
-        // SAFETY: `dims` has `len` entries; `m` is large enough for the descriptor.
-        let s = unsafe {
-            (d.memory_desc_init_by_tag)(&mut *m, dims.len() as c_int, dims.as_ptr(), F32, tag)
-        };
-        check(s, "memory_desc_init_by_tag")?;
-        Ok(m)
+impl Dnnl {
+    /// An f32 memory descriptor of `dims` in the layout `tag`.
+    fn memory_desc(&self, dims: &[i64], tag: c_int) -> Result<Md, String> {
+        let rank = dims.len() as c_int;
+        match &self.api {
+            Api::V2 {
+                memory_desc_init_by_tag,
+                ..
+            } => {
+                let mut m = MemoryDesc::zeroed();
+                // SAFETY: `dims` has `rank` entries; `m` is large enough for the descriptor.
+                let s = unsafe { memory_desc_init_by_tag(&mut *m, rank, dims.as_ptr(), F32, tag) };
+                check(s, "memory_desc_init_by_tag")?;
+                Ok(Md::Inline(m))
+            }
+            Api::V3 {
+                memory_desc_create_with_tag,
+                memory_desc_destroy,
+                ..
+            } => {
+                let mut m: *const MemoryDesc = std::ptr::null();
+                // SAFETY: `dims` has `rank` entries; oneDNN writes a new descriptor's address.
+                let s =
+                    unsafe { memory_desc_create_with_tag(&mut m, rank, dims.as_ptr(), F32, tag) };
+                check(s, "memory_desc_create_with_tag")?;
+                Ok(Md::Object(m, *memory_desc_destroy))
+            }
+        }
+    }
+}
+
+/// A convolution's window as oneDNN takes it (two spatial dims each).
+struct Window {
+    stride: [i64; 2],
+    pad_l: [i64; 2],
+    pad_r: [i64; 2],
+    dilates: [i64; 2],
+}
+
+/// The primitive descriptor of `kind` through oneDNN 2.x's op descriptors. `mds`: the
+/// activations in, the kernel (any layout), the activations out, each the forward's name for it
+/// (the backward kinds take them as their gradients).
+fn primitive_desc_v2(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<Handle, String> {
+    let Api::V2 {
+        forward_desc_init,
+        backward_data_desc_init,
+        backward_weights_desc_init,
+        primitive_desc_create,
+        ..
+    } = &d.api
+    else {
+        return Err("oneDNN 2.x entry points expected".into());
     };
-    // The kernel with the groups split out where there are several.
-    let (kernel_dims, user_tag): (Vec<i64>, c_int) = if g > 1 {
-        (vec![g, o / g, cg, kh, kw], TAG_GOIHW)
-    } else {
-        (vec![o, cg, kh, kw], TAG_OIHW)
-    };
-    let user_kernel = md(&kernel_dims, user_tag)?;
-    let any_kernel = md(&kernel_dims, TAG_ANY)?;
-    let src = md(&shape.input, TAG_NHWC)?;
-    let dst = md(&shape.output(), TAG_NHWC)?;
-    let geo = &shape.geometry;
-    let stride = [geo[0], geo[1]];
-    let (pad_l, pad_r) = ([geo[2], geo[3]], [geo[4], geo[5]]);
-    // oneDNN counts dilation from 0 (dense).
-    let dilates = [geo[6] - 1, geo[7] - 1];
+    let [src, kernel, dst] = mds.map(Md::ptr);
+    let (stride, dilates, pad_l, pad_r) = (
+        w.stride.as_ptr(),
+        w.dilates.as_ptr(),
+        w.pad_l.as_ptr(),
+        w.pad_r.as_ptr(),
+    );
     let forward_desc = |prop: c_int| -> Result<Box<OpDesc>, String> {
         let mut op = Box::new(OpDesc([0; 8192]));
-        // SAFETY: descriptors initialized above; dims arrays of 2 entries (2 spatial dims).
+        // SAFETY: initialized descriptors; dims arrays of 2 entries (2 spatial dims).
         let s = unsafe {
-            (d.forward_desc_init)(
+            forward_desc_init(
                 &mut *op,
                 prop,
                 CONVOLUTION_DIRECT,
-                &*src,
-                &*any_kernel,
+                src,
+                kernel,
                 std::ptr::null(),
-                &*dst,
-                stride.as_ptr(),
-                dilates.as_ptr(),
-                pad_l.as_ptr(),
-                pad_r.as_ptr(),
+                dst,
+                stride,
+                dilates,
+                pad_l,
+                pad_r,
             )
         };
         check(s, "convolution_forward_desc_init")?;
@@ -425,50 +582,161 @@ fn make_primitive(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
     let create_pd = |op: &OpDesc, hint: Handle| -> Result<Handle, String> {
         let mut pd: Handle = std::ptr::null_mut();
         // SAFETY: an initialized op descriptor, the process's attributes.
-        let s =
-            unsafe { (d.primitive_desc_create)(&mut pd, op, d.user_scratchpad, d.engine, hint) };
+        let s = unsafe { primitive_desc_create(&mut pd, op, d.user_scratchpad, d.engine, hint) };
         check(s, "primitive_desc_create")?;
         Ok(pd)
     };
-    let pd = match shape.kind {
-        Kind::Forward => create_pd(&*forward_desc(FORWARD_INFERENCE)?, std::ptr::null_mut())?,
-        Kind::InputGrad | Kind::WeightGrad => {
-            let hint = create_pd(&*forward_desc(FORWARD_TRAINING)?, std::ptr::null_mut())?;
-            let mut op = Box::new(OpDesc([0; 8192]));
-            // SAFETY: as for the forward descriptor.
-            let s = unsafe {
-                if shape.kind == Kind::InputGrad {
-                    (d.backward_data_desc_init)(
-                        &mut *op,
-                        CONVOLUTION_DIRECT,
-                        &*src,
-                        &*any_kernel,
-                        &*dst,
-                        stride.as_ptr(),
-                        dilates.as_ptr(),
-                        pad_l.as_ptr(),
-                        pad_r.as_ptr(),
-                    )
-                } else {
-                    (d.backward_weights_desc_init)(
-                        &mut *op,
-                        CONVOLUTION_DIRECT,
-                        &*src,
-                        &*any_kernel,
-                        std::ptr::null(),
-                        &*dst,
-                        stride.as_ptr(),
-                        dilates.as_ptr(),
-                        pad_l.as_ptr(),
-                        pad_r.as_ptr(),
-                    )
-                }
-            };
-            check(s, "convolution_backward_desc_init")?;
-            // The hint is kept alive with the backward one (never destroyed: a handful per
-            // shape, for the process).
-            create_pd(&op, hint)?
+    if kind == Kind::Forward {
+        return create_pd(&*forward_desc(FORWARD_INFERENCE)?, std::ptr::null_mut());
+    }
+    let hint = create_pd(&*forward_desc(FORWARD_TRAINING)?, std::ptr::null_mut())?;
+    let mut op = Box::new(OpDesc([0; 8192]));
+    // SAFETY: as for the forward descriptor.
+    let s = unsafe {
+        if kind == Kind::InputGrad {
+            backward_data_desc_init(
+                &mut *op,
+                CONVOLUTION_DIRECT,
+                src,
+                kernel,
+                dst,
+                stride,
+                dilates,
+                pad_l,
+                pad_r,
+            )
+        } else {
+            backward_weights_desc_init(
+                &mut *op,
+                CONVOLUTION_DIRECT,
+                src,
+                kernel,
+                std::ptr::null(),
+                dst,
+                stride,
+                dilates,
+                pad_l,
+                pad_r,
+            )
         }
+    };
+    check(s, "convolution_backward_desc_init")?;
+    // The hint is kept alive with the backward one (never destroyed: a handful per shape, for
+    // the process).
+    create_pd(&op, hint)
+}
+
+/// [`primitive_desc_v2`] through oneDNN 3.x's primitive descriptor calls.
+fn primitive_desc_v3(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<Handle, String> {
+    let Api::V3 {
+        forward,
+        backward_data,
+        backward_weights,
+        ..
+    } = &d.api
+    else {
+        return Err("oneDNN 3.x entry points expected".into());
+    };
+    let [src, kernel, dst] = mds.map(Md::ptr);
+    let (stride, dilates, pad_l, pad_r) = (
+        w.stride.as_ptr(),
+        w.dilates.as_ptr(),
+        w.pad_l.as_ptr(),
+        w.pad_r.as_ptr(),
+    );
+    let forward_pd = |prop: c_int| -> Result<Handle, String> {
+        let mut pd: Handle = std::ptr::null_mut();
+        // SAFETY: live descriptors; dims arrays of 2 entries; the process's attributes.
+        let s = unsafe {
+            forward(
+                &mut pd,
+                d.engine,
+                prop,
+                CONVOLUTION_DIRECT,
+                src,
+                kernel,
+                std::ptr::null(),
+                dst,
+                stride,
+                dilates,
+                pad_l,
+                pad_r,
+                d.user_scratchpad,
+            )
+        };
+        check(s, "convolution_forward_primitive_desc_create")?;
+        Ok(pd)
+    };
+    if kind == Kind::Forward {
+        return forward_pd(FORWARD_INFERENCE);
+    }
+    // Kept alive with the backward one, as in 2.x.
+    let hint = forward_pd(FORWARD_TRAINING)?;
+    let mut pd: Handle = std::ptr::null_mut();
+    // SAFETY: as for the forward descriptor; the hint is a live forward descriptor.
+    let s = unsafe {
+        if kind == Kind::InputGrad {
+            backward_data(
+                &mut pd,
+                d.engine,
+                CONVOLUTION_DIRECT,
+                src,
+                kernel,
+                dst,
+                stride,
+                dilates,
+                pad_l,
+                pad_r,
+                hint,
+                d.user_scratchpad,
+            )
+        } else {
+            backward_weights(
+                &mut pd,
+                d.engine,
+                CONVOLUTION_DIRECT,
+                src,
+                kernel,
+                std::ptr::null(),
+                dst,
+                stride,
+                dilates,
+                pad_l,
+                pad_r,
+                hint,
+                d.user_scratchpad,
+            )
+        }
+    };
+    check(s, "convolution_backward_primitive_desc_create")?;
+    Ok(pd)
+}
+
+fn make_primitive(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
+    let g = shape.groups();
+    let [o, cg, kh, kw] = shape.kernel;
+    let (tag_goihw, tag_nhwc) = d.api.tags();
+    // The kernel with the groups split out where there are several.
+    let (kernel_dims, user_tag): (Vec<i64>, c_int) = if g > 1 {
+        (vec![g, o / g, cg, kh, kw], tag_goihw)
+    } else {
+        (vec![o, cg, kh, kw], TAG_OIHW)
+    };
+    let user_kernel = d.memory_desc(&kernel_dims, user_tag)?;
+    let any_kernel = d.memory_desc(&kernel_dims, TAG_ANY)?;
+    let src = d.memory_desc(&shape.input, tag_nhwc)?;
+    let dst = d.memory_desc(&shape.output(), tag_nhwc)?;
+    let geo = &shape.geometry;
+    let window = Window {
+        stride: [geo[0], geo[1]],
+        pad_l: [geo[2], geo[3]],
+        pad_r: [geo[4], geo[5]],
+        // oneDNN counts dilation from 0 (dense).
+        dilates: [geo[6] - 1, geo[7] - 1],
+    };
+    let pd = match &d.api {
+        Api::V2 { .. } => primitive_desc_v2(d, shape.kind, [&src, &any_kernel, &dst], &window)?,
+        Api::V3 { .. } => primitive_desc_v3(d, shape.kind, [&src, &any_kernel, &dst], &window)?,
     };
     let which = if shape.kind == Kind::WeightGrad {
         QUERY_DIFF_WEIGHTS_MD
@@ -481,14 +749,14 @@ fn make_primitive(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
         return Err("oneDNN gave no kernel layout".into());
     }
     // SAFETY: both are initialized descriptors.
-    let same = unsafe { (d.memory_desc_equal)(kernel, &*user_kernel) } != 0;
+    let same = unsafe { (d.memory_desc_equal)(kernel, user_kernel.ptr()) } != 0;
     let reorder = if same {
         None
     } else {
         let (from, to) = if shape.kind == Kind::WeightGrad {
-            (kernel, &*user_kernel as *const MemoryDesc)
+            (kernel, user_kernel.ptr())
         } else {
-            (&*user_kernel as *const MemoryDesc, kernel)
+            (user_kernel.ptr(), kernel)
         };
         let mut rpd: Handle = std::ptr::null_mut();
         // SAFETY: initialized descriptors, the same CPU engine both sides.
@@ -650,7 +918,7 @@ fn run(
         } else {
             None
         };
-        let user = mems.wrap(&*p.user_kernel, user_kernel_data)?;
+        let user = mems.wrap(p.user_kernel.ptr(), user_kernel_data)?;
         let kernel = mems.wrap(p.kernel, kernel_data)?;
         let [src_md, dst_md] = &p.activations;
         let execute = |prim: Handle, args: &[ExecArg]| -> Result<(), String> {
@@ -676,16 +944,16 @@ fn run(
                     execute(r, &[arg(ARG_FROM, user), arg(ARG_TO, kernel)])?;
                 }
                 if shape.kind == Kind::Forward {
-                    let src = mems.wrap(&**src_md, a)?;
-                    let dst = mems.wrap(&**dst_md, out)?;
+                    let src = mems.wrap(src_md.ptr(), a)?;
+                    let dst = mems.wrap(dst_md.ptr(), out)?;
                     conv([
                         arg(ARG_SRC, src),
                         arg(ARG_WEIGHTS, kernel),
                         arg(ARG_DST, dst),
                     ])?;
                 } else {
-                    let diff_dst = mems.wrap(&**dst_md, a)?;
-                    let diff_src = mems.wrap(&**src_md, out)?;
+                    let diff_dst = mems.wrap(dst_md.ptr(), a)?;
+                    let diff_src = mems.wrap(src_md.ptr(), out)?;
                     conv([
                         arg(ARG_DIFF_DST, diff_dst),
                         arg(ARG_WEIGHTS, kernel),
@@ -694,8 +962,8 @@ fn run(
                 }
             }
             Kind::WeightGrad => {
-                let src = mems.wrap(&**src_md, a)?;
-                let diff_dst = mems.wrap(&**dst_md, b)?;
+                let src = mems.wrap(src_md.ptr(), a)?;
+                let diff_dst = mems.wrap(dst_md.ptr(), b)?;
                 conv([
                     arg(ARG_SRC, src),
                     arg(ARG_DIFF_DST, diff_dst),
