@@ -208,6 +208,9 @@ enum Api {
         memory_desc_create_with_tag:
             unsafe extern "C" fn(*mut *const MemoryDesc, c_int, Dims, c_int, c_int) -> Status,
         memory_desc_destroy: unsafe extern "C" fn(*const MemoryDesc) -> Status,
+        primitive_desc_clone: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
+        /// Moves a primitive descriptor to oneDNN's next implementation of the same problem.
+        primitive_desc_next_impl: unsafe extern "C" fn(Handle) -> Status,
         #[allow(clippy::type_complexity)]
         forward: unsafe extern "C" fn(
             *mut Handle,
@@ -277,6 +280,11 @@ enum Md {
         unsafe extern "C" fn(*const MemoryDesc) -> Status,
     ),
 }
+
+// SAFETY: a descriptor is immutable once made, and oneDNN reads it from any thread.
+unsafe impl Send for Md {}
+// SAFETY: see Send.
+unsafe impl Sync for Md {}
 
 impl Md {
     fn ptr(&self) -> *const MemoryDesc {
@@ -363,6 +371,8 @@ fn load(library: &str) -> Option<Dnnl> {
         Api::V3 {
             memory_desc_create_with_tag: sym!("dnnl_memory_desc_create_with_tag"),
             memory_desc_destroy: sym!("dnnl_memory_desc_destroy"),
+            primitive_desc_clone: sym!("dnnl_primitive_desc_clone"),
+            primitive_desc_next_impl: sym!("dnnl_primitive_desc_next_impl"),
             forward: sym!("dnnl_convolution_forward_primitive_desc_create"),
             backward_data: sym!("dnnl_convolution_backward_data_primitive_desc_create"),
             backward_weights: sym!("dnnl_convolution_backward_weights_primitive_desc_create"),
@@ -454,14 +464,16 @@ impl Shape {
 /// A shape's convolution primitive, with the kernel reorder between PyTorch's layout and the
 /// primitive's (None where they are the same).
 struct Primitive {
+    /// oneDNN's name for the implementation.
+    name: String,
     conv: Handle,
     reorder: Option<Handle>,
     /// The kernel in PyTorch's layout and in the primitive's (kept with the primitive
     /// descriptor, which is never destroyed).
-    user_kernel: Md,
+    user_kernel: Arc<Md>,
     kernel: *const MemoryDesc,
     kernel_bytes: usize,
-    activations: [Md; 2],
+    activations: Arc<[Md; 2]>,
     /// The scratchpad oneDNN needs, which each call passes in from a per-thread buffer (left to
     /// oneDNN, it allocates and frees it on every call: training ResNet-50 took 16k page faults
     /// per step that way).
@@ -485,12 +497,14 @@ fn check(status: Status, what: &str) -> Result<(), String> {
     }
 }
 
-fn primitive(d: &Dnnl, shape: &Shape) -> Result<Arc<Primitive>, String> {
+/// `shape`'s primitive: made on the first call, from the fastest of oneDNN's implementations on
+/// that call's buffers (see [`fastest`]), and kept.
+fn primitive(d: &Dnnl, shape: &Shape, buffers: Buffers) -> Result<Arc<Primitive>, String> {
     let cache = PRIMITIVES.get_or_init(|| Mutex::new(HashMap::new()));
     if let Some(p) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(shape) {
         return Ok(p.clone());
     }
-    let p = Arc::new(make_primitive(d, shape)?);
+    let p = Arc::new(fastest(d, shape, make_candidates(d, shape)?, buffers)?);
     cache
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -712,7 +726,11 @@ fn primitive_desc_v3(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<
     Ok(pd)
 }
 
-fn make_primitive(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
+/// The primitives of oneDNN's implementations of `shape` that [`fastest`] picks from: the one
+/// it ranks first, and with 3.x up to [`max_candidates`] - 1 more (its ranking is a heuristic;
+/// ResNet-50's 3x3 weight gradients ran faster in an implementation it ranked later). Reference
+/// implementations (`ref:`, slow by design) are left out.
+fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
     let g = shape.groups();
     let [o, cg, kh, kw] = shape.kernel;
     let (tag_goihw, tag_nhwc) = d.api.tags();
@@ -734,10 +752,103 @@ fn make_primitive(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
         // oneDNN counts dilation from 0 (dense).
         dilates: [geo[6] - 1, geo[7] - 1],
     };
+    let user_kernel = Arc::new(user_kernel);
+    let mds = [&src, &any_kernel, &dst];
     let pd = match &d.api {
-        Api::V2 { .. } => primitive_desc_v2(d, shape.kind, [&src, &any_kernel, &dst], &window)?,
-        Api::V3 { .. } => primitive_desc_v3(d, shape.kind, [&src, &any_kernel, &dst], &window)?,
+        Api::V2 { .. } => primitive_desc_v2(d, shape.kind, mds, &window)?,
+        Api::V3 { .. } => primitive_desc_v3(d, shape.kind, mds, &window)?,
     };
+    let activations = Arc::new([src, dst]);
+    let Api::V3 {
+        primitive_desc_clone,
+        primitive_desc_next_impl,
+        ..
+    } = &d.api
+    else {
+        return Ok(vec![primitive_from(
+            d,
+            shape,
+            pd,
+            &user_kernel,
+            &activations,
+        )?]);
+    };
+    let mut candidates = Vec::new();
+    loop {
+        let mut current: Handle = std::ptr::null_mut();
+        // SAFETY: a live primitive descriptor; the clone is kept with its primitive.
+        check(
+            unsafe { primitive_desc_clone(&mut current, pd) },
+            "primitive_desc_clone",
+        )?;
+        if !impl_name(d, current).starts_with("ref") {
+            candidates.push(primitive_from(
+                d,
+                shape,
+                current,
+                &user_kernel,
+                &activations,
+            )?);
+        }
+        // SAFETY: as above; a status other than success means there is no next one.
+        if candidates.len() == max_candidates()
+            || unsafe { primitive_desc_next_impl(pd) } != SUCCESS
+        {
+            break;
+        }
+    }
+    if candidates.is_empty() {
+        return Err(format!(
+            "oneDNN has only reference implementations for {shape:?}"
+        ));
+    }
+    Ok(candidates)
+}
+
+/// How many of oneDNN's implementations of a shape [`fastest`] tries at most.
+const MAX_CANDIDATES: usize = 4;
+
+/// [`MAX_CANDIDATES`], or 1 with `TPUC_ONEDNN_TRIALS=0`: oneDNN's first-ranked implementation,
+/// the same in every process (the trials may pick differently from one process to the next,
+/// and implementations sum in different orders).
+fn max_candidates() -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    *MAX.get_or_init(|| {
+        if std::env::var("TPUC_ONEDNN_TRIALS").is_ok_and(|v| v == "0") {
+            1
+        } else {
+            MAX_CANDIDATES
+        }
+    })
+}
+
+/// The name of the implementation behind primitive descriptor `pd` (empty where not given).
+fn impl_name(d: &Dnnl, pd: Handle) -> String {
+    let mut info: *const c_char = std::ptr::null();
+    // SAFETY: the query writes a pointer to a string the descriptor owns.
+    if unsafe {
+        (d.primitive_desc_query)(pd, QUERY_IMPL_INFO, 0, &mut info as *mut _ as *mut c_void)
+    } == SUCCESS
+        && !info.is_null()
+    {
+        // SAFETY: a NUL-terminated string owned by the descriptor.
+        unsafe { CStr::from_ptr(info) }
+            .to_string_lossy()
+            .into_owned()
+    } else {
+        String::new()
+    }
+}
+
+/// The primitive of primitive descriptor `pd` (kept for the process, with the descriptors it
+/// reads), with the kernel reorder its layout needs.
+fn primitive_from(
+    d: &Dnnl,
+    shape: &Shape,
+    pd: Handle,
+    user_kernel: &Arc<Md>,
+    activations: &Arc<[Md; 2]>,
+) -> Result<Primitive, String> {
     let which = if shape.kind == Kind::WeightGrad {
         QUERY_DIFF_WEIGHTS_MD
     } else {
@@ -797,33 +908,14 @@ fn make_primitive(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
         // SAFETY: as above.
         unsafe { (d.memory_desc_get_size)(scratchpad) }
     };
-    let mut info: *const c_char = std::ptr::null();
-    // SAFETY: the query writes a pointer to a string the descriptor owns.
-    let impl_name = if unsafe {
-        (d.primitive_desc_query)(pd, QUERY_IMPL_INFO, 0, &mut info as *mut _ as *mut c_void)
-    } == SUCCESS
-        && !info.is_null()
-    {
-        // SAFETY: a NUL-terminated string owned by the descriptor.
-        unsafe { CStr::from_ptr(info) }
-            .to_string_lossy()
-            .into_owned()
-    } else {
-        String::new()
-    };
-    tracing::debug!(
-        "oneDNN {} primitive for {:?}: {impl_name}, kernel reorder {}",
-        shape.kind.target(),
-        shape,
-        if same { "none" } else { "per call" }
-    );
     Ok(Primitive {
+        name: impl_name(d, pd),
         conv,
         reorder,
-        user_kernel,
+        user_kernel: user_kernel.clone(),
         kernel,
         kernel_bytes,
-        activations: [src, dst],
+        activations: activations.clone(),
         scratchpad,
         scratchpad_bytes,
     })
@@ -891,7 +983,87 @@ fn run(
     b: *mut c_void,
     out: *mut c_void,
 ) -> Result<(), String> {
-    let p = primitive(d, shape)?;
+    let p = primitive(d, shape, (a, b, out))?;
+    execute(d, &p, shape.kind, (a, b, out))
+}
+
+/// A call's buffers: `a` and `b` the operands in the order of the module docs, the result.
+type Buffers = (*mut c_void, *mut c_void, *mut c_void);
+
+/// Of `candidates` (one implementation each), the one that ran `shape` fastest on the first
+/// call's buffers. They run in turns, [`TRIAL_ROUNDS`] rounds, so that load on the machine falls
+/// on all alike: the first round faults in buffers and drops any that took over twice the best
+/// (oneDNN's GEMM-based weight gradients of ResNet-50's 7x7 maps took 200 ms where its direct
+/// ones took 7), and each survivor counts by its fastest later run. The result is overwritten by
+/// the call itself afterwards. A candidate that fails is passed over.
+fn fastest(
+    d: &Dnnl,
+    shape: &Shape,
+    mut candidates: Vec<Primitive>,
+    buffers: Buffers,
+) -> Result<Primitive, String> {
+    if candidates.len() == 1 {
+        return Ok(candidates.remove(0));
+    }
+    let mut best: Vec<Option<std::time::Duration>> = vec![None; candidates.len()];
+    let mut last_error = None;
+    for round in 0..TRIAL_ROUNDS {
+        for (i, p) in candidates.iter().enumerate() {
+            if round > 0 && best[i].is_none() {
+                continue;
+            }
+            let t0 = std::time::Instant::now();
+            if let Err(e) = execute(d, p, shape.kind, buffers) {
+                best[i] = None;
+                last_error = Some(e);
+                continue;
+            }
+            let t = t0.elapsed();
+            best[i] = Some(match best[i] {
+                Some(b) if round > 1 => b.min(t),
+                _ => t,
+            });
+        }
+        if round == 0 {
+            let fastest = best.iter().flatten().min().copied();
+            for b in &mut best {
+                if let (Some(t), Some(f)) = (*b, fastest) {
+                    if t > f * 2 {
+                        *b = None;
+                    }
+                }
+            }
+        }
+    }
+    let Some(i) = (0..candidates.len())
+        .filter(|&i| best[i].is_some())
+        .min_by_key(|&i| best[i])
+    else {
+        return Err(last_error.unwrap_or_else(|| "no oneDNN implementation ran".into()));
+    };
+    let timings: Vec<String> = candidates
+        .iter()
+        .zip(&best)
+        .map(|(p, t)| match t {
+            Some(t) => format!("{} {:.2} ms", p.name, t.as_secs_f64() * 1e3),
+            None => format!("{} dropped", p.name),
+        })
+        .collect();
+    tracing::debug!(
+        "oneDNN {} for {:?}: {} chosen of {}",
+        shape.kind.target(),
+        shape,
+        candidates[i].name,
+        timings.join(", ")
+    );
+    Ok(candidates.swap_remove(i))
+}
+
+/// Rounds of [`fastest`]'s trials: one to warm up and prune, two that count.
+const TRIAL_ROUNDS: usize = 3;
+
+/// Runs primitive `p` (a convolution of `kind`) over the call's buffers.
+fn execute(d: &Dnnl, p: &Primitive, kind: Kind, (a, b, out): Buffers) -> Result<(), String> {
     let stream = stream(d)?;
     let mut mems = Memories {
         d,
@@ -903,11 +1075,7 @@ fn run(
         // The kernel in oneDNN's layout: the call's own buffer where the layouts agree, else
         // this thread's buffer, filled by the reorder (forward, input gradient) or read back by
         // it (weight gradient).
-        let user_kernel_data = if shape.kind == Kind::WeightGrad {
-            out
-        } else {
-            b
-        };
+        let user_kernel_data = if kind == Kind::WeightGrad { out } else { b };
         let kernel_data = if p.reorder.is_some() {
             aligned(kernel_buffer, p.kernel_bytes)
         } else {
@@ -920,7 +1088,7 @@ fn run(
         };
         let user = mems.wrap(p.user_kernel.ptr(), user_kernel_data)?;
         let kernel = mems.wrap(p.kernel, kernel_data)?;
-        let [src_md, dst_md] = &p.activations;
+        let [src_md, dst_md] = &*p.activations;
         let execute = |prim: Handle, args: &[ExecArg]| -> Result<(), String> {
             // SAFETY: a live primitive, memories over the call's buffers of the checked shapes.
             check(
@@ -938,12 +1106,12 @@ fn run(
             execute(p.conv, &all)
         };
         let arg = |arg, memory| ExecArg { arg, memory };
-        match shape.kind {
+        match kind {
             Kind::Forward | Kind::InputGrad => {
                 if let Some(r) = p.reorder {
                     execute(r, &[arg(ARG_FROM, user), arg(ARG_TO, kernel)])?;
                 }
-                if shape.kind == Kind::Forward {
+                if kind == Kind::Forward {
                     let src = mems.wrap(src_md.ptr(), a)?;
                     let dst = mems.wrap(dst_md.ptr(), out)?;
                     conv([
