@@ -137,6 +137,8 @@ struct Dnnl {
         Handle,
     ) -> Status,
     primitive_create: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
+    primitive_destroy: unsafe extern "C" fn(Handle) -> Status,
+    primitive_desc_destroy: unsafe extern "C" fn(Handle) -> Status,
     memory_desc_equal: unsafe extern "C" fn(*const MemoryDesc, *const MemoryDesc) -> c_int,
     memory_desc_get_size: unsafe extern "C" fn(*const MemoryDesc) -> usize,
     memory_create:
@@ -387,6 +389,8 @@ fn load(library: &str) -> Option<Dnnl> {
         primitive_desc_query_md: sym!("dnnl_primitive_desc_query_md"),
         reorder_primitive_desc_create: sym!("dnnl_reorder_primitive_desc_create"),
         primitive_create: sym!("dnnl_primitive_create"),
+        primitive_destroy: sym!("dnnl_primitive_destroy"),
+        primitive_desc_destroy: sym!("dnnl_primitive_desc_destroy"),
         memory_desc_equal: sym!("dnnl_memory_desc_equal"),
         memory_desc_get_size: sym!("dnnl_memory_desc_get_size"),
         memory_create: sym!("dnnl_memory_create"),
@@ -466,6 +470,8 @@ impl Shape {
 struct Primitive {
     /// oneDNN's name for the implementation.
     name: String,
+    /// The primitive descriptor (owns `kernel` and `scratchpad`).
+    pd: Handle,
     conv: Handle,
     reorder: Option<Handle>,
     /// The kernel in PyTorch's layout and in the primitive's (kept with the primitive
@@ -486,6 +492,29 @@ struct Primitive {
 unsafe impl Send for Primitive {}
 // SAFETY: see Send.
 unsafe impl Sync for Primitive {}
+
+impl Primitive {
+    /// Whether this is one of oneDNN's reference implementations (`ref:`, slow by design).
+    fn is_reference(&self) -> bool {
+        self.name.starts_with("ref")
+    }
+}
+
+/// Only the candidates [`fastest`] passes over are dropped (chosen ones live in the cache for
+/// the process): their JIT code and descriptors go back.
+impl Drop for Primitive {
+    fn drop(&mut self) {
+        let Some(Some(d)) = DNNL.get() else { return };
+        // SAFETY: made for this primitive and used by nothing else once it is dropped.
+        unsafe {
+            (d.primitive_destroy)(self.conv);
+            if let Some(r) = self.reorder {
+                (d.primitive_destroy)(r);
+            }
+            (d.primitive_desc_destroy)(self.pd);
+        }
+    }
+}
 
 static PRIMITIVES: OnceLock<Mutex<HashMap<Shape, Arc<Primitive>>>> = OnceLock::new();
 
@@ -729,7 +758,7 @@ fn primitive_desc_v3(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<
 /// The primitives of oneDNN's implementations of `shape` that [`fastest`] picks from: the one
 /// it ranks first, and with 3.x up to [`max_candidates`] - 1 more (its ranking is a heuristic;
 /// ResNet-50's 3x3 weight gradients ran faster in an implementation it ranked later). Reference
-/// implementations (`ref:`, slow by design) are left out.
+/// implementations (`ref:`, slow by design) are left out unless there is nothing else.
 fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
     let g = shape.groups();
     let [o, cg, kh, kw] = shape.kernel;
@@ -773,34 +802,34 @@ fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
             &activations,
         )?]);
     };
-    let mut candidates = Vec::new();
+    let mut candidates: Vec<Primitive> = Vec::new();
     loop {
         let mut current: Handle = std::ptr::null_mut();
-        // SAFETY: a live primitive descriptor; the clone is kept with its primitive.
+        // SAFETY: a live primitive descriptor; the clone is owned by its primitive.
         check(
             unsafe { primitive_desc_clone(&mut current, pd) },
             "primitive_desc_clone",
         )?;
-        if !impl_name(d, current).starts_with("ref") {
-            candidates.push(primitive_from(
-                d,
-                shape,
-                current,
-                &user_kernel,
-                &activations,
-            )?);
-        }
+        candidates.push(primitive_from(
+            d,
+            shape,
+            current,
+            &user_kernel,
+            &activations,
+        )?);
+        let usable = candidates.iter().filter(|p| !p.is_reference()).count();
         // SAFETY: as above; a status other than success means there is no next one.
-        if candidates.len() == max_candidates()
-            || unsafe { primitive_desc_next_impl(pd) } != SUCCESS
-        {
+        if usable == max_candidates() || unsafe { primitive_desc_next_impl(pd) } != SUCCESS {
             break;
         }
     }
-    if candidates.is_empty() {
-        return Err(format!(
-            "oneDNN has only reference implementations for {shape:?}"
-        ));
+    // SAFETY: the iterated descriptor, used by nothing else (each candidate has its clone).
+    unsafe { (d.primitive_desc_destroy)(pd) };
+    // Reference implementations only where oneDNN has nothing else.
+    if candidates.iter().any(|p| !p.is_reference()) {
+        candidates.retain(|p| !p.is_reference());
+    } else {
+        candidates.truncate(1);
     }
     Ok(candidates)
 }
@@ -910,6 +939,7 @@ fn primitive_from(
     };
     Ok(Primitive {
         name: impl_name(d, pd),
+        pd,
         conv,
         reorder,
         user_kernel: user_kernel.clone(),
