@@ -758,7 +758,8 @@ fn primitive_desc_v3(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<
 /// The primitives of oneDNN's implementations of `shape` that [`fastest`] picks from: the one
 /// it ranks first, and with 3.x up to [`max_candidates`] - 1 more (its ranking is a heuristic;
 /// ResNet-50's 3x3 weight gradients ran faster in an implementation it ranked later). Reference
-/// implementations (`ref:`, slow by design) are left out unless there is nothing else.
+/// implementations (`ref:`, slow by design) are left out unless there is nothing else, and so
+/// are kernels for narrower vectors than one already taken.
 fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
     let g = shape.groups();
     let [o, cg, kh, kw] = shape.kernel;
@@ -803,6 +804,7 @@ fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
         )?]);
     };
     let mut candidates: Vec<Primitive> = Vec::new();
+    let mut widest = 0;
     loop {
         let mut current: Handle = std::ptr::null_mut();
         // SAFETY: a live primitive descriptor; the clone is owned by its primitive.
@@ -810,13 +812,22 @@ fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
             unsafe { primitive_desc_clone(&mut current, pd) },
             "primitive_desc_clone",
         )?;
-        candidates.push(primitive_from(
-            d,
-            shape,
-            current,
-            &user_kernel,
-            &activations,
-        )?);
+        let isa = isa_level(&impl_name(d, current));
+        if isa.is_some_and(|level| level < widest) {
+            // The same kernel for narrower vectors than one already taken: slower by design
+            // (ResNet-50's: 1.5-2x).
+            // SAFETY: the clone, used by nothing else.
+            unsafe { (d.primitive_desc_destroy)(current) };
+        } else {
+            widest = widest.max(isa.unwrap_or(0));
+            candidates.push(primitive_from(
+                d,
+                shape,
+                current,
+                &user_kernel,
+                &activations,
+            )?);
+        }
         let usable = candidates.iter().filter(|p| !p.is_reference()).count();
         // SAFETY: as above; a status other than success means there is no next one.
         if usable == max_candidates() || unsafe { primitive_desc_next_impl(pd) } != SUCCESS {
@@ -832,6 +843,20 @@ fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
         candidates.truncate(1);
     }
     Ok(candidates)
+}
+
+/// The vector width an implementation's name says it is for (3: AVX-512 or AMX, 2: AVX2, 1:
+/// SSE4.1), None where it names none (GEMM-based and reference ones).
+fn isa_level(name: &str) -> Option<u8> {
+    if name.contains("avx512") || name.contains("amx") {
+        Some(3)
+    } else if name.contains("avx2") {
+        Some(2)
+    } else if name.contains("sse41") {
+        Some(1)
+    } else {
+        None
+    }
 }
 
 /// How many of oneDNN's implementations of a shape [`fastest`] tries at most.
@@ -1022,9 +1047,10 @@ type Buffers = (*mut c_void, *mut c_void, *mut c_void);
 
 /// Of `candidates` (one implementation each), the one that ran `shape` fastest on the first
 /// call's buffers. They run in turns, [`TRIAL_ROUNDS`] rounds, so that load on the machine falls
-/// on all alike: the first round faults in buffers and drops any that took over twice the best
-/// (oneDNN's GEMM-based weight gradients of ResNet-50's 7x7 maps took 200 ms where its direct
-/// ones took 7), and each survivor counts by its fastest later run. The result is overwritten by
+/// on all alike: the first round faults in buffers (the first candidate's run is the coldest)
+/// and drops any that took over four times the best (oneDNN's GEMM-based weight gradients of
+/// ResNet-50's 7x7 maps took 200 ms where its direct ones took 7), and each survivor counts by
+/// its fastest later run. The result is overwritten by
 /// the call itself afterwards. A candidate that fails is passed over.
 fn fastest(
     d: &Dnnl,
@@ -1058,7 +1084,7 @@ fn fastest(
             let fastest = best.iter().flatten().min().copied();
             for b in &mut best {
                 if let (Some(t), Some(f)) = (*b, fastest) {
-                    if t > f * 2 {
+                    if t > f * 4 {
                         *b = None;
                     }
                 }
