@@ -580,6 +580,18 @@ struct Window {
     dilates: [i64; 2],
 }
 
+impl Window {
+    /// `[strides, dilates, padding_l, padding_r]`, in the order both versions' calls take them.
+    fn dims(&self) -> [Dims; 4] {
+        [
+            self.stride.as_ptr(),
+            self.dilates.as_ptr(),
+            self.pad_l.as_ptr(),
+            self.pad_r.as_ptr(),
+        ]
+    }
+}
+
 /// The primitive descriptor of `kind` through oneDNN 2.x's op descriptors. `mds`: the
 /// activations in, the kernel (any layout), the activations out, each the forward's name for it
 /// (the backward kinds take them as their gradients).
@@ -595,12 +607,7 @@ fn primitive_desc_v2(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<
         return Err("oneDNN 2.x entry points expected".into());
     };
     let [src, kernel, dst] = mds.map(Md::ptr);
-    let (stride, dilates, pad_l, pad_r) = (
-        w.stride.as_ptr(),
-        w.dilates.as_ptr(),
-        w.pad_l.as_ptr(),
-        w.pad_r.as_ptr(),
-    );
+    let [stride, dilates, pad_l, pad_r] = w.dims();
     let forward_desc = |prop: c_int| -> Result<Box<OpDesc>, String> {
         let mut op = Box::new(OpDesc([0; 8192]));
         // SAFETY: initialized descriptors; dims arrays of 2 entries (2 spatial dims).
@@ -681,12 +688,7 @@ fn primitive_desc_v3(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<
         return Err("oneDNN 3.x entry points expected".into());
     };
     let [src, kernel, dst] = mds.map(Md::ptr);
-    let (stride, dilates, pad_l, pad_r) = (
-        w.stride.as_ptr(),
-        w.dilates.as_ptr(),
-        w.pad_l.as_ptr(),
-        w.pad_r.as_ptr(),
-    );
+    let [stride, dilates, pad_l, pad_r] = w.dims();
     let forward_pd = |prop: c_int| -> Result<Handle, String> {
         let mut pd: Handle = std::ptr::null_mut();
         // SAFETY: live descriptors; dims arrays of 2 entries; the process's attributes.
