@@ -317,8 +317,7 @@ def test_graph_picture_groups_each_composite_unit(tmp_path):
 
     from tpuc import runtime
 
-    rt = runtime.get_runtime(None)
-    host_attention = rt.host_rows and rt.host_gemm_min_macs is not None
+    host_attention = runtime.get_runtime(None).host_attention
     model, (x,) = make("preln", batch=2)
     compiled = torch.compile(model, backend="tpu", options={"dump_dir": str(tmp_path), "cache_dir": None})
     with torch.no_grad():

@@ -391,6 +391,28 @@ impl Engine {
         self.host_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether the fused CPU attention of an unsharded graph goes to the host kernel (the rule
+    /// of [`LowerOptions::host_attention`], on this engine's settings).
+    pub fn host_attention(&self) -> bool {
+        self.lower_options(Precision::default(), None)
+            .host_attention()
+    }
+
+    /// Lowering options: `precision` and `sharding` as given, the host kernels as enabled here.
+    fn lower_options(
+        &self,
+        precision: Precision,
+        sharding: Option<tpuc_passes::sharding::ShardingPlan>,
+    ) -> LowerOptions {
+        LowerOptions {
+            precision,
+            sharding,
+            host_gemm_min_macs: self.host_gemm_min_macs(),
+            host_conv: self.host_conv(),
+            host_rows: self.host_rows(),
+        }
+    }
+
     /// `(current, minimum)` StableHLO versions the plugin accepts, as it reports them.
     pub fn stablehlo_versions(&self) -> Option<&(Vec<i64>, Vec<i64>)> {
         self.stablehlo_versions.as_ref()
@@ -518,16 +540,7 @@ impl Engine {
             options.num_partitions = p.mesh.size();
             options.use_spmd_partitioning = true;
         }
-        let lowered = lower::lower(
-            &specialized,
-            &LowerOptions {
-                precision,
-                sharding: plan,
-                host_gemm_min_macs: self.host_gemm_min_macs(),
-                host_conv: self.host_conv(),
-                host_rows: self.host_rows(),
-            },
-        )?;
+        let lowered = lower::lower(&specialized, &self.lower_options(precision, plan))?;
         let lower_seconds = t0.elapsed().as_secs_f64();
         let unpartitioned = self.platform == "cpu" && runs_unpartitioned(&specialized);
         let key = KeyBuilder::new()

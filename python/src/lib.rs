@@ -589,6 +589,13 @@ impl Runtime {
         self.engine.host_rows()
     }
 
+    /// Whether the fused CPU attention goes to tpuc's host kernel (the row kernels and the host
+    /// BLAS both on).
+    #[getter]
+    fn host_attention(&self) -> bool {
+        self.engine.host_attention()
+    }
+
     /// `(forward, input gradient, weight gradient)`: how many oneDNN convolutions ran in this
     /// process.
     #[staticmethod]

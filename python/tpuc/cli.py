@@ -62,7 +62,7 @@ def _doctor(args) -> int:
         print(f"host convolutions: {conv}")
         if not rt.host_rows:
             rows = "off (TPUC_HOST_ROWS=0, or the plugin has no FFI extension)"
-        elif macs:
+        elif rt.host_attention:
             rows = "tpuc's kernels for large f32 layer norms and CPU flash attention"
         else:
             rows = "tpuc's kernel for large f32 layer norms (attention needs the host BLAS)"
