@@ -942,10 +942,11 @@ fn primitive_from(
         )?;
         let mut r: Handle = std::ptr::null_mut();
         // SAFETY: a live reorder descriptor.
-        check(
-            unsafe { (d.primitive_create)(&mut r, rpd) },
-            "reorder primitive_create",
-        )?;
+        let created = unsafe { (d.primitive_create)(&mut r, rpd) };
+        // SAFETY: the primitive keeps what it needs of its descriptor (nothing here reads the
+        // reorder's descriptor again).
+        unsafe { (d.primitive_desc_destroy)(rpd) };
+        check(created, "reorder primitive_create")?;
         Some(r)
     };
     let mut conv: Handle = std::ptr::null_mut();
