@@ -131,7 +131,7 @@ def test_same_value_returned_twice_gives_two_tensors():
 @pytest.mark.skipif(DISCRETE, reason="outputs are lent only where device memory is host memory")
 def test_lent_outputs_free_their_buffers():
     fn = torch.compile(lambda x: (x * 3, x - 1), backend="tpu", options={"cache_dir": None})
-    x = torch.randn(1000)
+    x = torch.randn(2000)  # 8000 bytes: lent (smaller ones are copied, see below)
     for _ in range(5):
         fn(x)
     gc.collect()
@@ -143,6 +143,25 @@ def test_lent_outputs_free_their_buffers():
         fn(x)
     gc.collect()
     assert _native.live_objects()["buffers"] - before <= 2
+
+
+def test_small_outputs_are_copies_that_hold_no_buffer():
+    # Outputs of at most 4 KiB are copied into fresh tensors (cheaper than lending): nothing of
+    # the executable's stays alive with them, and each call's outputs are its own memory.
+    fn = torch.compile(lambda x: (x * 3, x - 1, x.sum()), backend="tpu", options={"cache_dir": None})
+    x = torch.randn(1024)  # 4096 bytes
+    for _ in range(5):
+        fn(x)
+    gc.collect()
+    before = _native.live_objects()["buffers"]
+    kept = [fn(x) for _ in range(50)]
+    assert _native.live_objects()["buffers"] - before <= 2
+    kept[0][0].add_(1)
+    for a, b, c in kept[1:]:
+        torch.testing.assert_close(a, x * 3)
+        torch.testing.assert_close(b, x - 1)
+        torch.testing.assert_close(c, x.sum())
+        assert a.is_contiguous() and a.data_ptr() != kept[0][0].data_ptr()
 
 
 def test_parameters_stay_resident_through_the_plan():

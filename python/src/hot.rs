@@ -267,6 +267,10 @@ struct PlanOutput {
     lend: AtomicU8,
 }
 
+/// Outputs of at most this many bytes are copied into a fresh tensor even where torch could read
+/// them in place (see [`CallPlan::hand_out`]).
+const COPY_OUT_BELOW: usize = 4096;
+
 const LEND_UNKNOWN: u8 = 0;
 const LEND_IN_PLACE: u8 = 1;
 const LEND_COPY: u8 = 2;
@@ -800,6 +804,20 @@ impl CallPlan {
                         view
                     }
                 };
+                if let (Some(data), true) = (data, out.nbytes <= COPY_OUT_BELOW) {
+                    // Small: a fresh tensor and a copy cost less than lending (a capsule, DLPack's
+                    // import, and later the buffer's release from torch's deleter).
+                    let tensor = self.alloc.bind(py).call1(out.alloc_args.bind(py))?;
+                    let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
+                    // SAFETY: the executable finished: `data` holds the output's `nbytes`, and the
+                    // fresh tensor as many; they do not overlap.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(data as *const u8, ptr as *mut u8, out.nbytes)
+                    };
+                    drop(buffer);
+                    outs.push(permuted(py, tensor, out)?);
+                    continue;
+                }
                 if let Some(data) = data {
                     let capsule = lend(py, buffer, data, &out.shape, dl)?;
                     let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
