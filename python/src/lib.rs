@@ -5,6 +5,7 @@
 mod bucket;
 mod fx_walk;
 mod hot;
+mod writes;
 
 /// The Rust side's allocator: lowering makes many small, short-lived allocations (IR nodes,
 /// attribute texts, shape vectors), which mimalloc serves faster than the system's malloc.
@@ -1198,6 +1199,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hot::Slot>()?;
     m.add_class::<hot::Unboxed>()?;
     m.add_function(wrap_pyfunction!(hot::plan_executions, m)?)?;
+    m.add_function(wrap_pyfunction!(writes::write_rows, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::bucket_graph, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::eval_sym, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;

@@ -34,6 +34,7 @@ from . import (
     fx_export,
     handoff,
     input_views,
+    mutations,
     precompiler,
     residency,
     runtime,
@@ -1037,6 +1038,8 @@ def compile_graph(
     Dynamo node names to their stack traces, for error messages; `shard`: (sharding Context,
     "forward" | "backward") when a mesh is set; `free_layouts`: see CompiledGraph."""
     flex.inline_flex_attention(gm, _decompositions(bool(maxima)))
+    # Writes into inputs AOTAutograd left in the graph become outputs, written back after the call.
+    writes = mutations.split(gm, rows_allowed=not maxima and shard is None)
     # Outputs that are inputs or views of them are made from the inputs at call time (not on
     # a mesh, whose plan places every output).
     taken = input_views.split(gm) if shard is None else {}
@@ -1055,7 +1058,8 @@ def compile_graph(
     if n_ties:
         inner = ties.TieChecked(inner, n_ties, as_is.forward, name)
     inner = _Checked(inner, checks) if checks else inner
-    return input_views.WithInputViews(inner, taken) if taken else inner
+    inner = input_views.WithInputViews(inner, taken) if taken else inner
+    return mutations.WithWrites(inner, writes) if writes is not None else inner
 
 
 def _compile_hook(
@@ -1221,6 +1225,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             decompositions=_decompositions(bool(maxima)),
+            # Writes into inputs stay in an inference graph (mutations.py).
+            keep_inference_input_mutations=not needs_grad and shard_ctx is None,
         )
     log.debug("tpuc: graph %d traced and compiled in %.3fs", gid, time.perf_counter() - t0)
     if len(direct) == 1:
