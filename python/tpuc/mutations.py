@@ -55,6 +55,14 @@ def split(gm: torch.fx.GraphModule, rows_allowed: bool = True) -> Writes | None:
     out = gm.graph.output_node()
     outs = list(out.args[0])
     writes = Writes(len(outs))
+    added: dict[torch.fx.Node, int] = {}  # one output per index node (a decoder's layers share it)
+
+    def output(node: torch.fx.Node) -> int:
+        if node not in added:
+            added[node] = len(outs)
+            outs.append(node)
+        return added[node]
+
     for c in copies:
         dst, src = c.args[0], c.args[1]
         row = _row_write(dst, src, c) if rows_allowed else None
@@ -63,14 +71,13 @@ def split(gm: torch.fx.GraphModule, rows_allowed: bool = True) -> Writes | None:
             writes.rows.append(
                 (
                     position[dst],
-                    len(outs),
-                    len(outs) + 1,
+                    output(values),
+                    output(index),
                     dim,
                     tuple(dst.meta["val"].shape),
                     dst.meta["val"].dtype,
                 )
             )
-            outs += [values, index]
         else:
             writes.full.append((position[dst], len(outs)))
             outs.append(src)
