@@ -110,3 +110,23 @@ def test_written_input_returned():
             torch.testing.assert_close(ga, ea)
             torch.testing.assert_close(gb, eb)
             assert ga.data_ptr() == b.data_ptr()  # the input itself, as in eager
+
+
+def test_two_writes_into_one_input_and_reads_after(row_writes):
+    # Two rows into one cache (not the one-row form: the whole new value is copied back), and
+    # the new values read afterwards in the graph.
+    def f(cache, a, b, i, j):
+        cache.index_copy_(1, i, a)
+        cache.index_copy_(1, j, b)
+        return cache * 2, cache[:, 0].clone()
+
+    fn = torch.compile(f, backend="tpu", options={"cache_dir": None})
+    mine, eager = torch.zeros(3, 6, 4), torch.zeros(3, 6, 4)
+    with torch.no_grad():
+        for i, j in [(0, 5), (2, 2), (4, 1)]:
+            a, b = torch.randn(3, 1, 4), torch.randn(3, 1, 4)
+            args = (a, b, torch.tensor([i]), torch.tensor([j]))
+            for got, want in zip(fn(mine, *args), f(eager, *args), strict=True):
+                torch.testing.assert_close(got, want)
+            torch.testing.assert_close(mine, eager)
+    assert not row_writes
