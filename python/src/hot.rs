@@ -786,53 +786,52 @@ impl CallPlan {
     ) -> PyResult<SmallVec<[Bound<'py, PyAny>; 2]>> {
         let mut outs = SmallVec::with_capacity(buffers.len());
         for (buffer, out) in buffers.into_iter().zip(&self.outputs) {
-            if let Some(dl) = out.dl {
-                let data = match out.lend.load(Ordering::Relaxed) {
-                    LEND_COPY => None,
-                    LEND_IN_PLACE => Some(buffer.device_pointer().map_err(pjrt_err)?),
-                    _ => {
-                        let view = self
-                            .engine
-                            .host_view(&buffer, out.nbytes)
-                            .map_err(pjrt_err)?;
-                        let lend = if view.is_some() {
-                            LEND_IN_PLACE
-                        } else {
-                            LEND_COPY
-                        };
-                        out.lend.store(lend, Ordering::Relaxed);
-                        view
-                    }
-                };
-                if let (Some(data), true) = (data, out.nbytes <= COPY_OUT_BELOW) {
-                    // Small: a fresh tensor and a copy cost less than lending (a capsule, DLPack's
-                    // import, and later the buffer's release from torch's deleter).
-                    let tensor = self.alloc.bind(py).call1(out.alloc_args.bind(py))?;
-                    let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
-                    // SAFETY: the executable finished: `data` holds the output's `nbytes`, and the
-                    // fresh tensor as many; they do not overlap.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(data as *const u8, ptr as *mut u8, out.nbytes)
+            // Where torch can read the output's memory in place (None: it goes through the plugin).
+            let readable = match (out.dl, out.lend.load(Ordering::Relaxed)) {
+                (None, _) | (_, LEND_COPY) => None,
+                (_, LEND_IN_PLACE) => Some(buffer.device_pointer().map_err(pjrt_err)?),
+                _ => {
+                    let view = self
+                        .engine
+                        .host_view(&buffer, out.nbytes)
+                        .map_err(pjrt_err)?;
+                    let lend = if view.is_some() {
+                        LEND_IN_PLACE
+                    } else {
+                        LEND_COPY
                     };
-                    drop(buffer);
-                    outs.push(permuted(py, tensor, out)?);
-                    continue;
+                    out.lend.store(lend, Ordering::Relaxed);
+                    view
                 }
-                if let Some(data) = data {
-                    let capsule = lend(py, buffer, data, &out.shape, dl)?;
-                    let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
-                    outs.push(permuted(py, tensor, out)?);
-                    continue;
-                }
+            };
+            // Small outputs are copied even where they could be lent: a fresh tensor and a copy
+            // cost less than a capsule, DLPack's import, and later the buffer's release from
+            // torch's deleter.
+            if let (Some(data), Some(dl), true) = (readable, out.dl, out.nbytes > COPY_OUT_BELOW) {
+                let capsule = lend(py, buffer, data, &out.shape, dl)?;
+                let tensor = self.from_dlpack.bind(py).call1((capsule,))?;
+                outs.push(permuted(py, tensor, out)?);
+                continue;
             }
             let tensor = self.alloc.bind(py).call1(out.alloc_args.bind(py))?;
             if out.nbytes > 0 {
                 let ptr: usize = tensor.call_method0(intern!(py, "data_ptr"))?.extract()?;
-                let engine = &self.engine;
-                // SAFETY: a fresh contiguous tensor of the output's type, held across the copy.
-                py.detach(|| unsafe { engine.fetch(&buffer, ptr, out.nbytes) })
-                    .map_err(pjrt_err)?;
+                match readable {
+                    // SAFETY: the executable finished: `data` holds the output's `nbytes`, and
+                    // the fresh tensor as many; they do not overlap.
+                    Some(data) => unsafe {
+                        std::ptr::copy_nonoverlapping(data as *const u8, ptr as *mut u8, out.nbytes)
+                    },
+                    None => {
+                        let engine = &self.engine;
+                        // SAFETY: a fresh contiguous tensor of the output's type, held across
+                        // the copy.
+                        py.detach(|| unsafe { engine.fetch(&buffer, ptr, out.nbytes) })
+                            .map_err(pjrt_err)?;
+                    }
+                }
             }
+            drop(buffer);
             outs.push(permuted(py, tensor, out)?);
         }
         Ok(outs)

@@ -55,7 +55,7 @@ def split(gm: torch.fx.GraphModule, rows_allowed: bool = True) -> Writes | None:
     out = gm.graph.output_node()
     outs = list(out.args[0])
     writes = Writes(len(outs))
-    added: dict[torch.fx.Node, int] = {}  # one output per index node (a decoder's layers share it)
+    added: dict[torch.fx.Node, int] = {}  # one output per node (a decoder's layers share the index)
 
     def output(node: torch.fx.Node) -> int:
         if node not in added:
@@ -79,8 +79,7 @@ def split(gm: torch.fx.GraphModule, rows_allowed: bool = True) -> Writes | None:
                 )
             )
         else:
-            writes.full.append((position[dst], len(outs)))
-            outs.append(src)
+            writes.full.append((position[dst], output(src)))
         gm.graph.erase_node(c)
     out.args = (type(out.args[0])(outs),)
     gm.recompile()
