@@ -60,7 +60,8 @@ assert os.sched_getaffinity(0) == before, (os.sched_getaffinity(0), before)
 # compiling thread's affinity back, as every other thread has.
 for task in pathlib.Path("/proc/self/task").iterdir():
     assert os.sched_getaffinity(int(task.name)) == before, (task.name, os.sched_getaffinity(int(task.name)))
-# XLA's own dump, in compile order (tpuc's optimized_hlo.txt leaves out backend configs).
+# XLA's own dump, in compile order (the authority on what XLA compiled; tpuc's
+# optimized_hlo.txt, printed from the optimized HloModuleProto, must show the same partitions).
 hlos = sorted(dump.glob("module_*.cpu_after_optimizations.txt"))
 assert len(hlos) == len(cases), hlos
 for (name, _, _), hlo in zip(cases, hlos):
@@ -69,6 +70,9 @@ for (name, _, _), hlo in zip(cases, hlos):
     # tpuc's own dump says which way it compiled the graph.
     (meta,) = (dump / "tpuc" / name).rglob("meta.json")
     assert json.loads(meta.read_text())["unpartitioned"] == (not partitioned), (name, partitioned)
+    (ours,) = (dump / "tpuc" / name).rglob("optimized_hlo.txt")
+    shown = re.search(r'outer_dimension_partitions"?[:=]\s*\["?\d', ours.read_text()) is not None
+    assert shown == partitioned, (name, partitioned)
     print(name, partitioned)
 """
 

@@ -146,6 +146,10 @@ struct HloInstructionProto {
     operand_ids: Vec<i64>,
     #[prost(int64, repeated, tag = "38")]
     called_computation_ids: Vec<i64>,
+    /// XLA's backend configuration as text (the CPU plugin's: JSON, e.g. a fusion's
+    /// `outer_dimension_partitions`, the work split between threads).
+    #[prost(bytes = "vec", tag = "43")]
+    backend_config: Vec<u8>,
     #[prost(string, tag = "63")]
     comparison_direction: String,
 }
@@ -428,6 +432,11 @@ fn print_computation(
             )),
             "custom-call" => attrs.push(format!("custom_call_target=\"{}\"", i.custom_call_target)),
             _ => {}
+        }
+        if let Ok(config) = std::str::from_utf8(&i.backend_config) {
+            if !config.is_empty() && config != "{}" {
+                attrs.push(format!("backend_config={config}"));
+            }
         }
         if !i.dimensions.is_empty() {
             attrs.push(format!("dimensions={{{}}}", join(&i.dimensions)));
