@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::plugin::Plugin;
 use super::spin_helpers::cpus;
 use super::xla_ffi::{
-    arg, destroy, error, open_frame, register_targets, ret, CallFrame, ErrorGetMessageArgs, FfiApi,
-    FfiBuffer, Handler, DTYPE_F32,
+    arg, destroy, error, open_frame_of, register_targets, ret, CallFrame, ErrorGetMessageArgs,
+    FfiApi, FfiBuffer, Handler, DTYPE_F32,
 };
 use super::PjrtError;
 
@@ -257,13 +257,10 @@ fn f32_matrix(b: &FfiBuffer) -> Option<(&[i64], *mut f32)> {
 /// Called by XLA with a valid call frame.
 unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: the pointer XLA passed.
-    let frame = match unsafe { open_frame(frame, "tpuc_sgemm") } {
+    let frame = match unsafe { open_frame_of(frame, "tpuc_sgemm", 2, 1) } {
         Ok(frame) => frame,
         Err(done) => return done,
     };
-    if frame.args.size != 2 || frame.rets.size != 1 {
-        return error(frame, "tpuc_sgemm: expects 2 operands and 1 result");
-    }
     // SAFETY: a checked frame of 2 operands and 1 result.
     let (a, b, c) = unsafe {
         (

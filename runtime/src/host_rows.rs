@@ -26,7 +26,7 @@ use std::ffi::c_void;
 use super::plugin::Plugin;
 use super::spin_helpers::{cpus, run_units};
 use super::xla_ffi::{
-    arg, error, open_frame, register_targets, ret, CallFrame, FfiBuffer, Handler, DTYPE_F32,
+    arg, error, open_frame_of, register_targets, ret, CallFrame, FfiBuffer, Handler, DTYPE_F32,
 };
 use super::PjrtError;
 
@@ -89,13 +89,10 @@ unsafe impl Sync for LayerNorm {}
 /// Called by XLA with a valid call frame.
 unsafe extern "C" fn layer_norm(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: the pointer XLA passed.
-    let frame = match unsafe { open_frame(frame, LAYER_NORM) } {
+    let frame = match unsafe { open_frame_of(frame, LAYER_NORM, 4, 3) } {
         Ok(frame) => frame,
         Err(done) => return done,
     };
-    if frame.args.size != 4 || frame.rets.size != 3 {
-        return error(frame, "tpuc_layer_norm: expects 4 operands and 3 results");
-    }
     // SAFETY: a checked frame of 4 operands and 3 results.
     let (x, w, b, eps, y, mean, rstd) = unsafe {
         (
@@ -208,13 +205,10 @@ unsafe impl Sync for ChannelStats {}
 /// Called by XLA with a valid call frame.
 unsafe extern "C" fn channel_stats(frame: *mut CallFrame) -> *mut c_void {
     // SAFETY: the pointer XLA passed.
-    let frame = match unsafe { open_frame(frame, CHANNEL_STATS) } {
+    let frame = match unsafe { open_frame_of(frame, CHANNEL_STATS, 1, 2) } {
         Ok(frame) => frame,
         Err(done) => return done,
     };
-    if frame.args.size != 1 || frame.rets.size != 2 {
-        return error(frame, "tpuc_channel_stats: expects 1 operand and 2 results");
-    }
     // SAFETY: a checked frame of 1 operand and 2 results.
     let (x, mean, var) = unsafe {
         (

@@ -125,6 +125,33 @@ pub(crate) unsafe fn open_frame<'a>(
     Ok(frame)
 }
 
+/// [`open_frame`], then a check that the call has `args` operands and `rets` results (else
+/// the error naming `target` is returned to XLA).
+///
+/// # Safety
+/// As for [`open_frame`].
+pub(crate) unsafe fn open_frame_of<'a>(
+    frame: *mut CallFrame,
+    target: &str,
+    args: usize,
+    rets: usize,
+) -> Result<&'a CallFrame, *mut c_void> {
+    // SAFETY: forwarded from the caller.
+    let frame = unsafe { open_frame(frame, target) }?;
+    if frame.args.size as usize != args || frame.rets.size as usize != rets {
+        let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+        return Err(error(
+            frame,
+            &format!(
+                "{target}: expects {} and {}",
+                plural(args, "operand"),
+                plural(rets, "result")
+            ),
+        ));
+    }
+    Ok(frame)
+}
+
 /// Whether `frame` is XLA's metadata query (made once per target, before any call), answered
 /// here: API version 0.1, no traits. The handler then returns success at once.
 ///
