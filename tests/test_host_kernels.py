@@ -1,5 +1,5 @@
-"""tpuc's own host kernels (`tpuc_runtime::host_rows`, `host_attention`): large f32 layer norms,
-training batch norms' channel statistics and CPU flash attentions run as XLA FFI custom calls inside the compiled program (one pass over
+"""tpuc's own host kernels (`tpuc_runtime::host_rows`, `host_attention`): large f32 layer norms
+and CPU flash attentions run as XLA FFI custom calls inside the compiled program (one pass over
 memory per row; attention scores kept in the cache per block of query rows). Checked against
 eager on the cases their code branches on: affine or not, several normalized dims, a large
 mean; attention with a causal mask (also fewer keys than queries), float and bool masks
@@ -85,97 +85,6 @@ def test_layer_norm_gradients_through_the_row_kernel_match_eager(host_rows, tmp_
     for a, e in zip(got, [p.grad for p in model.parameters()], strict=True):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
     assert "tpuc_layer_norm" in "".join(p.read_text() for p in tmp_path.glob("*/stablehlo.mlir"))
-
-
-BATCH_NORMS = {
-    # [rows, channels] batches (BatchNorm1d), one unit and many, odd channel counts.
-    "rows": ((25088, 256), 0.0),
-    "few_rows_many_channels": ((40, 2048), 0.0),
-    "odd_channels": ((3000, 37), 0.0),
-    "large_mean": ((9000, 64), 1000.0),
-}
-
-
-@pytest.mark.parametrize("name", list(BATCH_NORMS))
-def test_batch_norm_statistics_run_in_the_host_kernel_and_match_eager(host_rows, tmp_path, name):
-    shape, offset = BATCH_NORMS[name]
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(shape, generator=g) * 3 + offset
-    c = shape[1]
-    w, b = torch.randn(c, generator=g), torch.randn(c, generator=g)
-    op = torch.ops.aten._native_batch_norm_legit_functional
-
-    def fn(x, rm, rv):
-        return op(x, w, b, rm, rv, True, 0.1, 1e-5)
-
-    stats = (torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5)
-    got, text = _compiled_module(fn, (x, *stats), tmp_path)
-    want = op(x.double(), w.double(), b.double(), *(t.double() for t in stats), True, 0.1, 1e-5)
-    # Output, saved mean, saved rstd, new running mean and variance: no further from f64 than
-    # eager's (a mean of 1000 loses digits either way).
-    for i, (a, e, r) in enumerate(zip(got, fn(x, *stats), want, strict=True)):
-        ours, eager = ((t.double() - r).abs().max().item() for t in (a, e))
-        assert ours <= max(1.5 * eager, 1e-5), f"result {i}: {ours} from f64 (eager {eager})"
-    assert "tpuc_channel_stats" in text
-
-
-def test_batch_norm_channel_statistics_keep_a_nan_to_its_channel(host_rows, tmp_path):
-    x = torch.randn(4000, 48)
-    x[1234, 7] = float("nan")
-    x[77, 20] = float("inf")
-
-    def fn(x):
-        return torch.ops.aten._native_batch_norm_legit.no_stats(x, None, None, True, 0.1, 1e-5)
-
-    got, text = _compiled_module(fn, (x,), tmp_path)
-    assert "tpuc_channel_stats" in text
-    for a, e in zip(got, fn(x), strict=True):
-        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, equal_nan=True)
-    assert got[1][7].isnan() and got[1][20].isinf() and got[1].isfinite().sum() == 46
-
-
-def test_small_batch_norm_statistics_stay_in_xla(host_rows, tmp_path):
-    bn = torch.nn.BatchNorm1d(16).train()
-    got, text = _compiled_module(bn, (torch.randn(32, 16),), tmp_path)
-    assert "tpuc_channel_stats" not in text
-
-
-def test_batch_norm_statistics_stay_in_xla_where_its_loops_are_partitioned(host_rows, tmp_path):
-    """Activations over 2^18 elements with a convolution: XLA partitions its loops over the
-    cores, and the kernel measured slower there (ResNet-50 training)."""
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.BatchNorm2d(32)).train()
-    x = torch.randn(8, 3, 64, 64)
-    got, text = _compiled_module(model, (x,), tmp_path)
-    torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
-    assert "tpuc_channel_stats" not in text
-
-
-def test_channels_last_batch_norm_training_through_the_host_kernel_matches_eager(host_rows, tmp_path):
-    """A convolution's channels-last output (in a graph small enough that XLA runs its loops
-    unpartitioned): the statistics read its physical form; the running statistics and every
-    gradient match eager."""
-    torch.manual_seed(0)
-
-    def make():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(
-            torch.nn.Conv2d(3, 32, 3, padding=1),
-            torch.nn.BatchNorm2d(32),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(32, 8, 1),
-        ).train()
-
-    ours, ref = make(), make()
-    x = torch.randn(8, 3, 32, 32) + 2
-    torch._dynamo.reset()
-    compiled = torch.compile(ours, backend="tpu", options={**OPTS, "dump_dir": str(tmp_path)})
-    compiled(x).square().mean().backward()
-    ref(x).square().mean().backward()
-    for a, e in zip(ours.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-5)
-    for a, e in zip(ours.buffers(), ref.buffers(), strict=True):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
-    assert "tpuc_channel_stats" in "".join(p.read_text() for p in tmp_path.glob("*/stablehlo.mlir"))
 
 
 def _attention_case(name, g):

@@ -394,7 +394,7 @@ impl Engine {
     /// Whether the fused CPU attention of an unsharded graph goes to the host kernel (the rule
     /// of [`LowerOptions::host_attention`], on this engine's settings).
     pub fn host_attention(&self) -> bool {
-        self.lower_options(Precision::default(), None, false)
+        self.lower_options(Precision::default(), None)
             .host_attention()
     }
 
@@ -403,7 +403,6 @@ impl Engine {
         &self,
         precision: Precision,
         sharding: Option<tpuc_passes::sharding::ShardingPlan>,
-        loops_unpartitioned: bool,
     ) -> LowerOptions {
         LowerOptions {
             precision,
@@ -411,7 +410,6 @@ impl Engine {
             host_gemm_min_macs: self.host_gemm_min_macs(),
             host_conv: self.host_conv(),
             host_rows: self.host_rows(),
-            loops_unpartitioned,
         }
     }
 
@@ -542,12 +540,9 @@ impl Engine {
             options.num_partitions = p.mesh.size();
             options.use_spmd_partitioning = true;
         }
-        let unpartitioned = self.platform == "cpu" && runs_unpartitioned(&specialized);
-        let lowered = lower::lower(
-            &specialized,
-            &self.lower_options(precision, plan, unpartitioned),
-        )?;
+        let lowered = lower::lower(&specialized, &self.lower_options(precision, plan))?;
         let lower_seconds = t0.elapsed().as_secs_f64();
+        let unpartitioned = self.platform == "cpu" && runs_unpartitioned(&specialized);
         let key = KeyBuilder::new()
             .part("module", &lowered.bytecode)
             .part("compile_options", &options.encode())

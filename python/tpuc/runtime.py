@@ -312,10 +312,9 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
 
 
 def _enable_host_rows(rt: _native.Runtime) -> None:
-    """Lets large f32 layer norms, training batch norms' statistics and CPU attention run in
-    tpuc's own host kernels (one pass over memory, on both cores), as XLA FFI custom calls
-    inside the compiled program: XLA's CPU lowering makes several passes (README, "Host row
-    kernels"). `TPUC_HOST_ROWS=0` keeps them in XLA."""
+    """Lets large f32 layer norms run in tpuc's own row kernels (one pass over memory per row,
+    on both cores), as XLA FFI custom calls inside the compiled program: XLA's CPU lowering
+    makes five passes (README, "Host row kernels"). `TPUC_HOST_ROWS=0` keeps them in XLA."""
     rt.enable_host_rows(not env_off("TPUC_HOST_ROWS"))
 
 

@@ -1,6 +1,5 @@
 //! Row kernels on the host, registered with a CPU plugin as XLA FFI custom calls: layer
-//! normalization over the last dim of an f32 matrix, one pass over memory per row, and
-//! per-channel batch statistics across the rows of a channels-last matrix.
+//! normalization over the last dim of an f32 matrix, one pass over memory per row.
 //!
 //! Why: XLA's CPU lowering of a layer norm is five fusions (the mean's reduction, a subtract
 //! written out, the variance's reduction, the reciprocal square root, the scaled result), each
@@ -9,17 +8,8 @@
 //! (its statistics come from the copy in L1), the rows are cut into units that this thread and
 //! the spinning helpers ([`super::spin_helpers`]) share.
 //!
-//! Batch statistics: a training-mode batch norm's variance needs the mean first, and XLA's CPU
-//! plugin writes `x - mean` out as a whole tensor for the second reduction (its YNNPACK
-//! reductions take no broadcast operand), so each batch norm read its input three times and
-//! wrote it once more. [`CHANNEL_STATS`] reads it once: rows are cut into units small enough to
-//! stay in L2 between the unit's two passes (sum, then squared deviations from the unit's
-//! mean), and the units' statistics are merged in order in f64 (Chan et al.'s pairwise
-//! update), the same result whichever threads ran them.
-//!
-//! The compiler emits `stablehlo.custom_call @tpuc_layer_norm` and `@tpuc_channel_stats`
-//! (typed FFI, api_version 4) where the session enables them; [`register`] registers the
-//! targets once per plugin.
+//! The compiler emits `stablehlo.custom_call @tpuc_layer_norm` (typed FFI, api_version 4) where
+//! the session enables it; [`register`] registers the targets once per plugin.
 
 use std::ffi::c_void;
 
@@ -35,20 +25,12 @@ use super::PjrtError;
 /// `rstd = 1 / sqrt(var + eps)` of the biased variance, as `aten.native_layer_norm` returns.
 pub const LAYER_NORM: &str = "tpuc_layer_norm";
 
-/// `tpuc_channel_stats(x [rows, channels]) -> (mean [channels], var [channels])`, all f32: each
-/// channel's mean and biased variance over the rows (a channels-last activation's batch
-/// statistics). No rows: NaN, as the reductions' 0 / 0.
-pub const CHANNEL_STATS: &str = "tpuc_channel_stats";
-
 /// Registers the row kernels with `plugin`'s XLA, once per plugin. Ok(false) where the plugin
 /// has no PJRT FFI extension.
 pub fn register(plugin: &Plugin) -> Result<bool, PjrtError> {
     register_targets(
         plugin,
-        &[
-            (LAYER_NORM, layer_norm as Handler),
-            (CHANNEL_STATS, channel_stats as Handler),
-        ],
+        &[(LAYER_NORM, layer_norm as Handler)],
         "host row kernels",
     )
 }
@@ -175,158 +157,6 @@ impl LayerNorm {
             }
         }
     }
-}
-
-/// Rows of [`CHANNEL_STATS`] are shared out in units of about this many elements: 256 KB, which
-/// stays in L2 between a unit's two passes.
-const STATS_UNIT_ELEMENTS: i64 = 64 * 1024;
-
-/// [`CHANNEL_STATS`]'s input and the units' partial statistics, shared with the threads that
-/// run the units.
-#[derive(Clone, Copy)]
-struct ChannelStats {
-    x: *const f32,
-    /// Per unit: the unit's mean of each channel, then its sum of squared deviations.
-    partial: *mut f64,
-    rows: i64,
-    channels: i64,
-    rows_per_unit: i64,
-}
-
-// SAFETY: XLA's buffer and the handler's own, alive until every unit is done; each unit writes
-// its own part of `partial`.
-unsafe impl Send for ChannelStats {}
-// SAFETY: see Send.
-unsafe impl Sync for ChannelStats {}
-
-/// The handler of [`CHANNEL_STATS`].
-///
-/// # Safety
-/// Called by XLA with a valid call frame.
-unsafe extern "C" fn channel_stats(frame: *mut CallFrame) -> *mut c_void {
-    // SAFETY: the pointer XLA passed.
-    let frame = match unsafe { open_frame_of(frame, CHANNEL_STATS, 1, 2) } {
-        Ok(frame) => frame,
-        Err(done) => return done,
-    };
-    // SAFETY: a checked frame of 1 operand and 2 results.
-    let (x, mean, var) = unsafe {
-        (
-            f32_buffer(arg(frame, 0), 2),
-            f32_buffer(ret(frame, 0), 1),
-            f32_buffer(ret(frame, 1), 1),
-        )
-    };
-    let (Some((xd, xp)), Some((md, mp)), Some((vd, vp))) = (x, mean, var) else {
-        return error(
-            frame,
-            "tpuc_channel_stats: operand and results must be f32 of ranks 2 -> 1, 1",
-        );
-    };
-    let (rows, channels) = (xd[0], xd[1]);
-    if md != [channels] || vd != [channels] {
-        return error(frame, "tpuc_channel_stats: results must be [channels]");
-    }
-    let c = channels as usize;
-    // SAFETY: f32 buffers of `channels` elements each.
-    let (mean, var) = unsafe {
-        (
-            std::slice::from_raw_parts_mut(mp, c),
-            std::slice::from_raw_parts_mut(vp, c),
-        )
-    };
-    if rows == 0 {
-        mean.fill(f32::NAN);
-        var.fill(f32::NAN);
-        return std::ptr::null_mut();
-    }
-    let rows_per_unit = (STATS_UNIT_ELEMENTS / channels.max(1)).max(1);
-    let units = (rows + rows_per_unit - 1) / rows_per_unit;
-    let mut partial = vec![0f64; units as usize * 2 * c];
-    let job = ChannelStats {
-        x: xp,
-        partial: partial.as_mut_ptr(),
-        rows,
-        channels,
-        rows_per_unit,
-    };
-    run_units(units, cpus() as usize, move |u| {
-        // SAFETY: unit `u` of the checked buffer, writing its own part of `partial`.
-        unsafe { job.unit(u) };
-    });
-    // The units in order: count, mean and squared deviations merged pairwise; the mean also
-    // as the units' weighted sum, which keeps an infinite value's mean infinite (the pairwise
-    // update would subtract infinities), as the sum's reduction does.
-    let (mut n, mut m, mut m2) = (0f64, vec![0f64; c], vec![0f64; c]);
-    let mut weighted = vec![0f64; c];
-    for (u, part) in partial.chunks_exact(2 * c).enumerate() {
-        let first = u as i64 * rows_per_unit;
-        let k = ((first + rows_per_unit).min(rows) - first) as f64;
-        let (um, um2) = part.split_at(c);
-        let total = n + k;
-        for i in 0..c {
-            let delta = um[i] - m[i];
-            m[i] += delta * (k / total);
-            m2[i] += um2[i] + delta * delta * (n * k / total);
-            weighted[i] += um[i] * k;
-        }
-        n = total;
-    }
-    for i in 0..c {
-        mean[i] = if m[i].is_finite() {
-            m[i]
-        } else {
-            weighted[i] / n
-        } as f32;
-        var[i] = (m2[i] / n) as f32;
-    }
-    std::ptr::null_mut()
-}
-
-impl ChannelStats {
-    /// The mean and squared deviations of unit `u`'s rows, into its part of `partial`.
-    ///
-    /// # Safety
-    /// The pointers must be live buffers of the shapes in `self`, `u` a unit in range.
-    unsafe fn unit(&self, u: i64) {
-        let c = self.channels as usize;
-        let first = u * self.rows_per_unit;
-        let end = (first + self.rows_per_unit).min(self.rows);
-        // SAFETY: rows `first..end` of x, and unit `u`'s part of `partial`.
-        let (x, part) = unsafe {
-            (
-                std::slice::from_raw_parts(
-                    self.x.add(first as usize * c),
-                    (end - first) as usize * c,
-                ),
-                std::slice::from_raw_parts_mut(self.partial.add(u as usize * 2 * c), 2 * c),
-            )
-        };
-        STATS_SCRATCH.with(|scratch| {
-            let mut scratch = scratch.borrow_mut();
-            scratch.clear();
-            scratch.resize(3 * c, 0.0);
-            let (rough, rest) = scratch.split_at_mut(c);
-            let (dev, dev2) = rest.split_at_mut(c);
-            vector::channel_moments(x, rough, dev, dev2);
-            let k = (end - first) as f64;
-            let (pm, pm2) = part.split_at_mut(c);
-            for i in 0..c {
-                // The corrected two-pass formula, as for a layer norm's rows.
-                let (d, r) = (f64::from(dev[i]), f64::from(rough[i]));
-                // An infinite mean stays as it is (its deviations are NaN).
-                pm[i] = if r.is_finite() { r + d / k } else { r };
-                // Rounding may leave a tiny negative; NaN stays NaN (f64::max would drop it).
-                let m2 = f64::from(dev2[i]) - d * d / k;
-                pm2[i] = if m2 < 0.0 { 0.0 } else { m2 };
-            }
-        });
-    }
-}
-
-thread_local! {
-    /// A unit's per-channel sums in f32 (sum, deviations, squared deviations).
-    static STATS_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The row arithmetic, written over independent lanes so that the compiler vectorizes it, in
@@ -531,44 +361,6 @@ pub(crate) mod vector {
         pub(crate) fn softmax_row(row: &mut [f32]) -> (f32, f32) = softmax_body
     }
 
-    #[inline(always)]
-    fn channel_moments_body(x: &[f32], mean: &mut [f32], dev: &mut [f32], dev2: &mut [f32]) {
-        let sum = mean;
-        let c = sum.len();
-        let (dev, dev2) = (&mut dev[..c], &mut dev2[..c]);
-        sum.fill(0.0);
-        for row in x.chunks_exact(c) {
-            for i in 0..c {
-                sum[i] += row[i];
-            }
-        }
-        let k = (x.len() / c) as f32;
-        for v in sum.iter_mut() {
-            *v /= k;
-        }
-        dev.fill(0.0);
-        dev2.fill(0.0);
-        for row in x.chunks_exact(c) {
-            for i in 0..c {
-                let d = row[i] - sum[i];
-                dev[i] += d;
-                dev2[i] += d * d;
-            }
-        }
-    }
-
-    widest! {
-        /// Per channel (column) of the rows `x` (`mean.len()` channels each): the rounded
-        /// `mean`, and `dev`, `dev2`: sums of the deviations from it and of their squares (the
-        /// second pass reads the rows again, from cache).
-        pub(super) fn channel_moments(
-            x: &[f32],
-            mean: &mut [f32],
-            dev: &mut [f32],
-            dev2: &mut [f32],
-        ) -> () = channel_moments_body
-    }
-
     /// `row += add`, elementwise (a float attention mask).
     pub(crate) fn add_in_place(row: &mut [f32], add: &[f32]) {
         for (v, &a) in row.iter_mut().zip(add) {
@@ -603,39 +395,6 @@ pub(crate) mod vector {
                         (y[i] as f64 - want).abs() < 1e-4,
                         "n={n} i={i}: {} vs {want}",
                         y[i]
-                    );
-                }
-            }
-        }
-
-        /// Against f64, rows of large mean, channel counts around the lane count.
-        #[test]
-        fn channel_moments_match_f64() {
-            for (rows, c, offset) in [
-                (1usize, 5usize, 0.0f32),
-                (64, 16, 0.0),
-                (33, 17, 1000.0),
-                (256, 100, -3.0),
-            ] {
-                let x: Vec<f32> = (0..rows * c)
-                    .map(|i| ((i * 37 % 101) as f32) * 0.1 - 3.0 + offset)
-                    .collect();
-                let (mut mean, mut dev, mut dev2) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
-                super::channel_moments(&x, &mut mean, &mut dev, &mut dev2);
-                for i in 0..c {
-                    let col: Vec<f64> = (0..rows).map(|r| x[r * c + i] as f64).collect();
-                    let m = col.iter().sum::<f64>() / rows as f64;
-                    let m2 = col.iter().map(|v| (v - m).powi(2)).sum::<f64>();
-                    let (d, k) = (dev[i] as f64, rows as f64);
-                    let got_m = mean[i] as f64 + d / k;
-                    let got_m2 = dev2[i] as f64 - d * d / k;
-                    assert!(
-                        (got_m - m).abs() < 1e-5 * m.abs().max(1.0),
-                        "{rows}x{c} ch {i}: mean {got_m} vs {m}"
-                    );
-                    assert!(
-                        (got_m2 - m2).abs() < 1e-4 * m2.max(1.0),
-                        "{rows}x{c} ch {i}: m2 {got_m2} vs {m2}"
                     );
                 }
             }

@@ -132,10 +132,6 @@ pub struct Emitter<'c, 'b> {
     /// Large f32 layer norms go to the host row kernels (see
     /// [`LowerOptions::host_rows`](crate::lower::LowerOptions)).
     pub host_rows: bool,
-    /// Training batch norms' channel statistics go to the host kernel (the row kernels on, and
-    /// XLA's loops unpartitioned: see
-    /// [`LowerOptions::loops_unpartitioned`](crate::lower::LowerOptions)).
-    pub host_batch_stats: bool,
     /// The fused CPU attention goes to the host kernel (see
     /// [`LowerOptions::host_attention`](crate::lower::LowerOptions::host_attention)).
     pub host_attention: bool,
@@ -472,7 +468,6 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_gemm_min_macs: None,
             host_conv: false,
             host_rows: false,
-            host_batch_stats: false,
             host_attention: false,
         }
     }
@@ -496,7 +491,6 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_gemm_min_macs: self.host_gemm_min_macs,
             host_conv: self.host_conv,
             host_rows: self.host_rows,
-            host_batch_stats: self.host_batch_stats,
             host_attention: self.host_attention,
         }
     }

@@ -71,10 +71,6 @@ pub struct LowerOptions {
     /// Large f32 layer norms are lowered to the runtime's row kernels (`tpuc_layer_norm`
     /// custom calls, registered with the CPU plugin by `tpuc_runtime::host_rows`).
     pub host_rows: bool,
-    /// XLA will run the module's loop fusions unpartitioned, on the calling thread (the
-    /// pipeline's `runs_unpartitioned`): there host kernels that share their work over the
-    /// cores beat XLA's one-thread loops; elsewhere XLA's partitioned loops use the cores too.
-    pub loops_unpartitioned: bool,
 }
 
 impl LowerOptions {
@@ -506,7 +502,6 @@ fn lower_in(
         e.host_gemm_min_macs = options.host_gemm_min_macs.filter(|_| plan.is_none());
         e.host_conv = options.host_conv && plan.is_none();
         e.host_rows = options.host_rows && plan.is_none();
-        e.host_batch_stats = e.host_rows && options.loops_unpartitioned;
         e.host_attention = options.host_attention();
         let mut values: HashMap<ValueRef, T> = HashMap::default();
         for (i, node) in input_nodes.iter().enumerate() {

@@ -825,60 +825,10 @@ fn max_pool_grad_by_taps<'c, 'b>(
     sum.ok_or_else(|| LowerError::internal("max pooling gradient with an empty window"))
 }
 
-/// Batch statistics of at least this many f32 elements whose channels are the innermost dim in
-/// memory (channels-last activations, `[N, C]` batches) go to the host kernel where the session
-/// enables the row kernels and XLA runs the module's loops unpartitioned: XLA writes `x - mean`
-/// out for the variance's reduction and there runs its loops on one thread; the kernel reads
-/// the input once, on both cores (a whole training batch norm of 25088x256: 5.2 -> 4.2 ms,
-/// 392x2048: 0.87 -> 0.39). Where XLA partitions its loops (ResNet-50 training at batch 8),
-/// the kernel measured 1.9% slower per step (one process, interleaved): XLA's partitioned
-/// reductions use both cores already, and the kernel's helpers compete with XLA's pool.
-const HOST_BATCH_STATS_MIN_ELEMENTS: i64 = 1 << 15;
-
-/// `(mean, biased variance)` of `xf` per channel through the host kernel
-/// (`tpuc_channel_stats`), where it qualifies (see [`HOST_BATCH_STATS_MIN_ELEMENTS`]). None
-/// where XLA should compute them.
-fn host_batch_stats<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    xf: &T<'c, 'b>,
-) -> R<Option<(T<'c, 'b>, T<'c, 'b>)>> {
-    let rank = xf.rank();
-    let elements: i64 = xf.shape.iter().product();
-    if !e.host_batch_stats
-        || xf.dtype != DType::Float32
-        || rank < 2
-        || elements < HOST_BATCH_STATS_MIN_ELEMENTS
-    {
-        return Ok(None);
-    }
-    // The channels' dim last in memory: a layout transpose whose physical form has them last,
-    // or a rank-2 batch.
-    let layout = e.physical(xf).filter(|(_, p)| p.len() == rank);
-    let physical = match &layout {
-        Some((src, perm)) if perm[1] == rank as i64 - 1 => src,
-        None if rank == 2 => xf,
-        _ => return Ok(None),
-    };
-    let channels = xf.shape[1];
-    let r = e.ffi_call(
-        tpuc_runtime::host_rows::CHANNEL_STATS,
-        &[&e.reshape(physical, &[elements / channels.max(1), channels])?],
-        &[
-            (vec![channels], DType::Float32),
-            (vec![channels], DType::Float32),
-        ],
-    )?;
-    let mut r = r.into_iter();
-    Ok(r.next().zip(r.next()))
-}
-
 /// Batch statistics over every dim but the channel dim (1): (mean, biased variance), in `acc`.
 fn batch_stats<'c, 'b>(e: &Emitter<'c, 'b>, xf: &T<'c, 'b>) -> R<(T<'c, 'b>, T<'c, 'b>, i64)> {
     let dims: Vec<i64> = (0..xf.rank() as i64).filter(|&d| d != 1).collect();
     let n: i64 = dims.iter().map(|&d| xf.shape[d as usize]).product();
-    if let Some((mean, var)) = host_batch_stats(e, xf)? {
-        return Ok((mean, var, n));
-    }
     let acc = xf.dtype;
     let count = e.splat(Scalar::Int(n), &[], acc)?;
     let mean = e.binary(
