@@ -4,6 +4,8 @@ use std::ffi::c_char;
 use std::ptr;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use super::api::{copy_str, pjrt_call, Args, Event};
 use super::buffer::Buffer;
 use super::client::ClientInner;
@@ -241,18 +243,20 @@ impl LoadedExecutable {
                 "argument buffer belongs to another client".into(),
             ));
         }
-        let raw_args: Vec<Vec<*mut sys::PJRT_Buffer>> = lists
+        // On the stack for one device and a few arguments (every call builds these arrays).
+        let raw_args: SmallVec<[SmallVec<[*mut sys::PJRT_Buffer; 8]>; 1]> = lists
             .iter()
             .map(|l| l.iter().map(|b| b.raw).collect())
             .collect();
-        let arg_ptrs: Vec<*const *mut sys::PJRT_Buffer> =
+        let arg_ptrs: SmallVec<[*const *mut sys::PJRT_Buffer; 1]> =
             raw_args.iter().map(|l| l.as_ptr()).collect();
-        let mut raw_outs: Vec<Vec<*mut sys::PJRT_Buffer>> = (0..lists.len())
-            .map(|_| vec![ptr::null_mut(); self.num_outputs])
+        let mut raw_outs: SmallVec<[SmallVec<[*mut sys::PJRT_Buffer; 4]>; 1]> = (0..lists.len())
+            .map(|_| smallvec::smallvec![ptr::null_mut(); self.num_outputs])
             .collect();
-        let out_ptrs: Vec<*mut *mut sys::PJRT_Buffer> =
+        let out_ptrs: SmallVec<[*mut *mut sys::PJRT_Buffer; 1]> =
             raw_outs.iter_mut().map(|l| l.as_mut_ptr()).collect();
-        let mut events: Vec<*mut sys::PJRT_Event> = vec![ptr::null_mut(); lists.len()];
+        let mut events: SmallVec<[*mut sys::PJRT_Event; 1]> =
+            smallvec::smallvec![ptr::null_mut(); lists.len()];
 
         let mut options = sys::PJRT_ExecuteOptions::new();
         let mut args = sys::PJRT_LoadedExecutable_Execute_Args::new();
@@ -275,7 +279,7 @@ impl LoadedExecutable {
 
         // Take ownership of everything before waiting, so an error below
         // still frees all outputs and events.
-        let events: Vec<Event> = events
+        let events: SmallVec<[Event; 1]> = events
             .into_iter()
             .filter_map(|e| Event::from_raw(api, e))
             .collect();
