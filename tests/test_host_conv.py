@@ -213,3 +213,15 @@ def test_onednn_2_gives_eager_numbers_where_3_is_the_default(tmp_path):
         timeout=900,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_a_named_onednn_that_cannot_load_is_reported(tmp_path):
+    # The default library's absence only means XLA's convolutions; one the user named must say so.
+    env = dict(os.environ, TPUC_ONEDNN=str(tmp_path / "libdnnl.so.3"), TPUC_CACHE_DIR=str(tmp_path / "cache"))
+    check = (
+        "import tpuc, tpuc.runtime as r; r.get_runtime(None); print(tpuc._native.Runtime.host_conv_version())"
+    )
+    r = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "TPUC_ONEDNN=" in r.stderr and "convolutions run in XLA" in r.stderr, r.stderr
+    assert r.stdout.split("\n")[-2] == "None", r.stdout

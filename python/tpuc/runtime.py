@@ -8,6 +8,7 @@ import os
 import struct
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 from . import _native, host_malloc
@@ -308,7 +309,16 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
     `TPUC_HOST_CONV=0` keeps them there."""
     if env_off("TPUC_HOST_CONV"):
         return
-    rt.enable_host_conv(host_conv_library())
+    library = host_conv_library()
+    if not rt.enable_host_conv(library) and os.environ.get("TPUC_ONEDNN"):
+        # Named by the user: say so, where the default's absence only means XLA's convolutions.
+        warnings.warn(
+            f"tpuc: TPUC_ONEDNN={library} could not be used (missing, a dependency missing, or not"
+            " oneDNN 2.x/3.x with OpenMP; TPUC_LOG=tpuc_runtime=debug says which): convolutions"
+            " run in XLA",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _enable_host_rows(rt: _native.Runtime) -> None:
