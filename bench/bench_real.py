@@ -168,15 +168,27 @@ def _max_rel_err(torch, got, want) -> float:
     return (got.float() - want.float()).abs().max().item() / scale
 
 
+# Untimed interleaved rounds before the timed ones: in one process the backends share the C heap,
+# and it takes a round or two of the interleaved order before a backend's large blocks find room
+# in it again each call (ResNet-50 training: tpuc's step page-faults 10-80k pages in its first
+# interleaved rounds, then none; alone in a process it does not fault after its first call).
+WARMUP_ROUNDS = 2
+
+
 def _interleave(fns: dict, call, iters: int, out: dict) -> dict:
-    """Each backend's call times; its page faults per call go to out[b]["faults_per_call"]
-    (a large graph whose temporaries the C heap maps afresh every call spends much of its time
-    in them, and in one process the backends change each other's heap)."""
+    """Each backend's call times, after WARMUP_ROUNDS untimed rounds in the same order; its page
+    faults per timed call go to out[b]["faults_per_call"] (a large graph whose temporaries the
+    C heap maps afresh every call spends much of its time in them, and in one process the
+    backends change each other's heap)."""
     import resource
 
     samples = {b: [] for b in fns}
     faults = dict.fromkeys(fns, 0)
     order = list(fns)
+    for i in range(WARMUP_ROUNDS):
+        k = i % len(order)
+        for b in order[k:] + order[:k]:
+            call(fns[b])
     for i in range(iters):
         k = i % len(order)
         for b in order[k:] + order[:k]:
@@ -405,7 +417,7 @@ def markdown(report: dict) -> str:
             f"each backend in its own process, {info['rounds']} rounds (order rotated) of "
             f"{info['iters']} calls, median of the rounds' medians"
             if info.get("separate")
-            else f"{info['iters']} interleaved rounds per case in one process, median"
+            else f"{info['iters']} interleaved rounds per case in one process after {WARMUP_ROUNDS} untimed ones, median"
         )
         + f". Command: `{info['command']}`.",
         "",
