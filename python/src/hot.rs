@@ -315,8 +315,6 @@ pub struct CallPlan {
     guard: std::sync::OnceLock<Option<Py<PyAny>>>,
 }
 
-/// Dynamo's C++ tensor guard over `tensors` as they are now: dtype, device, dispatch keys (lazy
-/// negation and conjugation among them), requires_grad, and these exact sizes and strides.
 /// `t.data_ptr()`, called through the method's descriptor and read with `PyLong_AsSize_t`: half
 /// the cost of a bound-method call plus pyo3's integer extraction (which goes through
 /// `_PyLong_AsByteArray` for an address). Twice per call of a one-input, one-output graph.
@@ -340,6 +338,8 @@ fn data_ptr(py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<usize> {
     Ok(ptr)
 }
 
+/// Dynamo's C++ tensor guard over `tensors` as they are now: dtype, device, dispatch keys (lazy
+/// negation and conjugation among them), requires_grad, and these exact sizes and strides.
 fn tensor_guard(py: Python<'_>, tensors: &[Bound<'_, PyAny>]) -> PyResult<Py<PyAny>> {
     let class = py
         .import(intern!(py, "torch._C._dynamo.guards"))?

@@ -243,7 +243,8 @@ impl LoadedExecutable {
                 "argument buffer belongs to another client".into(),
             ));
         }
-        // On the stack for one device and a few arguments (every call builds these arrays).
+        // On the stack for one device and a few arguments (every call builds these arrays); the
+        // pointers below point into them, so none of them moves before the call.
         let raw_args: SmallVec<[SmallVec<[*mut sys::PJRT_Buffer; 8]>; 1]> = lists
             .iter()
             .map(|l| l.iter().map(|b| b.raw).collect())
