@@ -4,6 +4,7 @@
 use std::ffi::c_char;
 use std::ptr;
 
+use super::client::OptionValue;
 use super::sys;
 use super::PjrtError;
 
@@ -224,6 +225,18 @@ impl_args! {
     PJRT_Buffer_OnDeviceSizeInBytes_Args => PJRT_Buffer_OnDeviceSizeInBytes_Args_STRUCT_SIZE,
     PJRT_Buffer_ToHostBuffer_Args => PJRT_Buffer_ToHostBuffer_Args_STRUCT_SIZE,
     PJRT_Buffer_UnsafePointer_Args => PJRT_Buffer_UnsafePointer_Args_STRUCT_SIZE,
+    PJRT_Executable_GetCostAnalysis_Args => PJRT_Executable_GetCostAnalysis_Args_STRUCT_SIZE,
+    PJRT_Executable_GetCompiledMemoryStats_Args => PJRT_Executable_GetCompiledMemoryStats_Args_STRUCT_SIZE,
+    PJRT_TopologyDescription_Create_Args => PJRT_TopologyDescription_Create_Args_STRUCT_SIZE,
+    PJRT_TopologyDescription_Destroy_Args => PJRT_TopologyDescription_Destroy_Args_STRUCT_SIZE,
+    PJRT_TopologyDescription_PlatformName_Args => PJRT_TopologyDescription_PlatformName_Args_STRUCT_SIZE,
+    PJRT_TopologyDescription_PlatformVersion_Args => PJRT_TopologyDescription_PlatformVersion_Args_STRUCT_SIZE,
+    PJRT_TopologyDescription_GetDeviceDescriptions_Args => PJRT_TopologyDescription_GetDeviceDescriptions_Args_STRUCT_SIZE,
+    PJRT_DeviceDescription_Kind_Args => PJRT_DeviceDescription_Kind_Args_STRUCT_SIZE,
+    PJRT_DeviceDescription_Id_Args => PJRT_DeviceDescription_Id_Args_STRUCT_SIZE,
+    PJRT_Device_GetDescription_Args => PJRT_Device_GetDescription_Args_STRUCT_SIZE,
+    PJRT_Client_Devices_Args => PJRT_Client_Devices_Args_STRUCT_SIZE,
+    PJRT_Compile_Args => PJRT_Compile_Args_STRUCT_SIZE,
 }
 
 /// Copies a (pointer, length) string owned by the plugin.
@@ -237,6 +250,47 @@ pub(crate) unsafe fn copy_str(ptr: *const c_char, len: usize) -> String {
     // SAFETY: guaranteed by the caller.
     let bytes = unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), len) };
     String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Copies `n` named values (attributes, cost properties) owned by the plugin; values of a type
+/// this header does not know are skipped.
+///
+/// # Safety
+/// `values` must be null or point to `n` live `PJRT_NamedValue`s, each string and list lying
+/// where its value points.
+pub(crate) unsafe fn read_named_values(
+    values: *const sys::PJRT_NamedValue,
+    n: usize,
+) -> Vec<(String, OptionValue)> {
+    if values.is_null() || n == 0 {
+        return Vec::new();
+    }
+    // SAFETY: guaranteed by the caller.
+    let values = unsafe { std::slice::from_raw_parts(values, n) };
+    values
+        .iter()
+        // SAFETY: each value's union member is the one its type names (the caller's contract).
+        .filter_map(|nv| unsafe {
+            let name = copy_str(nv.name, nv.name_size);
+            let value = match nv.type_ {
+                sys::PJRT_NamedValue_kString => {
+                    OptionValue::Str(copy_str(nv.__bindgen_anon_1.string_value, nv.value_size))
+                }
+                sys::PJRT_NamedValue_kInt64 => OptionValue::Int64(nv.__bindgen_anon_1.int64_value),
+                sys::PJRT_NamedValue_kInt64List => OptionValue::Int64List(
+                    std::slice::from_raw_parts(
+                        nv.__bindgen_anon_1.int64_array_value,
+                        nv.value_size,
+                    )
+                    .to_vec(),
+                ),
+                sys::PJRT_NamedValue_kFloat => OptionValue::Float(nv.__bindgen_anon_1.float_value),
+                sys::PJRT_NamedValue_kBool => OptionValue::Bool(nv.__bindgen_anon_1.bool_value),
+                _ => return None,
+            };
+            Some((name, value))
+        })
+        .collect()
 }
 
 /// An owned `PJRT_Event`; destroyed on drop.

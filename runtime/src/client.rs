@@ -8,6 +8,7 @@ use super::api::{copy_str, pjrt_call, Api, Args, Event};
 use super::buffer::Buffer;
 use super::executable::{CompileOptions, LoadedExecutable};
 use super::plugin::Plugin;
+use super::topology::{describe, DeviceInfo};
 use super::{sys, ElementType, HostBufferSemantics, PjrtError};
 
 /// A PJRT client. Cloning is cheap and shares the client; the PJRT client is
@@ -73,6 +74,47 @@ pub enum OptionValue {
 /// `(name, value)` options of `PJRT_Client_Create`.
 pub type CreateOptions = Vec<(String, OptionValue)>;
 
+/// `options` as `PJRT_NamedValue`s. They point into `options`' strings and lists: keep
+/// `options` alive and unchanged while the plugin may read them.
+pub(crate) fn named_values(options: &[(String, OptionValue)]) -> Vec<sys::PJRT_NamedValue> {
+    options
+        .iter()
+        .map(|(name, value)| {
+            let mut nv = sys::PJRT_NamedValue::new();
+            nv.name = name.as_ptr().cast::<c_char>();
+            nv.name_size = name.len();
+            match value {
+                OptionValue::Str(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kString;
+                    nv.__bindgen_anon_1.string_value = v.as_ptr().cast::<c_char>();
+                    nv.value_size = v.len();
+                }
+                OptionValue::Int64(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kInt64;
+                    nv.__bindgen_anon_1.int64_value = *v;
+                    nv.value_size = 1;
+                }
+                OptionValue::Int64List(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kInt64List;
+                    nv.__bindgen_anon_1.int64_array_value = v.as_ptr();
+                    nv.value_size = v.len();
+                }
+                OptionValue::Float(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kFloat;
+                    nv.__bindgen_anon_1.float_value = *v;
+                    nv.value_size = 1;
+                }
+                OptionValue::Bool(v) => {
+                    nv.type_ = sys::PJRT_NamedValue_kBool;
+                    nv.__bindgen_anon_1.bool_value = *v;
+                    nv.value_size = 1;
+                }
+            }
+            nv
+        })
+        .collect()
+}
+
 /// The CPU plugin's option for its number of devices (its default is 4).
 pub fn cpu_device_options(count: Option<i64>) -> CreateOptions {
     count
@@ -87,42 +129,7 @@ impl Client {
         options: &[(String, OptionValue)],
     ) -> Result<Client, PjrtError> {
         let api = &plugin.api;
-        let options: Vec<sys::PJRT_NamedValue> = options
-            .iter()
-            .map(|(name, value)| {
-                let mut nv = sys::PJRT_NamedValue::new();
-                nv.name = name.as_ptr().cast::<c_char>();
-                nv.name_size = name.len();
-                match value {
-                    OptionValue::Str(v) => {
-                        nv.type_ = sys::PJRT_NamedValue_kString;
-                        nv.__bindgen_anon_1.string_value = v.as_ptr().cast::<c_char>();
-                        nv.value_size = v.len();
-                    }
-                    OptionValue::Int64(v) => {
-                        nv.type_ = sys::PJRT_NamedValue_kInt64;
-                        nv.__bindgen_anon_1.int64_value = *v;
-                        nv.value_size = 1;
-                    }
-                    OptionValue::Int64List(v) => {
-                        nv.type_ = sys::PJRT_NamedValue_kInt64List;
-                        nv.__bindgen_anon_1.int64_array_value = v.as_ptr();
-                        nv.value_size = v.len();
-                    }
-                    OptionValue::Float(v) => {
-                        nv.type_ = sys::PJRT_NamedValue_kFloat;
-                        nv.__bindgen_anon_1.float_value = *v;
-                        nv.value_size = 1;
-                    }
-                    OptionValue::Bool(v) => {
-                        nv.type_ = sys::PJRT_NamedValue_kBool;
-                        nv.__bindgen_anon_1.bool_value = *v;
-                        nv.value_size = 1;
-                    }
-                }
-                nv
-            })
-            .collect();
+        let options = named_values(options);
         let mut args = sys::PJRT_Client_Create_Args::new();
         args.create_options = options.as_ptr();
         args.num_options = options.len();
@@ -186,6 +193,33 @@ impl Client {
 
     pub fn addressable_device_count(&self) -> usize {
         self.inner.devices.len()
+    }
+
+    /// Every device of the client (on a multi-host slice, the other hosts' too), ordered by id,
+    /// with its kind: what a [`crate::Topology`] of the same devices reports.
+    pub fn devices(&self) -> Result<Vec<DeviceInfo>, PjrtError> {
+        let api = self.inner.api();
+        let mut args = sys::PJRT_Client_Devices_Args::new();
+        args.client = self.inner.raw;
+        // SAFETY: the client is live; the device handles it returns are owned by it.
+        unsafe { pjrt_call!(api, PJRT_Client_Devices, &mut args) }?;
+        let handles = if args.devices.is_null() {
+            &[][..]
+        } else {
+            // SAFETY: the plugin returned that many device handles, owned by the client.
+            unsafe { std::slice::from_raw_parts(args.devices, args.num_devices) }
+        };
+        let mut devices = Vec::with_capacity(handles.len());
+        for &device in handles {
+            let mut d = sys::PJRT_Device_GetDescription_Args::new();
+            d.device = device;
+            // SAFETY: the device is owned by the live client; so is its description.
+            unsafe { pjrt_call!(api, PJRT_Device_GetDescription, &mut d) }?;
+            // SAFETY: the description is live while the client is.
+            devices.push(unsafe { describe(api, d.device_description) }?);
+        }
+        devices.sort_by_key(|d| d.id);
+        Ok(devices)
     }
 
     /// Compiles a StableHLO module given as MLIR text (or bytecode: the

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use super::api::{copy_str, pjrt_call, Args, Event};
+use super::api::{copy_str, pjrt_call, Api, Args, Event};
 use super::buffer::Buffer;
 use super::client::ClientInner;
 use super::{sys, PjrtError};
@@ -17,6 +17,9 @@ pub struct CompileOptions {
     pub num_replicas: i64,
     pub num_partitions: i64,
     pub use_spmd_partitioning: bool,
+    /// The device id of each partition (one replica). Empty: the plugin's client picks them;
+    /// a compile without a client (a [`crate::Topology`]) needs them spelled out.
+    pub partition_devices: Vec<i64>,
 }
 
 impl Default for CompileOptions {
@@ -25,6 +28,7 @@ impl Default for CompileOptions {
             num_replicas: 1,
             num_partitions: 1,
             use_spmd_partitioning: false,
+            partition_devices: Vec::new(),
         }
     }
 }
@@ -46,6 +50,25 @@ struct ExecutableBuildOptionsProto {
     num_partitions: i64,
     #[prost(bool, tag = "6")]
     use_spmd_partitioning: bool,
+    #[prost(message, optional, tag = "9")]
+    device_assignment: Option<DeviceAssignmentProto>,
+}
+
+/// `xla.DeviceAssignmentProto`: for each computation (partition), its device per replica.
+#[derive(Clone, PartialEq, prost::Message)]
+struct DeviceAssignmentProto {
+    #[prost(int32, tag = "1")]
+    replica_count: i32,
+    #[prost(int32, tag = "2")]
+    computation_count: i32,
+    #[prost(message, repeated, tag = "3")]
+    computation_devices: Vec<ComputationDevice>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ComputationDevice {
+    #[prost(int64, repeated, tag = "1")]
+    replica_device_ids: Vec<i64>,
 }
 
 impl CompileOptions {
@@ -57,6 +80,19 @@ impl CompileOptions {
                 num_replicas: self.num_replicas,
                 num_partitions: self.num_partitions,
                 use_spmd_partitioning: self.use_spmd_partitioning,
+                device_assignment: (!self.partition_devices.is_empty()).then(|| {
+                    DeviceAssignmentProto {
+                        replica_count: 1,
+                        computation_count: self.partition_devices.len() as i32,
+                        computation_devices: self
+                            .partition_devices
+                            .iter()
+                            .map(|&id| ComputationDevice {
+                                replica_device_ids: vec![id],
+                            })
+                            .collect(),
+                    }
+                }),
             }),
         })
     }
@@ -347,33 +383,8 @@ impl LoadedExecutable {
             ));
         }
         let view = self.view()?;
-        let mut args = sys::PJRT_Executable_Serialize_Args::new();
-        args.executable = view.raw;
-        // SAFETY: the view is live.
-        unsafe { pjrt_call!(self.client.api(), PJRT_Executable_Serialize, &mut args) }?;
-        let bytes = if args.serialized_bytes.is_null() {
-            Vec::new()
-        } else {
-            // SAFETY: the bytes are backed by `serialized_executable`, freed
-            // just below, after the copy.
-            unsafe {
-                std::slice::from_raw_parts(
-                    args.serialized_bytes.cast::<u8>(),
-                    args.serialized_bytes_size,
-                )
-            }
-            .to_vec()
-        };
-        if let Some(deleter) = args.serialized_executable_deleter {
-            // SAFETY: the plugin's deleter for the object it handed out.
-            unsafe { deleter(args.serialized_executable) };
-        }
-        if bytes.is_empty() {
-            return Err(PjrtError::Other(
-                "PJRT_Executable_Serialize returned no bytes".into(),
-            ));
-        }
-        Ok(bytes)
+        // SAFETY: the view is a live executable of this client's plugin.
+        unsafe { serialize_raw(self.client.api(), view.raw) }
     }
 
     /// The optimized program, as `(format, bytes)`; the CPU plugin gives
@@ -413,6 +424,20 @@ impl LoadedExecutable {
         })
     }
 
+    /// Memory per device, as the compiler planned it.
+    pub fn memory_stats(&self) -> Result<super::MemoryStats, PjrtError> {
+        let view = self.view()?;
+        // SAFETY: the view is a live executable of this client's plugin.
+        unsafe { super::analysis::memory_stats(self.client.api(), view.raw) }
+    }
+
+    /// The compiler's cost analysis (flops, bytes accessed, ...).
+    pub fn cost_analysis(&self) -> Result<Vec<(String, f64)>, PjrtError> {
+        let view = self.view()?;
+        // SAFETY: as in `memory_stats`.
+        unsafe { super::analysis::cost_analysis(self.client.api(), view.raw) }
+    }
+
     /// Fingerprint of the compiled program, if the plugin provides one.
     pub fn fingerprint(&self) -> Option<String> {
         let view = self.view().ok()?;
@@ -429,4 +454,41 @@ impl LoadedExecutable {
         };
         (!s.is_empty()).then_some(s)
     }
+}
+
+/// `PJRT_Executable_Serialize` of `raw`.
+///
+/// # Safety
+/// `raw` must be a live `PJRT_Executable` of the plugin whose table `api` is.
+pub(crate) unsafe fn serialize_raw(
+    api: &Api,
+    raw: *mut sys::PJRT_Executable,
+) -> Result<Vec<u8>, PjrtError> {
+    let mut args = sys::PJRT_Executable_Serialize_Args::new();
+    args.executable = raw;
+    // SAFETY: `raw` is live (the caller's contract).
+    unsafe { pjrt_call!(api, PJRT_Executable_Serialize, &mut args) }?;
+    let bytes = if args.serialized_bytes.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: the bytes are backed by `serialized_executable`, freed just below, after the
+        // copy.
+        unsafe {
+            std::slice::from_raw_parts(
+                args.serialized_bytes.cast::<u8>(),
+                args.serialized_bytes_size,
+            )
+        }
+        .to_vec()
+    };
+    if let Some(deleter) = args.serialized_executable_deleter {
+        // SAFETY: the plugin's deleter for the object it handed out.
+        unsafe { deleter(args.serialized_executable) };
+    }
+    if bytes.is_empty() {
+        return Err(PjrtError::Other(
+            "PJRT_Executable_Serialize returned no bytes".into(),
+        ));
+    }
+    Ok(bytes)
 }

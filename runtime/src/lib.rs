@@ -11,6 +11,7 @@
 //! API is thread-safe. All failures, including those of the plugin, come back
 //! as [`PjrtError`] values that carry the plugin's own message.
 
+mod analysis;
 mod api;
 mod buffer;
 mod client;
@@ -25,15 +26,18 @@ pub mod spin_helpers;
 mod sys;
 #[cfg(test)]
 mod tests;
+mod topology;
 mod xla_ffi;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+pub use analysis::MemoryStats;
 pub use buffer::Buffer;
 pub use client::{cpu_device_options, Client, CreateOptions, OptionValue};
 pub use executable::{CompileOptions, LoadedExecutable};
 pub use plugin::{load_plugin, Plugin};
+pub use topology::{DeviceInfo, Topology, TopologyExecutable};
 
 /// Live PJRT objects held by this process (for leak tests): incremented where a wrapper takes
 /// ownership of a handle, decremented where it destroys it.

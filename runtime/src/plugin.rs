@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-use super::api::{pjrt_call, Api, Args};
+use super::api::{pjrt_call, read_named_values, Api, Args};
 use super::client::OptionValue;
 use super::{sys, PjrtError};
 
@@ -127,39 +127,8 @@ impl Plugin {
             return Ok(Vec::new());
         }
         // SAFETY: the plugin owns `num_attributes` named values there for its lifetime (the
-        // plugin is never unloaded); each string and list lies where its value points.
-        let values = unsafe { std::slice::from_raw_parts(args.attributes, args.num_attributes) };
-        Ok(values
-            .iter()
-            .filter_map(|nv| unsafe {
-                let text = |p: *const std::ffi::c_char, n: usize| {
-                    String::from_utf8_lossy(std::slice::from_raw_parts(p.cast::<u8>(), n))
-                        .into_owned()
-                };
-                let name = text(nv.name, nv.name_size);
-                let value = match nv.type_ {
-                    sys::PJRT_NamedValue_kString => {
-                        OptionValue::Str(text(nv.__bindgen_anon_1.string_value, nv.value_size))
-                    }
-                    sys::PJRT_NamedValue_kInt64 => {
-                        OptionValue::Int64(nv.__bindgen_anon_1.int64_value)
-                    }
-                    sys::PJRT_NamedValue_kInt64List => OptionValue::Int64List(
-                        std::slice::from_raw_parts(
-                            nv.__bindgen_anon_1.int64_array_value,
-                            nv.value_size,
-                        )
-                        .to_vec(),
-                    ),
-                    sys::PJRT_NamedValue_kFloat => {
-                        OptionValue::Float(nv.__bindgen_anon_1.float_value)
-                    }
-                    sys::PJRT_NamedValue_kBool => OptionValue::Bool(nv.__bindgen_anon_1.bool_value),
-                    _ => return None, // a type this header does not know
-                };
-                Some((name, value))
-            })
-            .collect())
+        // plugin is never unloaded).
+        Ok(unsafe { read_named_values(args.attributes, args.num_attributes) })
     }
 
     /// `(current, minimum)` StableHLO versions (`[major, minor, patch]`) the plugin accepts, if

@@ -95,6 +95,7 @@ fn default_compile_options_encode_to_known_bytes() {
         num_replicas: 1,
         num_partitions: 2,
         use_spmd_partitioning: true,
+        ..CompileOptions::default()
     };
     assert_eq!(
         spmd.encode(),
@@ -564,6 +565,7 @@ fn spmd_partitioned_sum_all_reduces_across_devices() {
         num_replicas: 1,
         num_partitions: 2,
         use_spmd_partitioning: true,
+        ..CompileOptions::default()
     };
     let exe = c.compile(SPMD_SUM, &opts).unwrap();
     assert_eq!(exe.num_devices(), 2);
