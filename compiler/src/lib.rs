@@ -3,3 +3,4 @@
 
 pub mod lower;
 pub mod pipeline;
+pub mod target;

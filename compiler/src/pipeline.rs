@@ -72,8 +72,7 @@ fn arg_refs<'a>(args: &'a [RunArg<'a>], staged: &'a [Option<Buffer>]) -> Vec<&'a
 pub struct Engine {
     client: Client,
     cache: ExecutableCache<LoadedExecutable>,
-    /// Open disk caches by folder (opened once per process; `None` entries never exist).
-    disks: Mutex<HashMap<PathBuf, Arc<DiskCache>>>,
+    disks: DiskCaches,
     platform: String,
     /// Whether buffers may alias host memory (the CPU plugin): inputs are then never copied.
     host_zero_copy: bool,
@@ -85,7 +84,10 @@ pub struct Engine {
     text_modules: std::sync::atomic::AtomicBool,
     /// The StableHLO versions the plugin reports (`[major, minor, patch]`), if it does.
     stablehlo_versions: Option<(Vec<i64>, Vec<i64>)>,
-    cpu: String,
+    /// What its executables are specific to besides the plugin (see [`machine_key_part`]).
+    machine: (&'static str, String),
+    /// Ids of every device of the client, in order.
+    device_ids: Vec<i64>,
     /// `XLA_FLAGS` when the plugin was loaded: XLA reads them once per process, and they change
     /// the code it emits (fast math, library fusions), so they are part of every cache key.
     xla_flags: String,
@@ -119,16 +121,143 @@ pub struct DiskCacheOptions {
     pub max_bytes: Option<u64>,
 }
 
+/// Open disk caches by folder, each opened once per process.
+#[derive(Default)]
+pub(crate) struct DiskCaches(Mutex<HashMap<PathBuf, Arc<DiskCache>>>);
+
+impl DiskCaches {
+    /// The disk cache for `opts` (None without a folder), opened on first use.
+    pub(crate) fn open(
+        &self,
+        opts: &DiskCacheOptions,
+    ) -> Result<Option<Arc<DiskCache>>, CacheError> {
+        let Some(dir) = &opts.dir else {
+            return Ok(None);
+        };
+        let mut disks = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = disks.get(dir) {
+            return Ok(Some(d.clone()));
+        }
+        let d = Arc::new(DiskCache::open(dir, opts.max_bytes)?);
+        disks.insert(dir.clone(), d.clone());
+        Ok(Some(d))
+    }
+}
+
 /// What a disk entry records beside the executable, checked again when it is loaded.
 #[derive(Serialize, Deserialize, Debug)]
-struct EntryMeta {
-    plugin_identity: [u8; 32],
+pub(crate) struct EntryMeta {
+    pub(crate) plugin_identity: [u8; 32],
     /// blake3 of the StableHLO module: a well-formed entry for another module is refused.
-    module_hash: [u8; 32],
-    platform: String,
-    tpuc_version: String,
-    inputs: Vec<(Vec<i64>, DType)>,
-    outputs: Vec<(Vec<i64>, DType)>,
+    pub(crate) module_hash: [u8; 32],
+    pub(crate) platform: String,
+    pub(crate) tpuc_version: String,
+    pub(crate) inputs: Vec<(Vec<i64>, DType)>,
+    pub(crate) outputs: Vec<(Vec<i64>, DType)>,
+}
+
+impl EntryMeta {
+    pub(crate) fn new(plugin: &Plugin, platform: &str, lowered: &Lowered) -> EntryMeta {
+        EntryMeta {
+            plugin_identity: plugin.identity(),
+            module_hash: *blake3::hash(&lowered.bytecode).as_bytes(),
+            platform: platform.to_string(),
+            tpuc_version: env!("CARGO_PKG_VERSION").to_string(),
+            inputs: lowered.inputs.clone(),
+            outputs: lowered.outputs.clone(),
+        }
+    }
+}
+
+/// What executables compiled here are specific to besides the plugin build: the host CPU's
+/// features for the CPU plugin (its code uses them), the devices' kind and count for any other
+/// (a TPU program is for one chip generation and slice, whatever CPU compiled it). A target's
+/// compile ([`crate::target`]) and a client on those devices compute the same value, so that a
+/// host with the devices finds what was compiled for it elsewhere.
+pub(crate) fn machine_key_part(
+    platform: &str,
+    devices: &[pjrt::DeviceInfo],
+) -> (&'static str, String) {
+    if platform == "cpu" {
+        return ("cpu", host_cpu_fingerprint());
+    }
+    let kind = devices.first().map_or("", |d| d.kind.as_str());
+    ("devices", format!("{platform}|{kind}|{}", devices.len()))
+}
+
+/// The cache key of one executable: the module, how it was compiled, by which plugin build,
+/// for which machine (see [`machine_key_part`]), under which `XLA_FLAGS`.
+pub(crate) fn executable_key(
+    lowered: &Lowered,
+    options: &CompileOptions,
+    unpartitioned: bool,
+    plugin: &Plugin,
+    machine: &(&'static str, String),
+    xla_flags: &str,
+) -> CacheKey {
+    KeyBuilder::new()
+        .part("module", &lowered.bytecode)
+        .part("compile_options", &options.encode())
+        .part("unpartitioned", &[u8::from(unpartitioned)])
+        .part("plugin", &plugin.identity())
+        .part(machine.0, machine.1.as_bytes())
+        .part("xla_flags", xla_flags.as_bytes())
+        .finish()
+}
+
+/// A graph made ready to compile: specialized to static sizes, laid out over a mesh when
+/// asked, and lowered.
+pub(crate) struct Prepared {
+    pub(crate) specialized: Arc<Graph>,
+    pub(crate) lowered: Lowered,
+    pub(crate) options: CompileOptions,
+    pub(crate) lower_seconds: f64,
+}
+
+/// What an engine and a target's compile share before the compiler: `lower_options` is given
+/// the sharding plan (if any) and returns the options to lower with; `devices` is how many
+/// devices a mesh may use, `platform` names them in errors.
+pub(crate) fn prepare(
+    graph: &Arc<Graph>,
+    bindings: &HashMap<String, i64>,
+    sharding: Option<&ShardingRequest>,
+    devices: usize,
+    platform: &str,
+    lower_options: impl FnOnce(Option<tpuc_passes::sharding::ShardingPlan>) -> LowerOptions,
+) -> Result<Prepared, CompileError> {
+    let t0 = Instant::now();
+    let specialized = match tpuc_passes::specialize(graph, bindings)? {
+        Cow::Borrowed(_) => graph.clone(),
+        Cow::Owned(g) => Arc::new(g),
+    };
+    let plan = match sharding {
+        Some(req) => {
+            if req.mesh.size() as usize > devices {
+                return Err(ShardingError(format!(
+                    "mesh {:?} ({:?}) needs {} devices; the {platform} plugin has {devices} \
+                     (on the CPU plugin set TPUC_CPU_DEVICES)",
+                    req.mesh.shape,
+                    req.mesh.axes,
+                    req.mesh.size(),
+                ))
+                .into());
+            }
+            Some(tpuc_passes::sharding::shard(&specialized, req)?)
+        }
+        None => None,
+    };
+    let mut options = CompileOptions::default();
+    if let Some(p) = &plan {
+        options.num_partitions = p.mesh.size();
+        options.use_spmd_partitioning = true;
+    }
+    let lowered = lower::lower(&specialized, &lower_options(plan))?;
+    Ok(Prepared {
+        specialized,
+        lowered,
+        options,
+        lower_seconds: t0.elapsed().as_secs_f64(),
+    })
 }
 
 /// A compiled, ready-to-run graph for one static shape.
@@ -295,6 +424,12 @@ impl Engine {
         let client = Client::new(plugin, options)?;
         let platform = client.platform_name()?.to_lowercase();
         let stablehlo_versions = plugin.stablehlo_versions();
+        let devices = if platform == "cpu" {
+            Vec::new()
+        } else {
+            client.devices()?
+        };
+        let machine = machine_key_part(&platform, &devices);
         let text = match std::env::var("TPUC_MODULE_FORMAT").as_deref() {
             Ok("text") => true,
             Ok("bytecode") => false,
@@ -314,9 +449,10 @@ impl Engine {
             ),
             client,
             cache: ExecutableCache::default(),
-            disks: Mutex::new(HashMap::new()),
+            disks: DiskCaches::default(),
             platform,
-            cpu: host_cpu_fingerprint(),
+            machine,
+            device_ids: devices.iter().map(|d| i64::from(d.id)).collect(),
             xla_flags: std::env::var("XLA_FLAGS").unwrap_or_default(),
             host_gemm_min_macs: std::sync::atomic::AtomicU64::new(0),
             host_conv: std::sync::atomic::AtomicBool::new(false),
@@ -406,6 +542,7 @@ impl Engine {
     ) -> LowerOptions {
         LowerOptions {
             precision,
+            device: lower::Device::of_platform(&self.platform),
             sharding,
             host_gemm_min_macs: self.host_gemm_min_macs(),
             host_conv: self.host_conv(),
@@ -478,16 +615,7 @@ impl Engine {
         &self,
         opts: &DiskCacheOptions,
     ) -> Result<Option<Arc<DiskCache>>, CacheError> {
-        let Some(dir) = &opts.dir else {
-            return Ok(None);
-        };
-        let mut disks = self.disks.lock().unwrap();
-        if let Some(d) = disks.get(dir) {
-            return Ok(Some(d.clone()));
-        }
-        let d = Arc::new(DiskCache::open(dir, opts.max_bytes)?);
-        disks.insert(dir.clone(), d.clone());
-        Ok(Some(d))
+        self.disks.open(opts)
     }
 
     /// Specializes `graph` to the sizes in `bindings`, lowers it and compiles it, or finds the
@@ -512,45 +640,32 @@ impl Engine {
         disk: &DiskCacheOptions,
         sharding: Option<&ShardingRequest>,
     ) -> Result<Compiled, CompileError> {
-        let t0 = Instant::now();
-        let specialized = match tpuc_passes::specialize(graph, bindings)? {
-            Cow::Borrowed(_) => graph.clone(),
-            Cow::Owned(g) => Arc::new(g),
-        };
-        let plan = match sharding {
-            Some(req) => {
-                let devices = self.client.addressable_device_count();
-                if req.mesh.size() as usize > devices {
-                    return Err(ShardingError(format!(
-                        "mesh {:?} ({:?}) needs {} devices; the {} plugin has {devices} \
-                         (on the CPU plugin set TPUC_CPU_DEVICES)",
-                        req.mesh.shape,
-                        req.mesh.axes,
-                        req.mesh.size(),
-                        self.platform
-                    ))
-                    .into());
-                }
-                Some(tpuc_passes::sharding::shard(&specialized, req)?)
-            }
-            None => None,
-        };
-        let mut options = CompileOptions::default();
-        if let Some(p) = &plan {
-            options.num_partitions = p.mesh.size();
-            options.use_spmd_partitioning = true;
+        let Prepared {
+            specialized,
+            lowered,
+            mut options,
+            lower_seconds,
+        } = prepare(
+            graph,
+            bindings,
+            sharding,
+            self.client.addressable_device_count(),
+            &self.platform,
+            |plan| self.lower_options(precision, plan),
+        )?;
+        if self.platform == "tpu" {
+            // As a target's compile spells them (crate::target), so that both compute one key.
+            options.partition_devices = self.device_ids[..options.num_partitions as usize].to_vec();
         }
-        let lowered = lower::lower(&specialized, &self.lower_options(precision, plan))?;
-        let lower_seconds = t0.elapsed().as_secs_f64();
         let unpartitioned = self.platform == "cpu" && runs_unpartitioned(&specialized);
-        let key = KeyBuilder::new()
-            .part("module", &lowered.bytecode)
-            .part("compile_options", &options.encode())
-            .part("unpartitioned", &[u8::from(unpartitioned)])
-            .part("plugin", &self.client.plugin().identity())
-            .part("cpu", self.cpu.as_bytes())
-            .part("xla_flags", self.xla_flags.as_bytes())
-            .finish();
+        let key = executable_key(
+            &lowered,
+            &options,
+            unpartitioned,
+            self.client.plugin(),
+            &self.machine,
+            &self.xla_flags,
+        );
         let t1 = Instant::now();
         let (exe, outcome) = match self.cache.get(&key) {
             Some(exe) => {
@@ -698,14 +813,7 @@ impl Engine {
     /// Writes a freshly compiled executable to the disk cache; failures only warn (the
     /// executable still works from memory).
     fn store(&self, disk: &DiskCache, key: &CacheKey, exe: &LoadedExecutable, lowered: &Lowered) {
-        let meta = EntryMeta {
-            plugin_identity: self.client.plugin().identity(),
-            module_hash: *blake3::hash(&lowered.bytecode).as_bytes(),
-            platform: self.platform.clone(),
-            tpuc_version: env!("CARGO_PKG_VERSION").to_string(),
-            inputs: lowered.inputs.clone(),
-            outputs: lowered.outputs.clone(),
-        };
+        let meta = EntryMeta::new(self.client.plugin(), &self.platform, lowered);
         let result = exe
             .serialize()
             .map_err(|e| e.to_string())

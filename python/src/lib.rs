@@ -5,6 +5,7 @@
 mod bucket;
 mod fx_walk;
 mod hot;
+mod target;
 mod writes;
 
 /// The Rust side's allocator: lowering makes many small, short-lived allocations (IR nodes,
@@ -1196,6 +1197,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<DeviceBuffer>()?;
     m.add_class::<bucket::BucketedGraph>()?;
     m.add_class::<hot::CallPlan>()?;
+    m.add_class::<target::Target>()?;
     m.add_class::<hot::Slot>()?;
     m.add_class::<hot::Unboxed>()?;
     m.add_function(wrap_pyfunction!(hot::plan_executions, m)?)?;
@@ -1211,6 +1213,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache_verify, m)?)?;
     m.add_function(wrap_pyfunction!(cache_gc, m)?)?;
     m.add_function(wrap_pyfunction!(cache_clear, m)?)?;
+    m.add_function(wrap_pyfunction!(target::cache_entry_target, m)?)?;
+    m.add_function(wrap_pyfunction!(target::cache_entry_report, m)?)?;
     let py = m.py();
     m.add("TpucError", py.get_type::<TpucError>())?;
     m.add("UnsupportedOpError", py.get_type::<UnsupportedOpError>())?;

@@ -38,6 +38,7 @@ from . import (
     precompiler,
     residency,
     runtime,
+    targets,
     ties,
     torch_kernels,
 )
@@ -1146,6 +1147,13 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             f"tpuc: unexpected backend argument(s) {sorted(kwargs)}; pass settings in options={{...}}"
         )
     opts = options_mod.parse(options, mode)
+    if opts.target is not None:
+        with _counter_lock:
+            _graph_counter += 1
+            gid = _graph_counter
+        return targets.compile_for_target(
+            gm, example_inputs, opts, gid, _decompositions(False), _unsupported_nodes, CompiledGraph
+        )
     mesh = sharding_mod.parse_mesh(opts)
     runtime.get_runtime(
         opts.plugin, mesh.size if mesh else None, opts.plugin_options

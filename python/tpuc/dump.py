@@ -99,11 +99,16 @@ def _render_svg(folder: Path, dot_text: str, n_nodes: int, exe, title: str) -> d
     return info
 
 
+def next_index() -> int:
+    """The next graph folder's index in this process (folders sort in compile order)."""
+    with _lock:
+        return next(_seq)
+
+
 def write(compiled, exe, bindings: dict) -> Path:
     """Writes what tpuc saw and produced for one executable; returns the folder."""
     t_start = time.perf_counter()
-    with _lock:
-        n = next(_seq)
+    n = next_index()
     shape_tag = "_".join(f"{k}{v}" for k, v in sorted(bindings.items())) or "static"
     folder = (
         Path(compiled.opts.dump_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}_{n:04d}_{compiled.name}_{shape_tag}"

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from . import targets
+
 VALID_KEYS = (
     "plugin",
     "precision",
@@ -21,6 +23,7 @@ VALID_KEYS = (
     "passes",
     "plugin_options",
     "residency",
+    "target",
 )
 RESIDENCIES = ("auto", "versioned", "off")
 PRECISIONS = ("highest", "high", "default")
@@ -62,6 +65,8 @@ class Options:
     cache_max_bytes: int | None = None
     plugin_options: dict = field(default_factory=dict)
     residency: str = "auto"
+    #: Devices to compile for instead of running here, e.g. "tpu:v5e:2x2" (targets.py).
+    target: str | None = None
 
     def pass_enabled(self, name: str) -> bool:
         """Whether pass or group `name` runs: a pass's own entry wins over its group's."""
@@ -190,7 +195,12 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
             f"valid names are: {', '.join(valid)})"
         )
 
+    target = options.get("target")
+    if target is not None:
+        target = targets.parse(target).name
+
     return Options(
+        target=target,
         plugin=str(plugin) if plugin is not None else None,
         precision=precision,
         cache_dir=Path(cache_dir) if cache_dir is not None else None,

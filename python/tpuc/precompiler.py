@@ -43,12 +43,17 @@ def record_graph(compiled_graph) -> None:
     graphs.append((compiled_graph, symbols))
 
 
-def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, progress=False) -> dict:
+def precompile(
+    model, example_inputs, dynamic=None, buckets=None, options=None, progress=False, training=False
+) -> dict:
     """Compiles `model` for every bucket of its dynamic dims into the persistent cache.
 
     `dynamic`: {input index: {dim: declared maximum}}; `buckets`: list of sizes or "pow2"
-    (default: the `buckets` option). Returns {"executables", "compiled", "from_cache", "seconds", "compile_seconds", "processes",
-    "graphs", "buckets"}."""
+    (default: the `buckets` option); `training`: also the backward graphs (one training step:
+    the forward with gradients, then the backward of the sum of its floating outputs). Returns
+    {"executables", "compiled", "from_cache", "seconds", "compile_seconds", "processes",
+    "graphs", "buckets"}; with `options["target"]` also "target" and "per_graph" (one dict per
+    executable: "name", "hbm_bytes", "flops", "compile_seconds", ... see targets.py)."""
     from . import backend  # imports this module: import it lazily
 
     t0 = time.perf_counter()
@@ -56,6 +61,13 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
     if buckets is not None:
         opts_dict["buckets"] = buckets
     opts = options_mod.parse(opts_dict)
+    if opts.target is not None:
+        return _precompile_for_target(model, example_inputs, dynamic, opts_dict, opts, training, t0)
+    if training:
+        raise NotImplementedError(
+            "tpuc.precompile(training=True) is for a target (options={'target': ...}); on this "
+            "machine's plugin, call the compiled training step once to fill the cache"
+        )
     if opts.mesh is not None:
         raise NotImplementedError(
             "tpuc.precompile: a mesh (SPMD) compiles each shape statically and is not precompiled yet; "
@@ -63,13 +75,7 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
         )
     dynamic = {int(i): {int(d): int(mx) for d, mx in dims.items()} for i, dims in (dynamic or {}).items()}
     inputs = list(example_inputs)
-    for idx, dims in dynamic.items():
-        for dim, maximum in dims.items():
-            if inputs[idx].shape[dim] > maximum:
-                raise ValueError(
-                    f"tpuc.precompile: input {idx} dim {dim} is {inputs[idx].shape[dim]}, above its maximum {maximum}"
-                )
-            torch._dynamo.mark_dynamic(inputs[idx], dim, max=maximum)
+    _mark_dynamic(inputs, dynamic)
     forward = model.forward if isinstance(model, torch.nn.Module) else model
     arg_names = list(inspect.signature(forward).parameters)
 
@@ -127,6 +133,89 @@ def precompile(model, example_inputs, dynamic=None, buckets=None, options=None, 
             report["compiled" if (outcomes[k] if outcomes else exe.cache) == "miss" else "from_cache"] += 1
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def _mark_dynamic(inputs: list, dynamic: dict) -> None:
+    for idx, dims in dynamic.items():
+        for dim, maximum in dims.items():
+            if inputs[idx].shape[dim] > maximum:
+                raise ValueError(
+                    f"tpuc.precompile: input {idx} dim {dim} is {inputs[idx].shape[dim]}, above its maximum {maximum}"
+                )
+            torch._dynamo.mark_dynamic(inputs[idx], dim, max=maximum)
+
+
+def _step(compiled, inputs: list, training: bool) -> None:
+    """One call of `compiled`; with `training`, the backward of its floating outputs' sum."""
+    if not training:
+        with torch.no_grad():
+            compiled(*inputs)
+        return
+    out = compiled(*inputs)
+    leaves = [
+        t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    if not leaves:
+        raise ValueError("tpuc.precompile(training=True): the model's outputs need no gradient")
+    sum(t.float().sum() for t in leaves).backward()
+
+
+def _bucket_inputs(inputs: list, dynamic: dict, opts) -> list[list]:
+    """The example inputs resized to every combination of their dynamic dims' buckets (new
+    tensors of the same dtype and device, zeros; the example call's own sizes first)."""
+    dims = [
+        (i, d, bucketing.bucket_sizes(opts.buckets, mx)) for i, ds in dynamic.items() for d, mx in ds.items()
+    ]
+    out = [inputs]
+    for combo in itertools.product(*(sizes for _i, _d, sizes in dims)):
+        shapes = {i: list(inputs[i].shape) for i, _d, _s in dims}
+        for (i, d, _s), n in zip(dims, combo, strict=True):
+            shapes[i][d] = n
+        resized = [
+            torch.zeros(shapes[k], dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+            if k in shapes
+            else t
+            for k, t in enumerate(inputs)
+        ]
+        if any(list(inputs[k].shape) != s for k, s in shapes.items()):
+            out.append(resized)
+    return out
+
+
+def _precompile_for_target(model, example_inputs, dynamic, opts_dict, opts, training, t0) -> dict:
+    """precompile for `options["target"]`: the model is traced and each graph compiled for the
+    target, then run in PyTorch (on the inputs' device: `meta` works, nothing is allocated),
+    once per bucket combination; what XLA planned per executable comes back in "per_graph"."""
+    from . import targets
+
+    dynamic = {int(i): {int(d): int(mx) for d, mx in dims.items()} for i, dims in (dynamic or {}).items()}
+    inputs = list(example_inputs)
+    _mark_dynamic(inputs, dynamic)
+    compiled = torch.compile(model, backend="tpu", options=opts_dict)
+    targets.start_session()
+    try:
+        for args in _bucket_inputs(inputs, dynamic, opts):
+            _step(compiled, args, training)
+    finally:
+        reports = targets.end_session()
+    per_graph, seen = [], set()
+    for r in reports:
+        if r["key"] not in seen:
+            seen.add(r["key"])
+            per_graph.append(r)
+    misses = sum(r["cache"] == "miss" for r in per_graph)
+    return {
+        "target": opts.target,
+        "per_graph": per_graph,
+        "executables": len(per_graph),
+        "compiled": misses,
+        "from_cache": len(per_graph) - misses,
+        "graphs": len({r["name"] for r in per_graph}),
+        "buckets": {},
+        "compile_seconds": sum(r["compile_seconds"] for r in per_graph if r["cache"] == "miss"),
+        "processes": 1,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _in_workers(jobs: list, opts, progress, report) -> list | None:

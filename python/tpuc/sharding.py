@@ -243,9 +243,14 @@ class ShardedGraph:
         """Records where each device's pieces of `exe`'s inputs and outputs lie (used at every
         call), and for a forward graph its specs, for the backward graph."""
         self.pieces[id(exe)] = exe.shard_pieces()
+        self.record_specs(exe.sharding)
+
+    def record_specs(self, sharding) -> None:
+        """For a forward graph: its inputs' and outputs' specs (`(mesh shape, axes, input
+        specs, output specs)` as compiled), which its backward graph's request reads."""
         if self.kind != "forward":
             return
-        _shape, _axes, in_specs, out_specs = exe.sharding
+        _shape, _axes, in_specs, out_specs = sharding
         tensor_inputs = [i for i, k in enumerate(self.graph_inputs) if k[0] == "tensor"]
         for i, spec in zip(tensor_inputs, in_specs, strict=False):
             self.ctx.forward_specs[i] = spec

@@ -55,9 +55,32 @@ impl LowerError {
     }
 }
 
+/// The kind of device a module is lowered for: a rule may choose its form by it (what XLA's
+/// compiler for that device handles best); the CPU host kernels exist only on `Cpu`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Gpu,
+    Tpu,
+}
+
+impl Device {
+    /// The device kind of a PJRT platform name ("cpu", "cuda", "rocm", "tpu", ...).
+    pub fn of_platform(platform: &str) -> Device {
+        match platform.to_ascii_lowercase().as_str() {
+            "cpu" | "host" => Device::Cpu,
+            "tpu" => Device::Tpu,
+            _ => Device::Gpu,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct LowerOptions {
     pub precision: Precision,
+    /// What the module is for (see [`Device`]).
+    pub device: Device,
     /// SPMD layouts: written as `mhlo.sharding` on `main`'s arguments and results and on
     /// `Sharding` custom calls after the constrained intermediates.
     pub sharding: Option<ShardingPlan>,

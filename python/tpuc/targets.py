@@ -1,0 +1,386 @@
+"""Compiling for devices this machine lacks: `options={"target": "tpu:v5e:2x2"}`.
+
+libtpu compiles for a TPU slice without a TPU (its compile-only topology). Each AOTAutograd
+graph is lowered as for the TPU (no CPU host kernels), compiled for the slice, and written to
+the persistent cache under the key a TPU host running the same libtpu computes, so that it
+loads the executable instead of compiling. XLA's plan for each executable (memory per chip,
+flops, bytes accessed) is reported before any TPU is rented. Calling a function compiled for a
+target raises `TargetUnavailableError` once its executables are written; `tpuc.precompile`
+runs the graphs in PyTorch instead (on the inputs' device, `meta` included) so that a whole
+training step can be compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import _native, counters, dump, flex, fx_export, runtime
+from . import sharding as sharding_mod
+
+#: HBM per chip, bytes, by the generation names libtpu's topologies use.
+HBM_PER_CHIP = {
+    "v4": 32 << 30,
+    "v5e": 16 << 30,
+    "v5p": 95 << 30,
+    "v6e": 32 << 30,
+}
+_TOPOLOGY = re.compile(r"^\d+x\d+(x\d+)?$")
+
+
+class TargetUnavailableError(_native.TpucError):
+    """A function compiled for a target was called on a machine without its devices."""
+
+
+class DeviceMemoryError(_native.TpucError):
+    """A graph needs more memory per device than the target's devices have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSpec:
+    family: str  # "tpu"
+    generation: str  # "v5e"
+    topology: str  # "2x2"
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}:{self.generation}:{self.topology}"
+
+    @property
+    def plugin_topology(self) -> str:
+        """The plugin's own name for the devices (libtpu: `v5e:2x2`)."""
+        return f"{self.generation}:{self.topology}"
+
+    @property
+    def chips(self) -> int:
+        n = 1
+        for d in self.topology.split("x"):
+            n *= int(d)
+        return n
+
+    @property
+    def hbm_bytes(self) -> int:
+        return HBM_PER_CHIP[self.generation]
+
+
+def parse(text) -> TargetSpec:
+    """`"tpu:v5e:2x2"` -> TargetSpec; ValueError naming what is accepted otherwise."""
+    expected = (
+        f"'tpu:GENERATION:TOPOLOGY' with GENERATION one of {', '.join(HBM_PER_CHIP)} and TOPOLOGY "
+        "as libtpu names slices (e.g. 'tpu:v5e:2x2', 'tpu:v5p:2x2x1', 'tpu:v4:2x2x1')"
+    )
+    parts = text.split(":") if isinstance(text, str) else []
+    if len(parts) != 3 or parts[0] != "tpu":
+        raise ValueError(f"tpuc: bad value for option 'target': {text!r} (expected {expected})")
+    _, gen, topo = parts
+    if gen not in HBM_PER_CHIP:
+        raise ValueError(
+            f"tpuc: bad value for option 'target': {text!r}: unknown TPU generation {gen!r} (expected {expected})"
+        )
+    if not _TOPOLOGY.match(topo):
+        raise ValueError(
+            f"tpuc: bad value for option 'target': {text!r}: bad topology {topo!r} (expected {expected})"
+        )
+    return TargetSpec("tpu", gen, topo)
+
+
+_lock = threading.Lock()
+_targets: dict[str, _native.Target] = {}
+
+
+def get_target(spec: TargetSpec) -> _native.Target:
+    """The process's compile-only target for `spec` (libtpu loaded once, never unloaded)."""
+    with _lock:
+        t = _targets.get(spec.name)
+        if t is None:
+            path = runtime.resolve_plugin(spec.family)
+            # Without a TPU, libtpu would wait minutes for a cloud metadata server.
+            os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+            try:
+                t = _native.Target(str(path), spec.plugin_topology, spec.name)
+            except _native.PjrtError as e:
+                raise _native.PjrtError(
+                    f"tpuc: libtpu {path} cannot describe the target {spec.name}: {e}"
+                ) from None
+            if t.device_count != spec.chips:
+                raise ValueError(
+                    f"tpuc: target {spec.name} names {spec.chips} chips, libtpu's topology has {t.device_count}"
+                )
+            _targets[spec.name] = t
+        return t
+
+
+# precompile's session: while set, calls run the graphs in PyTorch, and reports collect here.
+_session = threading.local()
+
+
+def start_session() -> None:
+    _session.reports = []
+
+
+def end_session() -> list[dict]:
+    reports = getattr(_session, "reports", None) or []
+    _session.reports = None
+    return reports
+
+
+def _in_session() -> bool:
+    return getattr(_session, "reports", None) is not None
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _check_memory(report: dict, spec: TargetSpec, name: str) -> None:
+    """DeviceMemoryError when the graph's footprint per chip exceeds the chip's HBM, with the
+    smallest mesh that would fit if the memory split evenly (what fsdp approaches)."""
+    need, have = report["footprint_bytes"], spec.hbm_bytes
+    if need <= have:
+        return
+    devices = report["devices"]
+    fits = next(
+        (n for n in (2**k for k in range(1, 16)) if n > devices and need * devices / n <= have * 0.9),
+        None,
+    )
+    if fits is None:
+        hint = "no slice of up to 32768 chips fits it split evenly"
+    elif fits <= spec.chips:
+        hint = (
+            f"split over {fits} chips it would need about {fmt_bytes(need * devices / fits)} each: "
+            f"options={{'mesh': {{'shape': [{fits}], 'axes': ['fsdp']}}, 'sharding': 'fsdp'}}"
+        )
+    else:
+        hint = (
+            f"split over {fits} chips it would need about {fmt_bytes(need * devices / fits)} each: "
+            f"a slice of at least {fits} chips with options={{'mesh': {{'shape': [{fits}], "
+            f"'axes': ['fsdp']}}, 'sharding': 'fsdp'}}"
+        )
+    h = report["hbm_bytes"]
+    raise DeviceMemoryError(
+        f"tpuc: graph {name} needs {fmt_bytes(need)} per chip on {spec.name} ({fmt_bytes(h['arguments'])} "
+        f"arguments, {fmt_bytes(h['outputs'])} outputs, {fmt_bytes(h['temporaries'])} temporaries, "
+        f"{fmt_bytes(h['code'])} code), more than a {spec.generation} chip's {fmt_bytes(have)} of HBM; {hint}"
+    )
+
+
+class TargetGraph:
+    """One AOTAutograd graph compiled for a target, once per distinct input shape. Called boxed."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, opts, spec: TargetSpec, name: str, shard=None):
+        self.gm = gm
+        self.opts = opts
+        self.spec = spec
+        self.name = name
+        self.target = get_target(spec)
+        dumping = opts.dump_dir is not None
+        self.fx_text = gm.print_readable(print_output=False) if dumping else None
+        _text, self.pass_report, self.graph, _attrs, _rng, _floats = fx_export.export_cleaned(
+            gm, opts.enabled_passes(), texts=False
+        )
+        counters.record_passes(self.pass_report)
+        counters.add(graphs_compiled=1)
+        self.inputs = self.graph.inputs()
+        self.sharded = None
+        if shard is not None:
+            ctx, kind = shard
+            self.sharded = sharding_mod.ShardedGraph(ctx, kind, gm, self.inputs, self.graph.outputs(), None)
+        self.reports: dict[tuple, dict] = {}
+        self.lock = threading.Lock()
+
+    def compile_for(self, args) -> dict:
+        """The target report for `args`' shapes, compiling on first sight."""
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+        with self.lock:
+            report = self.reports.get(shapes)
+            if report is not None:
+                return {**report, "cache": "memory"}
+            bindings = self.graph.bindings(
+                [list(a.shape) if isinstance(a, torch.Tensor) else None for a in args],
+                [int(a) if not isinstance(a, torch.Tensor) else None for a in args],
+            )
+            report = self._compile(bindings)
+            self.reports[shapes] = report
+            return report
+
+    def _compile(self, bindings: dict) -> dict:
+        cache_dir = str(self.opts.cache_dir) if self.opts.cache_dir is not None else None
+        cache_max = self.opts.cache_max_bytes
+        request = self.sharded.request() if self.sharded is not None else None
+        t = time.perf_counter()
+        report = self.target.compile(
+            self.graph,
+            bindings,
+            self.opts.precision,
+            cache_dir,
+            cache_max,
+            request,
+            self.opts.dump_dir is not None,
+        )
+        seconds = time.perf_counter() - t
+        if self.sharded is not None and report.get("sharding") is not None:
+            self.sharded.record_specs(report["sharding"])
+        miss = report["cache"] == "miss"
+        counters.add(
+            xla_compiles=int(miss),
+            cache_hits_disk=int(not miss),
+            lower_seconds=report["lower_seconds"],
+            compile_seconds=seconds - report["lower_seconds"],
+        )
+        report = {"name": self.name, "bindings": bindings, **report}
+        if self.opts.dump_dir is not None:
+            _dump(self, report)
+            report.pop("mlir", None)
+        _check_memory(report, self.spec, self.name)
+        return report
+
+    def __call__(self, args: list):
+        report = self.compile_for(args)
+        if _in_session():
+            _session.reports.append(report)
+            return list(self.gm(*args))
+        cache = self.opts.cache_dir
+        where = f"written to the cache {cache}" if cache is not None else "not kept (no cache_dir)"
+        raise TargetUnavailableError(
+            f"tpuc: {self.name} was compiled for {self.spec.name} (executables {where}); this machine "
+            f"has no {self.spec.family.upper()} to run it. On a host with the devices, the same tpuc and the "
+            f"same libtpu ({self.target.platform_version.splitlines()[0]}), the same call with the same "
+            "options (target and cache_dir included) loads them instead of compiling and runs; "
+            "tpuc.precompile(..., options={'target': ...}) compiles a model without calling it"
+        )
+
+
+def compile_for_target(
+    gm: torch.fx.GraphModule,
+    example_inputs,
+    opts,
+    gid: int,
+    decompositions: dict,
+    unsupported_nodes,
+    device_graph,
+    run_on: str | None = None,
+):
+    """The backend's path for `options["target"]`: AOTAutograd (with the backend's
+    `decompositions`) and compilers that compile for the target (see TargetGraph);
+    `unsupported_nodes(gm)` lists a graph's nodes without a lowering rule.
+
+    On a host with the target's devices (or with `run_on`, a plugin family to run on instead),
+    each graph goes to `device_graph(gm, opts, name, shard=...)` (the backend's CompiledGraph)
+    with the plugin set: the same graphs, lowered the same way, so the engine there computes the
+    keys the target's compile stored its executables under and loads them."""
+
+    spec = parse(opts.target)
+    if run_on is None and runtime.hardware_present(spec.family):
+        run_on = spec.family
+    if run_on is None:
+        get_target(spec)  # a missing libtpu or a bad topology fails here, before tracing
+    mesh = sharding_mod.parse_mesh(opts)
+    if mesh is not None and mesh.size > spec.chips:
+        raise ValueError(
+            f"tpuc: mesh {list(mesh.shape)} needs {mesh.size} devices; target {spec.name} has {spec.chips} chips"
+        )
+    shard_ctx = (
+        sharding_mod.Context.for_dynamo_graph(gm, example_inputs, mesh, opts.sharding) if mesh else None
+    )
+
+    def compiler(kind: str):
+        def compile_one(g, _ins):
+            flex.inline_flex_attention(g, decompositions)
+            shard = (shard_ctx, kind) if shard_ctx is not None else None
+            name = f"t{gid}_{kind}"
+            _check_lowerable(unsupported_nodes(g), name, spec)
+            if run_on is not None:
+                return device_graph(g, dataclasses.replace(opts, plugin=run_on), name, shard=shard)
+            return TargetGraph(g, opts, spec, name, shard)
+
+        return compile_one
+
+    # Attention through the math path: what XLA:TPU fuses itself (no CPU kernels).
+    with sdpa_kernel(SDPBackend.MATH):
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=compiler("forward"),
+            bw_compiler=compiler("backward"),
+            decompositions=decompositions,
+            keep_inference_input_mutations=False,
+        )
+
+
+def _check_lowerable(bad: list, name: str, spec: TargetSpec) -> None:
+    """UnsupportedOpError for nodes without a lowering rule: a target's graphs have no PyTorch
+    pieces (the device host would have to run them between executables)."""
+    if not bad:
+        return
+    ops = sorted({str(n.target) for n in bad})
+    err = _native.UnsupportedOpError(
+        f"tpuc: cannot compile graph {name} for {spec.name}: no lowering rule for {', '.join(ops)} "
+        "(a target's graphs must lower entirely; on the CPU plugin such ops run in PyTorch)"
+    )
+    err.op, err.node = str(bad[0].target), bad[0].name
+    raise err
+
+
+def _dump(tg: TargetGraph, report: dict) -> None:
+    """A dump folder per executable, as the CPU path writes (tpuc dump reads both)."""
+    tag = "_".join(f"{k}{v}" for k, v in sorted(report["bindings"].items())) or "static"
+    folder = (
+        Path(tg.opts.dump_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}_{dump.next_index():04d}_{tg.name}_{tag}"
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "fx_graph.txt").write_text(tg.fx_text or "")
+    mlir = report.get("mlir", "")
+    (folder / "stablehlo.mlir").write_text(mlir)
+    shlo = dump.stablehlo_op_counts(mlir)
+    meta = {
+        "format": dump.FORMAT,
+        "cache_key": report["key"],
+        "cache": report["cache"],
+        "graph": tg.name,
+        "bindings": report["bindings"],
+        "target": tg.spec.name,
+        "devices": report["devices"],
+        "inputs": [{"shape": s, "dtype": d} for s, d in report["inputs"]],
+        "outputs": [{"shape": s, "dtype": d} for s, d in report["outputs"]],
+        "options": {k: str(v) for k, v in tg.opts.__dict__.items()},
+        "hbm_bytes": report["hbm_bytes"],
+        "footprint_bytes": report["footprint_bytes"],
+        "cost": report["cost"],
+        "timings": {"lower_seconds": report["lower_seconds"], "compile_seconds": report["compile_seconds"]},
+        "op_counts": tg.graph.op_counts(),
+        "ops": tg.graph.op_count(),
+        "stablehlo_op_counts": shlo,
+        "stablehlo_ops": sum(v for k, v in shlo.items() if k not in dump.STRUCTURAL_OPS),
+    }
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def table(per_graph: list[dict]) -> list[str]:
+    """`tpuc precompile --target`'s table: one row per executable."""
+    head = f"{'graph':<18} {'devices':>7} {'arguments':>11} {'outputs':>11} {'temporaries':>11} {'code':>10} {'per chip':>11} {'GFLOP':>9} {'compile s':>9} cache"
+    rows = [head]
+    for r in per_graph:
+        h = r["hbm_bytes"]
+        flops = r.get("flops")
+        rows.append(
+            f"{r['name']:<18} {r['devices']:>7} {fmt_bytes(h['arguments']):>11} {fmt_bytes(h['outputs']):>11} "
+            f"{fmt_bytes(h['temporaries']):>11} {fmt_bytes(h['code']):>10} {fmt_bytes(r['footprint_bytes']):>11} "
+            f"{(flops or 0) / 1e9:>9.2f} {r['compile_seconds']:>9.1f} {r['cache']}"
+        )
+    return rows
