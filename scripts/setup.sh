@@ -7,8 +7,9 @@
 #   scripts/setup.sh [--plugin NAME]...   also install an accelerator PJRT plugin from PyPI:
 #       cuda (jax-cuda13-pjrt: the CUDA 13 libraries torch 2.15 brings serve it), cuda12,
 #       rocm (jax-rocm7-pjrt), tpu (libtpu); or another XLA CPU build: cpu-fastatomstruct
-#       (fastatomstruct-xla-cpu). An accelerator is picked by options={"plugin": NAME} or by
-#       detection where its hardware is present; a CPU build by its wheel's name,
+#       (fastatomstruct-xla-cpu). libtpu is always installed (it compiles for TPU targets).
+#       An accelerator is picked by options={"plugin": NAME} or by detection where its
+#       hardware is present; a CPU build by its wheel's name,
 #       options={"plugin": "xla-cpu-pjrt"} (README "Plugins").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,8 +23,9 @@ declare -A PLUGIN_WHEELS=(
     [cpu-lammps]="lammps-jax-pjrt-cpu==0.11.2"
     [cpu-fastatomstruct]="fastatomstruct-xla-cpu==2026.6.23"
 )
-# The default CPU plugin, always installed.
-EXTRA_PLUGINS=(cpu-lammps)
+# The default CPU plugin, and libtpu: it compiles for TPU slices without a TPU (options
+# {"target": "tpu:v5e:2x2"}, docs/tpu-target.md) and is only loaded for that or on a TPU host.
+EXTRA_PLUGINS=(cpu-lammps tpu)
 while (($#)); do
     case "$1" in
     --plugin)

@@ -96,13 +96,23 @@ def _cache(args) -> int:
     if args.action == "ls":
         entries = _native.cache_list(d)
         for key, size, used in entries:
-            print(f"{key}  {_human(size):>7}  {datetime.datetime.fromtimestamp(used):%Y-%m-%d %H:%M:%S}")
+            try:
+                target = _native.cache_entry_target(d, key) or "?"
+            except _native.TpucError:
+                target = "unreadable"
+            print(
+                f"{key}  {_human(size):>7}  {datetime.datetime.fromtimestamp(used):%Y-%m-%d %H:%M:%S}  {target}"
+            )
         print(f"{len(entries)} entries, {_human(sum(e[1] for e in entries))} in {d}")
     elif args.action == "info":
         if not args.key:
             print("tpuc cache info: give a KEY (see tpuc cache ls)", file=sys.stderr)
             return 2
-        for k, v in sorted(_native.cache_info(d, args.key).items()):
+        info = dict(_native.cache_info(d, args.key))
+        info["target"] = _native.cache_entry_target(d, args.key) or "?"
+        for k, v in sorted((_native.cache_entry_report(d, args.key) or {}).items()):
+            info.setdefault(k, v)
+        for k, v in sorted(info.items()):
             print(f"{k}: {v}")
     elif args.action == "verify":
         good, bad = _native.cache_verify(d)
@@ -139,14 +149,24 @@ def _precompile(args) -> int:
     factory = getattr(importlib.import_module(module_name), factory_name)
     model, example_inputs, dynamic = factory()
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    options = {"cache_dir": args.cache_dir}
+    if args.device_target:
+        options["target"] = args.device_target
     report = precompile(
         model,
         example_inputs,
         dynamic=dynamic,
         buckets=buckets,
-        options={"cache_dir": args.cache_dir},
+        options=options,
         progress=True,
+        training=args.training,
     )
+    if args.device_target:
+        from . import targets
+
+        print(f"target {report['target']}: {report['executables']} executables in {report['seconds']:.1f} s")
+        print("\n".join(targets.table(report["per_graph"])))
+        return 0
     print(json.dumps(report, indent=2))
     return 0
 
@@ -198,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     pre.add_argument("--cache-dir", required=True)
     pre.add_argument("--buckets", default=None, help="comma-separated sizes (default: powers of two)")
+    pre.add_argument(
+        "--target",
+        dest="device_target",
+        default=None,
+        help="compile for devices this machine lacks, e.g. tpu:v5e:2x2 (prints memory per chip)",
+    )
+    pre.add_argument("--training", action="store_true", help="also the backward graphs (one training step)")
     pre.set_defaults(func=_precompile)
 
     dmp = sub.add_parser("dump", help="summarize a dump folder (dump_dir), or diff two")

@@ -14,6 +14,7 @@ import logging
 import re
 import threading
 import time
+import warnings
 
 import torch
 
@@ -160,6 +161,28 @@ def _step(compiled, inputs: list, training: bool) -> None:
     sum(t.float().sum() for t in leaves).backward()
 
 
+def _warn_missing_gradients(model: torch.nn.Module) -> None:
+    """Warns when the training step gave parameters no gradient: the backward graph then
+    computes less than a real step (on the meta device, PyTorch has no autograd kernel for some
+    ops, such as nll_loss, and gradients stop there)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in params if p.grad is None]
+    if missing:
+        meta = any(p.device.type == "meta" for _n, p in params)
+        hint = (
+            " (on the meta device some losses, e.g. cross_entropy's nll_loss, have no autograd kernel: "
+            "return the logits and precompile differentiates their sum)"
+            if meta
+            else ""
+        )
+        warnings.warn(
+            f"tpuc.precompile(training=True): {len(missing)} of {len(params)} parameters got no gradient "
+            f"(first: {missing[0]}), so the backward graph compiled is not a full training step{hint}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def _bucket_inputs(inputs: list, dynamic: dict, opts) -> list[list]:
     """The example inputs resized to every combination of their dynamic dims' buckets (new
     tensors of the same dtype and device, zeros; the example call's own sizes first)."""
@@ -198,6 +221,8 @@ def _precompile_for_target(model, example_inputs, dynamic, opts_dict, opts, trai
             _step(compiled, args, training)
     finally:
         reports = targets.end_session()
+    if training and isinstance(model, torch.nn.Module):
+        _warn_missing_gradients(model)
     per_graph, seen = [], set()
     for r in reports:
         if r["key"] not in seen:

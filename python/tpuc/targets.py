@@ -105,6 +105,13 @@ def get_target(spec: TargetSpec) -> _native.Target:
             path = runtime.resolve_plugin(spec.family)
             # Without a TPU, libtpu would wait minutes for a cloud metadata server.
             os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+            if not runtime.hardware_present(spec.family):
+                # libtpu takes a lock file that refuses a second process: right for a TPU's
+                # devices, needless for compiling (none are opened), where it would serialize
+                # every process that compiles for a target.
+                os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+                # Else libtpu logs an error about the cloud workers it looks for at start.
+                os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
             try:
                 t = _native.Target(str(path), spec.plugin_topology, spec.name)
@@ -146,36 +153,64 @@ def fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _check_memory(report: dict, spec: TargetSpec, name: str) -> None:
-    """DeviceMemoryError when the graph's footprint per chip exceeds the chip's HBM, with the
-    smallest mesh that would fit if the memory split evenly (what fsdp approaches)."""
-    need, have = report["footprint_bytes"], spec.hbm_bytes
-    if need <= have:
-        return
-    devices = report["devices"]
+def _mesh_hint(need: float, devices: int, spec: TargetSpec) -> str:
+    """The smallest mesh over which `need` bytes per chip (on `devices` chips) would fit if the
+    memory split evenly, which fsdp approaches."""
     fits = next(
-        (n for n in (2**k for k in range(1, 16)) if n > devices and need * devices / n <= have * 0.9),
+        (
+            n
+            for n in (2**k for k in range(1, 16))
+            if n > devices and need * devices / n <= spec.hbm_bytes * 0.9
+        ),
         None,
     )
     if fits is None:
-        hint = "no slice of up to 32768 chips fits it split evenly"
-    elif fits <= spec.chips:
-        hint = (
-            f"split over {fits} chips it would need about {fmt_bytes(need * devices / fits)} each: "
-            f"options={{'mesh': {{'shape': [{fits}], 'axes': ['fsdp']}}, 'sharding': 'fsdp'}}"
-        )
-    else:
-        hint = (
-            f"split over {fits} chips it would need about {fmt_bytes(need * devices / fits)} each: "
-            f"a slice of at least {fits} chips with options={{'mesh': {{'shape': [{fits}], "
-            f"'axes': ['fsdp']}}, 'sharding': 'fsdp'}}"
-        )
+        return "no slice of up to 32768 chips fits it split evenly"
+    option = f"options={{'mesh': {{'shape': [{fits}], 'axes': ['fsdp']}}, 'sharding': 'fsdp'}}"
+    where = "" if fits <= spec.chips else f"a slice of at least {fits} chips with "
+    return f"split over {fits} chips it would need about {fmt_bytes(need * devices / fits)} each: {where}{option}"
+
+
+def _check_memory(report: dict, spec: TargetSpec, name: str) -> None:
+    """DeviceMemoryError when the graph's footprint per chip exceeds the chip's HBM."""
+    need, have = report["footprint_bytes"], spec.hbm_bytes
+    if need <= have:
+        return
     h = report["hbm_bytes"]
     raise DeviceMemoryError(
         f"tpuc: graph {name} needs {fmt_bytes(need)} per chip on {spec.name} ({fmt_bytes(h['arguments'])} "
         f"arguments, {fmt_bytes(h['outputs'])} outputs, {fmt_bytes(h['temporaries'])} temporaries, "
-        f"{fmt_bytes(h['code'])} code), more than a {spec.generation} chip's {fmt_bytes(have)} of HBM; {hint}"
+        f"{fmt_bytes(h['code'])} code), more than a {spec.generation} chip's {fmt_bytes(have)} of HBM; "
+        + _mesh_hint(need, report["devices"], spec)
     )
+
+
+_XLA_OOM = re.compile(r"required for [\w ]+ \((\d+(?:\.\d+)?)([KMGT])\)")
+
+
+def _compile_oom(e: Exception, spec: TargetSpec, name: str, graph, devices: int) -> DeviceMemoryError | None:
+    """XLA:TPU's own refusal of a program that cannot fit (RESOURCE_EXHAUSTED at compile time)
+    as a DeviceMemoryError with the same sizes and a mesh hint; None for other errors."""
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
+        return None
+    m = _XLA_OOM.search(text)
+    if m:
+        need = float(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
+    else:  # at least its inputs
+        need = sum(_dense_bytes(i[1], i[2]) for i in graph.inputs() if i[0] == "tensor")
+    return DeviceMemoryError(
+        f"tpuc: graph {name} needs about {fmt_bytes(need)} per chip on {spec.name}, more than a "
+        f"{spec.generation} chip's {fmt_bytes(spec.hbm_bytes)} of HBM; {_mesh_hint(need, devices, spec)} "
+        f"(XLA: {text.strip().splitlines()[0]})"
+    )
+
+
+def _dense_bytes(shape, dtype: str) -> int:
+    n = 1
+    for d in shape:
+        n *= d if isinstance(d, int) else 1
+    return n * torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
 
 
 class TargetGraph:
@@ -224,15 +259,22 @@ class TargetGraph:
         cache_max = self.opts.cache_max_bytes
         request = self.sharded.request() if self.sharded is not None else None
         t = time.perf_counter()
-        report = self.target.compile(
-            self.graph,
-            bindings,
-            self.opts.precision,
-            cache_dir,
-            cache_max,
-            request,
-            self.opts.dump_dir is not None,
-        )
+        try:
+            report = self.target.compile(
+                self.graph,
+                bindings,
+                self.opts.precision,
+                cache_dir,
+                cache_max,
+                request,
+                self.opts.dump_dir is not None,
+            )
+        except _native.PjrtError as e:
+            devices = self.sharded.ctx.mesh.size if self.sharded is not None else 1
+            oom = _compile_oom(e, self.spec, self.name, self.graph, devices)
+            if oom is not None:
+                raise oom from None
+            raise
         seconds = time.perf_counter() - t
         if self.sharded is not None and report.get("sharding") is not None:
             self.sharded.record_specs(report["sharding"])
