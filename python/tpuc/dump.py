@@ -286,6 +286,11 @@ def summarize(path, top: int = 5) -> list[str]:
             f"{_shapes_short(m.get('outputs', []))} | {n_ops} stablehlo ops ({tops}) | aten ops {m.get('ops', '-')} | "
             f"lower {_secs(t.get('lower_seconds'))} compile {_secs(t.get('compile_seconds'))} | "
             f"cache {m.get('cache', '?')} {m['cache_key'][:16]} | {svg}"
+            + (
+                f" | {m['target']}: {m['footprint_bytes'] / 2**20:.1f} MiB per chip"
+                if m.get("target") and m.get("footprint_bytes") is not None
+                else ""
+            )
         )
     lines.append(f"{len(graphs)} graph folder(s), {total_ops} stablehlo ops in {path}")
     return lines
