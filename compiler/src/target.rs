@@ -257,3 +257,64 @@ pub fn entry_report(meta: &[u8]) -> Option<TargetReport> {
 fn total_cost(cost: Vec<(String, f64)>) -> Vec<(String, f64)> {
     cost.into_iter().filter(|(k, _)| !k.contains('{')).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::EntryMeta;
+
+    fn meta() -> EntryMeta {
+        EntryMeta {
+            plugin_identity: [7; 32],
+            module_hash: [9; 32],
+            platform: "tpu".into(),
+            tpuc_version: "0".into(),
+            inputs: vec![(vec![2, 3], tpuc_frontend_fx::DType::Float32)],
+            outputs: vec![],
+        }
+    }
+
+    #[test]
+    fn an_engine_on_the_devices_reads_a_target_entry_as_its_own() {
+        // The engine's `load` reads the entry's metadata with `bincode::deserialize`, which
+        // must accept the target report written after it.
+        let report = TargetReport {
+            target: "tpu:v5e:2x2".into(),
+            devices: 4,
+            memory: [1, 2, 3, 4, 5, 6],
+            cost: vec![("flops".into(), 8.0)],
+            compile_seconds: 1.5,
+        };
+        let mut bytes = bincode::serialize(&meta()).unwrap();
+        bytes.extend(bincode::serialize(&report).unwrap());
+        let read: EntryMeta = bincode::deserialize(&bytes).unwrap();
+        assert_eq!(read.module_hash, [9; 32]);
+        assert_eq!(read.platform, "tpu");
+        let (_, back) = read_target_meta(&bytes).unwrap();
+        let back = back.unwrap();
+        assert_eq!((back.target.as_str(), back.devices), ("tpu:v5e:2x2", 4));
+        assert_eq!(back.memory().footprint(), 1 + 2 - 3 + 4 + 5);
+        assert_eq!(entry_target(&bytes).as_deref(), Some("tpu:v5e:2x2"));
+        // An entry compiled on its devices has no report.
+        let plain = bincode::serialize(&meta()).unwrap();
+        assert_eq!(entry_target(&plain).as_deref(), Some("tpu"));
+        assert!(entry_report(&plain).is_none());
+    }
+
+    #[test]
+    fn the_devices_not_the_host_cpu_key_a_non_cpu_executable() {
+        let devices = |kind: &str, n: i32| {
+            (0..n)
+                .map(|id| DeviceInfo {
+                    id,
+                    kind: kind.into(),
+                })
+                .collect::<Vec<_>>()
+        };
+        let a = machine_key_part("tpu", &devices("TPU v5 lite", 4));
+        assert_eq!(a, ("devices", "tpu|TPU v5 lite|4".to_string()));
+        assert_ne!(a, machine_key_part("tpu", &devices("TPU v5 lite", 8)));
+        assert_ne!(a, machine_key_part("tpu", &devices("TPU v4", 4)));
+        assert_eq!(machine_key_part("cpu", &[]).0, "cpu");
+    }
+}
