@@ -14,6 +14,7 @@
 mod api;
 mod buffer;
 mod client;
+pub mod env;
 mod executable;
 mod hlo_text;
 pub mod host_attention;
