@@ -9,7 +9,7 @@
 #       rocm (jax-rocm7-pjrt), tpu (libtpu); or another XLA CPU build: cpu-fastatomstruct
 #       (fastatomstruct-xla-cpu). An accelerator is picked by options={"plugin": NAME} or by
 #       detection where its hardware is present; a CPU build by its wheel's name,
-#       options={"plugin": "xla-cpu-pjrt"} (README "Plugins").
+#       options={"plugin": "xla-cpu-pjrt"} (docs/plugins-and-targets.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -26,7 +26,7 @@ _OTHER_CPU_WHEELS = {
 # pip distribution -> the plugin file inside it; a family's first installed wheel is its plugin.
 # The CPU's default is the newest XLA build on PyPI when installed (scripts/setup.sh installs it;
 # pip: the `fast-cpu` extra): GPT-2 124M ran in half the time of the older build, which stays a
-# dependency as the fallback (README "Plugins", bench/results/real-*.md).
+# dependency as the fallback (docs/plugins-and-targets.md, bench/results/plugins.md).
 _PLUGIN_WHEELS = {
     "cpu": [
         ("lammps-jax-pjrt-cpu", "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so"),
@@ -295,7 +295,7 @@ HOST_GEMM_MIN_MACS = 1 << 18
 def _enable_host_gemm(rt: _native.Runtime) -> None:
     """Lets large f32 matrix products run in the BLAS PyTorch itself
     calls (MKL in its x86 wheels), as XLA FFI custom calls inside the compiled program, where
-    MKL was measured faster than XLA's dot (README, "Host BLAS"). Only where that BLAS is MKL;
+    MKL was measured faster than XLA's dot (docs/host-kernels.md, "Host BLAS"). Only where that BLAS is MKL;
     `TPUC_HOST_GEMM=0` keeps every product in XLA."""
     if not env_flag("TPUC_HOST_GEMM", True):
         return
@@ -325,7 +325,7 @@ def host_conv_library() -> str:
 def _enable_host_conv(rt: _native.Runtime) -> None:
     """Lets 2-D f32 convolutions run in oneDNN, the library PyTorch's own CPU convolutions use,
     as XLA FFI custom calls inside the compiled program (XLA's CPU convolutions are Eigen's,
-    measured slower: README, "Host oneDNN"). Where oneDNN is missing, convolutions stay in XLA;
+    measured slower: docs/host-kernels.md, "Host oneDNN"). Where oneDNN is missing, convolutions stay in XLA;
     `TPUC_HOST_CONV=0` keeps them there."""
     if not env_flag("TPUC_HOST_CONV", True):
         return
@@ -344,7 +344,7 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
 def _enable_host_rows(rt: _native.Runtime) -> None:
     """Lets large f32 layer norms run in tpuc's own row kernels (one pass over memory per row,
     on both cores), as XLA FFI custom calls inside the compiled program: XLA's CPU lowering
-    makes five passes (README, "Host row kernels"). `TPUC_HOST_ROWS=0` keeps them in XLA."""
+    makes five passes (docs/host-kernels.md, "Host row kernels"). `TPUC_HOST_ROWS=0` keeps them in XLA."""
     rt.enable_host_rows(env_flag("TPUC_HOST_ROWS", True))
 
 
