@@ -23,8 +23,12 @@ from tpuc import cli, options, runtime
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "docs" / "api.md"
 
-# The non-test sources (the grep), and the suffixes of files there that are text.
-SOURCE_DIRS = ("python", "runtime", "compiler", "passes", "cache", "frontend_fx", "scripts", "examples")
+# The non-test sources: every crate of the workspace (a top-level folder with a Cargo.toml, so a
+# new crate is covered too), the Python package, scripts and examples; and the suffixes of files
+# there that are text.
+SOURCE_DIRS = tuple(
+    sorted({p.parent.name for p in ROOT.glob("*/Cargo.toml")} | {"python", "scripts", "examples"})
+)
 SOURCE_FILES = ("Makefile",)
 TEXT_SUFFIXES = {".py", ".rs", ".sh", ".toml", ".supp"}
 
