@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_history  # bench/, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("eager", "inductor", "tpuc")
 
@@ -529,7 +531,7 @@ def main(argv=None) -> int:
             )
             report["info"]["load_end"] = os.getloadavg()[0]
             (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-            (args.out / f"{name}.md").write_text(markdown(report))
+            results_history.write_markdown(args.out / f"{name}.md", markdown(report))
     return 0
 
 
