@@ -514,6 +514,8 @@ def main(argv=None) -> int:
         previous = json.loads((args.out / f"{name}.json").read_text())
         report["cases"] = previous["cases"]
         report["info"]["load_start"] = previous["info"]["load_start"]
+        # The same run, continued: its results file keeps one entry (results_history.py).
+        report["info"]["date"] = previous["info"]["date"]
     with tempfile.TemporaryDirectory(prefix="tpuc-bench-real-") as tmp:
         for case in args.cases:
             r = (_run_separately if args.separate else _run_child)(case, args, Path(tmp))
