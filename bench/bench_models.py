@@ -33,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
+import results_history  # bench/, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -284,7 +286,7 @@ def main(argv=None) -> int:
     (args.out / "latest.json").write_text(
         json.dumps({"info": info, "tpuc_stats": stats, "results": rows}, indent=1)
     )
-    (args.out / "latest.md").write_text(table)
+    results_history.write_markdown(args.out / "latest.md", table)
     print()
     print(table)
     print(f"written: {args.out / 'latest.json'}, {args.out / 'latest.md'} ({info['total_seconds']:.0f} s)")

@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import results_history  # bench/, beside this script
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -318,7 +319,7 @@ def main() -> None:
             f"| {r['model']} | {r['aten_ops']} | {' | '.join(cells)} | {hlo} "
             f"| {r['xla_compile_seconds'] * 1e3:.0f} |"
         )
-    (args.out / "overhead.md").write_text("\n".join(lines) + "\n")
+    results_history.write_markdown(args.out / "overhead.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_history  # bench/, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("eager", "inductor", "tpuc")
 
@@ -512,6 +514,8 @@ def main(argv=None) -> int:
         previous = json.loads((args.out / f"{name}.json").read_text())
         report["cases"] = previous["cases"]
         report["info"]["load_start"] = previous["info"]["load_start"]
+        # The same run, continued: its results file keeps one entry (results_history.py).
+        report["info"]["date"] = previous["info"]["date"]
     with tempfile.TemporaryDirectory(prefix="tpuc-bench-real-") as tmp:
         for case in args.cases:
             r = (_run_separately if args.separate else _run_child)(case, args, Path(tmp))
@@ -529,7 +533,7 @@ def main(argv=None) -> int:
             )
             report["info"]["load_end"] = os.getloadavg()[0]
             (args.out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-            (args.out / f"{name}.md").write_text(markdown(report))
+            results_history.write_markdown(args.out / f"{name}.md", markdown(report))
     return 0
 
 

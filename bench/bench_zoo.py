@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_history  # bench/, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 BACKENDS = ("eager", "inductor", "tpuc")
@@ -276,7 +278,7 @@ def main(argv=None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "zoo.json").write_text(json.dumps(r, indent=1) + "\n")
-    (args.out / "zoo.md").write_text(_markdown(r))
+    results_history.write_markdown(args.out / "zoo.md", _markdown(r))
     _plot(r, args.out / "zoo.png")
     print(_markdown(r))
     return 0

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_history  # noqa: E402
 import tiny  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -1132,7 +1133,7 @@ def save(results: dict, out_path: Path) -> None:
     tmp = out_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(dict(sorted(results.items())), indent=1, default=str) + "\n")
     tmp.replace(out_path)
-    out_path.with_suffix(".md").write_text(report(results))
+    results_history.write_markdown(out_path.with_suffix(".md"), report(results))
 
 
 # Types that cannot run as the sweep runs them, and why (the report says so next to their error).

@@ -10,7 +10,7 @@
 #       (fastatomstruct-xla-cpu). libtpu is always installed (it compiles for TPU targets).
 #       An accelerator is picked by options={"plugin": NAME} or by detection where its
 #       hardware is present; a CPU build by its wheel's name,
-#       options={"plugin": "xla-cpu-pjrt"} (README "Plugins").
+#       options={"plugin": "xla-cpu-pjrt"} (docs/plugins-and-targets.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

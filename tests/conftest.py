@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ["TPUC_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-cache-")
 
 import tpuc  # noqa: E402
-from tpuc import backend  # noqa: E402
+from tpuc import backend, runtime  # noqa: E402
 
 # TPUC_DISCRETE_DEVICE=1: the CPU plugin treated as a device with memory of its own (the GPU/TPU
 # path); the few tests of what only host memory allows skip themselves.
-DISCRETE = os.environ.get("TPUC_DISCRETE_DEVICE", "0") not in ("", "0")
+DISCRETE = runtime.env_flag("TPUC_DISCRETE_DEVICE", False)
 
 _verified: list[str] = []
 

@@ -1,6 +1,6 @@
-"""Debugging dumps (`dump_dir`, API.md "Dumps") and `tpuc dump DIR` / `tpuc dump --diff A B`.
+"""Debugging dumps (`dump_dir`, docs/api.md "Dumps") and `tpuc dump DIR` / `tpuc dump --diff A B`.
 
-Every file API.md lists must be there and hold what it says: the FX graph, the IR before and after
+Every file docs/api.md lists must be there and hold what it says: the FX graph, the IR before and after
 each pass, the StableHLO module, XLA's optimized HLO (`HloModule ...`), meta.json with its fields,
 and graph.svg (valid SVG naming the ops). The CLI is run as a separate process, as a user runs it.
 """

@@ -34,7 +34,7 @@ SUBSET = [
 
 # Ops an MoE's default experts implementation runs in PyTorch: transformers' own custom op
 # (transformers::grouped_mm_fallback) and the sort/topk whose tie order only PyTorch's kernels
-# give (see "Tie order" in the README). Results still match eager.
+# give (see "Tie order" in docs/architecture.md). Results still match eager.
 MOE_FALLBACKS = {"transformers.grouped_mm_fallback.default", "aten.sort.default", "aten.topk.default"}
 
 

@@ -401,7 +401,7 @@ fn is_loop_op(op: &str) -> bool {
 
 /// Whether `TPUC_DISCRETE_DEVICE` asks to treat every plugin as a discrete device.
 pub fn discrete_device_forced() -> bool {
-    std::env::var("TPUC_DISCRETE_DEVICE").is_ok_and(|v| !v.is_empty() && v != "0")
+    tpuc_runtime::env::flag("TPUC_DISCRETE_DEVICE", false)
 }
 
 /// Bytes of a dense array of `shape` and `dtype` (shapes of lowered signatures are valid).
@@ -444,9 +444,10 @@ impl Engine {
             // (inputs uploaded, outputs copied back, resident buffers as copies): the path of
             // GPUs and TPUs, tested where there are none.
             host_zero_copy: platform == "cpu" && !discrete_device_forced(),
-            host_views: std::sync::atomic::AtomicBool::new(
-                std::env::var_os("TPUC_NO_HOST_VIEWS").is_none(),
-            ),
+            host_views: std::sync::atomic::AtomicBool::new(!tpuc_runtime::env::flag(
+                "TPUC_NO_HOST_VIEWS",
+                false,
+            )),
             client,
             cache: ExecutableCache::default(),
             disks: DiskCaches::default(),

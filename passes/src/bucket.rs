@@ -17,7 +17,7 @@
 //!
 //! Why masking here rather than StableHLO's bounded dynamic types: masks are ordinary ops that
 //! every PJRT plugin compiles, XLA fuses them into the consumer, and one executable serves the
-//! whole bucket with no per-shape padding module (see README, "Dynamic shapes and buckets").
+//! whole bucket with no per-shape padding module (see docs/dynamic-shapes.md).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use tpuc_frontend_fx::{

@@ -42,7 +42,7 @@ def reset_stats() -> None:
 
 
 def stats() -> dict:
-    """A snapshot of the counters (see API.md for the keys)."""
+    """A snapshot of the counters (docs/api.md, "Statistics", lists the keys)."""
     with _lock:
         out = dict(_stats)
         out["executions"] += _native.plan_executions() - _plan_executions_at_reset

@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from . import counters, input_views
-from .runtime import env_off
+from .runtime import env_flag
 
 # NHWC of an NCHW tensor, and back.
 NHWC_OF_NCHW = (0, 2, 3, 1)
@@ -35,7 +35,7 @@ NCHW_OF_NHWC = (0, 3, 1, 2)
 
 
 def enabled() -> bool:
-    return not env_off("TPUC_LAYOUT_HANDOFF")
+    return env_flag("TPUC_LAYOUT_HANDOFF", True)
 
 
 class Handoff:

@@ -7,7 +7,7 @@ its temporaries in again: 260-300k faults per ResNet-50 batch-8 training step, h
 One arena that keeps freed memory (what `MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0` and a
 `MALLOC_TRIM_THRESHOLD_` above the peak heap set at process start) takes that to no faults: GPT-2 124M training step
 750-1200 -> 380-440 ms, ResNet-50 batch-8 training step 1440-2020 -> 920-940 ms, the diffusion UNet
-step (1 GiB of attention temporaries) 740 -> 370 ms (README "Real-size models"). The process keeps
+step (1 GiB of attention temporaries) 740 -> 370 ms (docs/host-kernels.md, "The C heap"). The process keeps
 its peak heap instead of returning freed memory to the system (a bound, such as 1 GiB, was measured
 to bring every fault back as soon as one graph's temporaries exceed it).
 

@@ -1,4 +1,4 @@
-"""Validation of `torch.compile(..., options={...})` (see API.md for the contract)."""
+"""Validation of `torch.compile(..., options={...})` (docs/api.md, "Options", is the contract)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ _OTHER_CPU_WHEELS = {
 # pip distribution -> the plugin file inside it; a family's first installed wheel is its plugin.
 # The CPU's default is the newest XLA build on PyPI when installed (scripts/setup.sh installs it;
 # pip: the `fast-cpu` extra): GPT-2 124M ran in half the time of the older build, which stays a
-# dependency as the fallback (README "Plugins", bench/results/real-*.md).
+# dependency as the fallback (docs/plugins-and-targets.md, bench/results/plugins.md).
 _PLUGIN_WHEELS = {
     "cpu": [
         ("lammps-jax-pjrt-cpu", "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so"),
@@ -145,7 +145,7 @@ def check_hardware(path: Path, family: str) -> None:
     """Raises PjrtError naming the missing device when `path`'s family needs hardware this machine
     lacks: a GPU plugin fails slowly and obscurely without one, and libtpu waits minutes for a
     metadata server. TPUC_SKIP_DEVICE_CHECK=1 skips it (device files elsewhere)."""
-    if family not in _HARDWARE or os.environ.get("TPUC_SKIP_DEVICE_CHECK") == "1":
+    if family not in _HARDWARE or env_flag("TPUC_SKIP_DEVICE_CHECK", False):
         return
     if not hardware_present(family):
         what, files = _HARDWARE[family]
@@ -175,9 +175,29 @@ def create_options(family: str, devices: int | None, overrides: dict | None = No
     return options
 
 
-def env_off(name: str) -> bool:
-    """Whether the environment variable `name` switches something off: 0, off, false or no."""
-    return os.environ.get(name, "1").strip().lower() in ("0", "off", "false", "no")
+#: What every on/off environment variable accepts, in any case (docs/api.md, "Environment");
+#: the Rust side reads its own by the same rule (`tpuc_runtime::env::flag`, runtime/src/env.rs).
+FLAG_ON = ("1", "on", "true", "yes")
+FLAG_OFF = ("0", "off", "false", "no")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The on/off environment variable `name`: one of FLAG_ON or FLAG_OFF; unset or empty gives
+    `default`, and so does any other value, with a RuntimeWarning naming the variable (a switch
+    only picks between correct paths, so the default is always a safe reading)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in FLAG_ON:
+        return True
+    if value in FLAG_OFF:
+        return False
+    if value:
+        warnings.warn(
+            f"tpuc: {name}={os.environ[name]!r} is neither on ({'/'.join(FLAG_ON)}) nor off "
+            f"({'/'.join(FLAG_OFF)}); using the default ({'on' if default else 'off'})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return default
 
 
 def positive_int_env(name: str, default: int) -> int:
@@ -275,9 +295,9 @@ HOST_GEMM_MIN_MACS = 1 << 18
 def _enable_host_gemm(rt: _native.Runtime) -> None:
     """Lets large f32 matrix products run in the BLAS PyTorch itself
     calls (MKL in its x86 wheels), as XLA FFI custom calls inside the compiled program, where
-    MKL was measured faster than XLA's dot (README, "Host BLAS"). Only where that BLAS is MKL;
+    MKL was measured faster than XLA's dot (docs/host-kernels.md, "Host BLAS"). Only where that BLAS is MKL;
     `TPUC_HOST_GEMM=0` keeps every product in XLA."""
-    if env_off("TPUC_HOST_GEMM"):
+    if not env_flag("TPUC_HOST_GEMM", True):
         return
     import torch
 
@@ -305,9 +325,9 @@ def host_conv_library() -> str:
 def _enable_host_conv(rt: _native.Runtime) -> None:
     """Lets 2-D f32 convolutions run in oneDNN, the library PyTorch's own CPU convolutions use,
     as XLA FFI custom calls inside the compiled program (XLA's CPU convolutions are Eigen's,
-    measured slower: README, "Host oneDNN"). Where oneDNN is missing, convolutions stay in XLA;
+    measured slower: docs/host-kernels.md, "Host oneDNN"). Where oneDNN is missing, convolutions stay in XLA;
     `TPUC_HOST_CONV=0` keeps them there."""
-    if env_off("TPUC_HOST_CONV"):
+    if not env_flag("TPUC_HOST_CONV", True):
         return
     library = host_conv_library()
     if not rt.enable_host_conv(library) and os.environ.get("TPUC_ONEDNN"):
@@ -324,8 +344,8 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
 def _enable_host_rows(rt: _native.Runtime) -> None:
     """Lets large f32 layer norms run in tpuc's own row kernels (one pass over memory per row,
     on both cores), as XLA FFI custom calls inside the compiled program: XLA's CPU lowering
-    makes five passes (README, "Host row kernels"). `TPUC_HOST_ROWS=0` keeps them in XLA."""
-    rt.enable_host_rows(not env_off("TPUC_HOST_ROWS"))
+    makes five passes (docs/host-kernels.md, "Host row kernels"). `TPUC_HOST_ROWS=0` keeps them in XLA."""
+    rt.enable_host_rows(env_flag("TPUC_HOST_ROWS", True))
 
 
 def _plain_start_error(message: str, path: Path, family: str) -> str:

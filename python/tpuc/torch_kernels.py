@@ -16,9 +16,9 @@ compiled partitions before and after it. It is not a fallback: nothing is warned
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .runtime import env_flag
 
 ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
@@ -29,8 +29,8 @@ MIN_SCORES = 1 << 22
 
 
 def enabled() -> bool:
-    """Whether `TPUC_TORCH_KERNELS` allows handing ops to PyTorch (unset or anything but 0)."""
-    return os.environ.get("TPUC_TORCH_KERNELS", "1") != "0"
+    """Whether `TPUC_TORCH_KERNELS` allows handing ops to PyTorch (on unless switched off)."""
+    return env_flag("TPUC_TORCH_KERNELS", True)
 
 
 def nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -390,7 +390,7 @@ pub fn calls() -> (u64, u64, u64) {
 /// path of XLA's threads, which small test programs never take otherwise).
 fn always_pieces() -> bool {
     static ALWAYS: OnceLock<bool> = OnceLock::new();
-    *ALWAYS.get_or_init(|| std::env::var("TPUC_HOST_GEMM_PIECES").is_ok_and(|v| v.trim() == "1"))
+    *ALWAYS.get_or_init(|| crate::env::flag("TPUC_HOST_GEMM_PIECES", false))
 }
 
 /// A call's products cut into pieces, claimed one at a time by the threads that run them.

@@ -870,7 +870,7 @@ const MAX_CANDIDATES: usize = 4;
 fn max_candidates() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     *MAX.get_or_init(|| {
-        if std::env::var("TPUC_ONEDNN_TRIALS").is_ok_and(|v| v == "0") {
+        if !crate::env::flag("TPUC_ONEDNN_TRIALS", true) {
             1
         } else {
             MAX_CANDIDATES

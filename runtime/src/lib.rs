@@ -15,6 +15,7 @@ mod analysis;
 mod api;
 mod buffer;
 mod client;
+pub mod env;
 mod executable;
 mod hlo_text;
 pub mod host_attention;

@@ -417,7 +417,7 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// plugin (2 cores): 205 ms at batch 8 vs 222-229 NCHW, 33-37 at batch 1 vs 40.
 fn channels_last(nsp: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    nsp == 2 && *ON.get_or_init(|| std::env::var("TPUC_CHANNELS_LAST").map_or(true, |v| v != "0"))
+    nsp == 2 && *ON.get_or_init(|| tpuc_runtime::env::flag("TPUC_CHANNELS_LAST", true))
 }
 
 /// Whether oneDNN computes a 2-D convolution, or its gradients, of `operands` giving `out`
