@@ -18,6 +18,8 @@ __all__ = [
     "load_compiled",
     "save_compiled",
     "ShardingError",
+    "TargetUnavailableError",
+    "DeviceMemoryError",
     "TpucError",
     "UnsupportedOpError",
     "reset_stats",
@@ -37,6 +39,10 @@ def __getattr__(name):
         from . import saved
 
         return getattr(saved, name)
+    if name in ("TargetUnavailableError", "DeviceMemoryError"):
+        from . import targets
+
+        return getattr(targets, name)
     if name == "resident_bytes":
         from .sharding import resident_bytes
 
