@@ -2,7 +2,7 @@
 zoo's reference models (inference and training, meshes), and of a Llama-3-8B-shaped decoder
 built on the meta device, fsdp over a v5p slice. Writes bench/results/targets.md (newest first).
 
-    .venv/bin/python bench/bench_targets.py [--skip-8b] [--8b-only]
+    .venv/bin/python bench/bench_targets.py [--skip-8b] [--8b-only] [--8b-train]
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ class _Logits(torch.nn.Module):
         return self.lm(input_ids=ids, return_dict=False)[0]
 
 
-def _llama_8b_rows() -> list[str]:
+def _llama_8b_rows(training: bool) -> list[str]:
+    """Inference: batch 4 x 2048 on v5p:2x2x1; training (the backward of the logits' sum: the
+    meta device has no autograd kernel for nll_loss): batch 8 x 2048 on v5p:2x2x2."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -106,13 +108,15 @@ def _llama_8b_rows() -> list[str]:
     with torch.device("meta"):
         lm = transformers.LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in lm.parameters())
-    ids = torch.zeros(4, 2048, dtype=torch.long, device="meta")
+    batch, chips, target = (8, 8, "tpu:v5p:2x2x2") if training else (4, 4, "tpu:v5p:2x2x1")
+    ids = torch.zeros(batch, 2048, dtype=torch.long, device="meta")
     return _run(
-        f"Llama-3-8B shape ({n / 1e9:.2f}B, f32), 4x2048",
+        f"Llama-3-8B shape ({n / 1e9:.2f}B, f32){' training' if training else ''}, {batch}x2048",
         _Logits(lm),
         [ids],
-        target="tpu:v5p:2x2x1",
-        mesh={"shape": [4], "axes": ["fsdp"]},
+        target=target,
+        training=training,
+        mesh={"shape": [chips], "axes": ["fsdp"]},
         sharding="fsdp",
     )
 
@@ -121,11 +125,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--8b-only", dest="only_8b", action="store_true")
+    ap.add_argument(
+        "--8b-train", dest="train_8b", action="store_true", help="also the 8B training step (long)"
+    )
     a = ap.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     rows = [] if a.only_8b else _zoo_rows()
     if not a.skip_8b:
-        rows += _llama_8b_rows()
+        rows += _llama_8b_rows(training=False)
+        if a.train_8b:
+            rows += _llama_8b_rows(training=True)
     head = (
         f"## {time.strftime('%Y-%m-%d %H:%M')} (libtpu, no TPU; bench/bench_targets.py)\n\n"
         "| model | target | graph | chips | arguments | outputs | temporaries | code | per chip | GFLOP | compile s |\n"
