@@ -36,6 +36,7 @@ from . import (
     input_views,
     mutations,
     precompiler,
+    regions,
     residency,
     runtime,
     ties,
@@ -1066,13 +1067,21 @@ def _compile_hook(
     gm: torch.fx.GraphModule, opts, name: str, traces: dict | None, maxima, shard, free_layouts=None
 ):
     traces = traces or {}
-    bad = _unsupported_nodes(gm)
+    part_shard = (shard[0], "partition") if shard is not None else None
+    in_regions = regions.compile_regions(
+        gm,
+        lambda sub, ins, sub_name: compile_graph(
+            sub, ins, opts, f"{name}.{sub_name}", traces, maxima, part_shard
+        ),
+    )
+    bad = [n for n in _unsupported_nodes(gm) if n not in in_regions]
     in_torch = _torch_kernel_nodes(gm, opts, shard)
-    if not bad and not in_torch:
+    if not bad and not in_torch and not in_regions:
         compiled = _compile_or_fallback(gm, opts, name, maxima, shard, free_layouts)
         return compiled if compiled is not None else make_boxed_func(gm.forward)
     for n in in_torch:
         counters.count_torch_kernel(str(n.target))
+    in_torch = [*in_torch, *in_regions]
     if not bad:
         return make_boxed_func(_partitioned(gm, opts, name, maxima, shard, set(in_torch)).forward)
     if opts.fallback == "error":
