@@ -16,6 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # The suite must not read or fill the user's cache (~/.cache/tpuc): counts of XLA compiles would
 # depend on earlier runs. Subprocesses inherit this too.
 os.environ["TPUC_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-cache-")
+# Nor PyTorch's caches, which hold tpuc's graphs too (AOTAutograd's cache, autograd_cache.py): a
+# graph another run traced would load instead of compiling.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-torch-cache-")
 
 import tpuc  # noqa: E402
 from tpuc import backend  # noqa: E402
