@@ -189,7 +189,12 @@ def _child(args) -> None:
 
 
 def _run_child(*argv) -> dict:
-    env = dict(os.environ, TPUC_CACHE_DIR=tempfile.mkdtemp(prefix="tpuc-bench-regions-"))
+    # Cold: empty executable and AOTAutograd caches (which hold tpuc's graphs too).
+    env = dict(
+        os.environ,
+        TPUC_CACHE_DIR=tempfile.mkdtemp(prefix="tpuc-bench-regions-"),
+        TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="tpuc-bench-regions-torch-"),
+    )
     proc = subprocess.run(
         [sys.executable, __file__, *argv], capture_output=True, text=True, env=env, check=False
     )
