@@ -16,6 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # The suite must not read or fill the user's cache (~/.cache/tpuc): counts of XLA compiles would
 # depend on earlier runs. Subprocesses inherit this too.
 os.environ["TPUC_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-cache-")
+# Nor PyTorch's caches, which hold tpuc's graphs too (AOTAutograd's cache, autograd_cache.py): a
+# graph another run traced would load instead of compiling. Each test gets an empty one too
+# (`_fresh_torch_cache`), so that what a test sees does not depend on the tests before it.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-torch-cache-")
 
 import tpuc  # noqa: E402
 from tpuc import backend, runtime  # noqa: E402
@@ -52,6 +56,11 @@ def _verify_every_module():
     backend.CompiledGraph._compile = compile_and_verify
     yield
     backend.CompiledGraph._compile = original
+
+
+@pytest.fixture(autouse=True)
+def _fresh_torch_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("torch-cache")))
 
 
 @pytest.fixture

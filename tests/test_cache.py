@@ -49,7 +49,9 @@ def _env(**extra: str) -> dict:
         "TPUC_DUMP_DIR",
     ):
         env.pop(k, None)
-    env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", **extra)
+    # tpuc's disk cache alone: AOTAutograd's cache would hand a process the executables another
+    # process compiled (tests/test_autograd_cache.py tests that).
+    env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="0", **extra)
     return env
 
 

@@ -8,6 +8,7 @@ Ops without a lowering rule run in PyTorch (`fallback="eager"`) or raise (`fallb
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import operator
@@ -20,12 +21,14 @@ import torch
 import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._dynamo.exc import ShortenTraceback
+from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import (
     _native,
+    autograd_cache,
     buckets,
     callprof,
     counters,
@@ -36,8 +39,10 @@ from . import (
     input_views,
     mutations,
     precompiler,
+    regions,
     residency,
     runtime,
+    saved,
     targets,
     ties,
     torch_kernels,
@@ -287,7 +292,9 @@ def cache_args(opts: options_mod.Options) -> tuple:
 
 
 def record_compile(exe) -> None:
-    """Counts one executable obtained from Runtime.compile in tpuc.stats()."""
+    """Counts one executable obtained from Runtime.compile in tpuc.stats() (and records its key
+    for AOTAutograd's cache entry, autograd_cache.py)."""
+    autograd_cache.record(exe)
     if exe.cache == "miss":
         counters.add(xla_compiles=1, lower_seconds=exe.lower_seconds, compile_seconds=exe.compile_seconds)
     elif exe.cache == "disk":
@@ -1067,13 +1074,21 @@ def _compile_hook(
     gm: torch.fx.GraphModule, opts, name: str, traces: dict | None, maxima, shard, free_layouts=None
 ):
     traces = traces or {}
-    bad = _unsupported_nodes(gm)
+    part_shard = (shard[0], "partition") if shard is not None else None
+    in_regions = regions.compile_regions(
+        gm,
+        lambda sub, ins, sub_name: compile_graph(
+            sub, ins, opts, f"{name}.{sub_name}", traces, maxima, part_shard
+        ),
+    )
+    bad = [n for n in _unsupported_nodes(gm) if n not in in_regions]
     in_torch = _torch_kernel_nodes(gm, opts, shard)
-    if not bad and not in_torch:
+    if not bad and not in_torch and not in_regions:
         compiled = _compile_or_fallback(gm, opts, name, maxima, shard, free_layouts)
         return compiled if compiled is not None else make_boxed_func(gm.forward)
     for n in in_torch:
         counters.count_torch_kernel(str(n.target))
+    in_torch = [*in_torch, *in_regions]
     if not bad:
         return make_boxed_func(_partitioned(gm, opts, name, maxima, shard, set(in_torch)).forward)
     if opts.fallback == "error":
@@ -1171,6 +1186,9 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         raise NotImplementedError("tpuc: saving a compiled function with a mesh (SPMD) is not supported yet")
     maxima = buckets.declared_maxima(example_inputs)
     buckets.check_declared(gm, example_inputs, maxima)
+    # Otherwise the graphs go into AOTAutograd's cache (autograd_cache.py), where PyTorch allows
+    # (not yet for bucketed graphs, whose declared maxima the loader would not know).
+    caching = not saving and not maxima and autograd_cache.enabled(mesh)
 
     shard_ctx = None
     if mesh is not None:
@@ -1189,25 +1207,28 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         def compile_one(g, ins):
             shard = (shard_ctx, kind) if shard_ctx else None
             name = f"g{gid}_{kind}"
+            if caching:
+                # The graph as AOTAutograd made it (FlexAttention inlined, the backward's inputs
+                # in the layouts the forward hands over), for the cache entry: a process that
+                # loads it compiles the same modules (see saving below).
+                flex.inline_flex_attention(g, _decompositions(bool(maxima)))
+                free_layouts, permuted_args = layouts(g, kind)
+                graph = _pickled_or_none(g, name)
+                layout = {
+                    "free_positions": free_layouts[0] if free_layouts else None,
+                    "permuted_args": permuted_args,
+                }
+                keys: list = []
+                t0 = time.perf_counter_ns()
+                with autograd_cache.collecting(keys):
+                    compiled = compile_laid_out(g, ins, kind, shard, name, free_layouts, permuted_args)
+                code = saved.TpucOutputCode.capture(
+                    compiled, graph, options, mode, name, keys, opts.cache_dir, layout
+                )
+                code._time_taken_ns = time.perf_counter_ns() - t0  # AOTAutograd's "time saved"
+                return code
             if not saving:
-                free_layouts, permuted_args = None, {}
-                if pair is not None and kind == "forward":
-                    pair.views = input_views.view_outputs(g)
-                    positions = pair.saved_positions(g) if handoff.enabled() else []
-                    if positions:
-                        outs = input_views.graph_outputs(g)
-                        names = {i: outs[i].name for i in positions}
-                        free_layouts = (positions, lambda perms: pair.forward_compiled(names, perms))
-                elif pair is not None:
-                    # Saved views of inputs (returned as views, see input_views.py) are taken in
-                    # their storage order, the channels-last activations as NHWC (handoff.py).
-                    permuted_args = input_views.storage_order_inputs(g, pair.views) | pair.rewrite_backward(g)
-                compiled = compile_graph(g, ins, opts, name, traces, maxima, shard, free_layouts)
-                if kind == "forward" and shard is None and _plain_inference(gm, grad_enabled):
-                    direct.append(compiled)
-                return input_views.PermutedArgs(compiled, permuted_args) if permuted_args else compiled
-            from . import saved
-
+                return compile_laid_out(g, ins, kind, shard, name, *layouts(g, kind))
             # Before compile_graph rewrites it, but with FlexAttention already inlined: loading
             # cannot retrace it (the unpickled graph's fake tensors belong to other fake modes).
             flex.inline_flex_attention(g, _decompositions(bool(maxima)))
@@ -1215,6 +1236,32 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             compiled = compile_graph(g, ins, opts, name, traces, maxima, shard)
             return saved.TpucOutputCode.capture(compiled, graph, options, mode, name)
 
+        def layouts(g, kind):
+            """(free_layouts for compile_graph, {input position: order} for PermutedArgs): what
+            the forward may hand over in another layout, and how the backward takes it (this
+            rewrites the backward graph)."""
+            free_layouts, permuted_args = None, {}
+            if pair is not None and kind == "forward":
+                pair.views = input_views.view_outputs(g)
+                positions = pair.saved_positions(g) if handoff.enabled() else []
+                if positions:
+                    outs = input_views.graph_outputs(g)
+                    names = {i: outs[i].name for i in positions}
+                    free_layouts = (positions, lambda perms: pair.forward_compiled(names, perms))
+            elif pair is not None:
+                # Saved views of inputs (returned as views, see input_views.py) are taken in
+                # their storage order, the channels-last activations as NHWC (handoff.py).
+                permuted_args = input_views.storage_order_inputs(g, pair.views) | pair.rewrite_backward(g)
+            return free_layouts, permuted_args
+
+        def compile_laid_out(g, ins, kind, shard, name, free_layouts, permuted_args):
+            compiled = compile_graph(g, ins, opts, name, traces, maxima, shard, free_layouts)
+            if kind == "forward" and shard is None and _plain_inference(gm, grad_enabled):
+                direct.append(compiled)
+            return input_views.PermutedArgs(compiled, permuted_args) if permuted_args else compiled
+
+        if saving or caching:
+            return SerializableAOTDispatchCompiler(saved.TpucOutputCode, compile_one)
         return compile_one
 
     # Attention where gradients flow is traced through the math path: otherwise the forward
@@ -1226,7 +1273,11 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     # sharded graphs keep math, which their passes know.
     needs_grad = grad_enabled and any(getattr(t, "requires_grad", False) for t in example_inputs)
     fused_ok = not needs_grad and not maxima and shard_ctx is None
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused_ok else SDPBackend.MATH):
+    cache_ctx = autograd_cache.caching(opts, mode, maxima) if caching else contextlib.nullcontext()
+    with (
+        cache_ctx,
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused_ok else SDPBackend.MATH),
+    ):
         out = aot_module_simplified(
             gm,
             example_inputs,
@@ -1241,6 +1292,16 @@ def _compile(gm, example_inputs, options, mode, kwargs):
         compiled = direct[0]
         return compiled.unboxed() if isinstance(compiled, _native.CallPlan) else _Direct(compiled)
     return out
+
+
+def _pickled_or_none(g: torch.fx.GraphModule, name: str) -> bytes | None:
+    """`saved.pickle_graph(g)`, or None (and the graph stays out of AOTAutograd's cache) when
+    it cannot be pickled."""
+    try:
+        return saved.pickle_graph(g)
+    except Exception as e:  # pickling fails on objects it does not know: not an error of the compile
+        log.debug("tpuc: graph %s stays out of AOTAutograd's cache: %s", name, e)
+        return None
 
 
 def _plain_inference(gm: torch.fx.GraphModule, grad_enabled: bool) -> bool:

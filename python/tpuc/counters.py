@@ -32,6 +32,8 @@ def reset_stats() -> None:
             fallback_ops=Counter(),
             # nodes run through PyTorch's own kernel by choice (see torch_kernels.py), per op
             torch_kernels=Counter(),
+            # distinct nested_compile_region subgraphs compiled (regions.py)
+            regions_compiled=0,
             # saved activations a forward graph handed to its backward channels-last (handoff.py)
             saved_channels_last=0,
             # per IR pass: {"runs", "ops_before", "ops_after", "ops_removed", "changes", "seconds"}

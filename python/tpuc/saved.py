@@ -40,18 +40,44 @@ class TpucOutputCode(OutputCode):
     state: bytes = b""  # pickled {"format", "graph", "options", "mode", "name"}
     compiled: Callable | None = None  # the runnable graph (boxed calling convention)
     _boxed_call: bool = True
+    # tpuc's disk cache entries of the graph's executables, {key: file bytes}, which travel with
+    # AOTAutograd's cache entry (autograd_cache.py); filled when it is serialized, from the keys
+    # recorded while the graph compiled and the cache folder it compiled with.
+    executables: dict = dataclasses.field(default_factory=dict)
+    exe_keys: list = dataclasses.field(default_factory=list)
+    cache_dir: str | None = None
 
     @classmethod
-    def capture(cls, compiled, graph: bytes, options, mode, name: str) -> TpucOutputCode:
-        """`graph`: `pickle_graph` of the graph `compiled` was made from."""
+    def capture(
+        cls, compiled, graph: bytes | None, options, mode, name: str, exe_keys=(), cache_dir=None, layout=None
+    ) -> TpucOutputCode:
+        """`graph`: `pickle_graph` of the graph `compiled` was made from (None: it could not be
+        pickled, and this graph is not cached); `layout`: {"free_positions", "permuted_args"},
+        the layouts it hands over or takes (backend.py) when it was compiled with them."""
         state = {"format": FORMAT, "graph": graph, "options": options, "mode": mode, "name": name}
-        return cls(state=pickle.dumps(state), compiled=compiled)
+        if layout:
+            state["layout"] = layout
+        return cls(
+            state=pickle.dumps(state) if graph is not None else b"",
+            compiled=compiled,
+            exe_keys=list(exe_keys),
+            cache_dir=None if cache_dir is None else str(cache_dir),
+        )
 
     def __call__(self, inputs):
         return self.compiled(inputs)
 
     def prepare_for_serialization(self) -> None:
-        self.compiled = None  # executables are not pickled: tpuc's cache holds them
+        if not self.state:
+            from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+
+            raise BypassAOTAutogradCache("tpuc could not pickle this graph")
+        from . import autograd_cache
+
+        self.compiled = None  # the runnable graph is rebuilt on load
+        if not self.executables:
+            self.executables = autograd_cache.read_entries(self.exe_keys, self.cache_dir)
+        self.exe_keys, self.cache_dir = [], None
 
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.compiled is not None:
@@ -60,7 +86,7 @@ class TpucOutputCode(OutputCode):
         from torch.fx._graph_pickler import GraphPickler
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        from . import backend
+        from . import autograd_cache, backend, input_views
         from . import options as options_mod
 
         state = pickle.loads(self.state)
@@ -71,11 +97,30 @@ class TpucOutputCode(OutputCode):
             )
         gm = GraphPickler.loads(state["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         gm.recompile()
-        opts = options_mod.parse({**(state["options"] or {}), **(_LOAD_OPTIONS.get() or {})}, state["mode"])
-        self.compiled = backend.compile_graph(gm, example_inputs, opts, state["name"])
+        live = autograd_cache.live_options()  # a torch.compile that hit AOTAutograd's cache
+        if live is not None:
+            opts = live
+        else:
+            opts = options_mod.parse(
+                {**(state["options"] or {}), **(_LOAD_OPTIONS.get() or {})}, state["mode"]
+            )
+        autograd_cache.install_entries(self.executables, opts.cache_dir)
+        self.executables = {}
+        layout = state.get("layout") or {}
+        positions, orders = layout.get("free_positions"), layout.get("permuted_args")
+        # The same module as the first compile: it returns the same layouts the backward takes.
+        free = (positions, _count_channels_last) if positions else None
+        compiled = backend.compile_graph(gm, example_inputs, opts, state["name"], free_layouts=free)
+        self.compiled = input_views.PermutedArgs(compiled, orders) if orders else compiled
 
     def set_triton_bundle(self, triton_bundle) -> None:
         pass  # no Triton kernels
+
+
+def _count_channels_last(perms: dict) -> None:
+    from . import counters, handoff
+
+    counters.add(saved_channels_last=sum(tuple(p) == handoff.NCHW_OF_NHWC for p in perms.values()))
 
 
 def pickle_graph(gm: torch.fx.GraphModule) -> bytes:

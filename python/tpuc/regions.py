@@ -1,0 +1,81 @@
+"""Regions marked with `@torch.compiler.nested_compile_region`, compiled once each.
+
+PyTorch's way to say "this block repeats, compile it once": Dynamo and AOTAutograd keep each
+marked block as a subgraph (a GraphModule attribute of the graph) called through the
+`invoke_subgraph` higher-order op, `invoke_subgraph(subgraph, identifier, *operands)`, once per
+call site, in the forward graph and (with its own backward subgraph) in the backward graph.
+
+tpuc compiles each distinct subgraph once, as a graph of its own (`compile_graph`: the region's
+executable, its call plan), and every call site of it launches that executable: a model of N
+identical blocks lowers and XLA-compiles one block instead of N (bench/bench_regions.py), at the
+cost of one launch per block and no fusion across block boundaries. The rest of the graph is
+split around the call sites with the fallback partitioner (as for torch_kernels.py); the call
+sites are not fallbacks (nothing is warned or counted in `fallback_ops`).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+
+from . import counters
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+class RegionCall:
+    """What a call site of a compiled region runs (an FX `call_function` target): the region's
+    compiled graph on the operands, its outputs as a tuple like `invoke_subgraph`'s."""
+
+    def __init__(self, compiled, name: str):
+        self.compiled = compiled
+        self.name = name
+        self.__name__ = f"tpuc_region_{name}"
+
+    def __call__(self, *operands):
+        return tuple(self.compiled(list(operands)))
+
+    def __repr__(self) -> str:
+        return f"tpuc.region({self.name})"
+
+
+def call_sites(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is INVOKE_SUBGRAPH]
+
+
+def compile_regions(gm: torch.fx.GraphModule, compile_region) -> set[torch.fx.Node]:
+    """Replaces every `invoke_subgraph` node of `gm` by a call of its region's compiled graph,
+    compiling each distinct subgraph once with `compile_region(subgraph, example_inputs, name)`
+    (a boxed callable). Returns the nodes to run outside tpuc's partitions: the call sites and
+    the `getitem`s that take their outputs apart."""
+    sites = call_sites(gm)
+    if not sites:
+        return set()
+    compiled: dict[int, RegionCall] = {}
+    outside: set[torch.fx.Node] = set()
+    for n in sites:
+        attr, _identifier, *operands = n.args
+        sub = getattr(gm, attr.target) if isinstance(attr, torch.fx.Node) else attr
+        call = compiled.get(id(sub))
+        if call is None:
+            examples = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in operands]
+            # compile_graph rewrites the graph it is given; PyTorch may still run the original
+            # (ties.py reruns the caller's graph as it was)
+            region = torch.fx.GraphModule(sub, copy.deepcopy(sub.graph))
+            name = attr.target if isinstance(attr, torch.fx.Node) else "region"
+            call = RegionCall(compile_region(region, examples, name), name)
+            compiled[id(sub)] = call
+            counters.add(regions_compiled=1)
+        n.target = call
+        n.args = tuple(operands)
+        n.kwargs = {}
+        outside.add(n)
+        outside.update(u for u in n.users if u.op == "call_function" and u.target is operator.getitem)
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and not n.users:
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return outside

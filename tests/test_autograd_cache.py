@@ -1,0 +1,53 @@
+"""PyTorch's caches carry tpuc's compiled graphs (autograd_cache.py, issue 41): after a
+`backend="tpu"` compile, `torch.compiler.save_cache_artifacts()` returns the graphs (AOTAutograd's
+cache entries, with tpuc's executables inside), and a new process that loads them, with an empty
+tpuc cache folder and an empty AOTAutograd cache, traces no AOTAutograd, compiles nothing and
+gives the same results, forward and backward. Each process runs
+tests/cache_helpers/cache_artifacts.py, which compares against eager PyTorch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HELPER = Path(__file__).resolve().parent / "cache_helpers" / "cache_artifacts.py"
+
+
+def run(action: str, path: Path, work: Path, *extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPUC_", "TORCHINDUCTOR_"))}
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONDONTWRITEBYTECODE="1",
+        TPUC_CACHE_DIR=str(work / "tpuc"),
+        TORCHINDUCTOR_CACHE_DIR=str(work / "torch"),
+    )
+    cmd = [sys.executable, str(HELPER), action, "--path", str(path), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, f"{action} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("regions", [False, True], ids=["plain", "regions"])
+def test_cache_artifacts_round_trip_compiles_nothing(tmp_path, regions):
+    extra = ("--regions",) if regions else ()
+    path = tmp_path / "artifacts.bin"
+    saved = run("save", path, tmp_path / "first", *extra)
+    assert saved["saved"] == {"aot_autograd": 1}
+    assert saved["stats"]["xla_compiles"] > 0 and saved["stats"]["fallback_ops"] == {}
+    assert saved["max_abs_err"] < 1e-4
+    if regions:
+        assert saved["stats"]["regions_compiled"] >= 2  # forward and backward region
+
+    loaded = run("load", path, tmp_path / "second", *extra)  # empty caches of its own
+    assert loaded["loaded"] == {"aot_autograd": 1}
+    assert loaded["aot_autograd"].get("autograd_cache_hit") == 1
+    assert "autograd_cache_miss" not in loaded["aot_autograd"]
+    assert loaded["stats"]["xla_compiles"] == 0
+    assert loaded["stats"]["cache_hits_disk"] == saved["stats"]["xla_compiles"]
+    assert loaded["max_abs_err"] < 1e-4
+    assert loaded["out_sum"] == saved["out_sum"]

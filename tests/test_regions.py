@@ -1,0 +1,131 @@
+"""Blocks marked with `@torch.compiler.nested_compile_region` (regions.py): compiled by tpuc,
+once per distinct region, and equal to eager and aot_eager, forward and backward."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from models import PreLNBlock
+from torch import nn
+
+import tpuc
+
+
+class MarkedBlock(PreLNBlock):
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        return super().forward(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, depth: int, block=MarkedBlock, d: int = 64):
+        super().__init__()
+        self.blocks = nn.ModuleList(block(d) for _ in range(depth))
+        self.head = nn.Linear(d, 17)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _train_step(model, backend, x):
+    model = copy.deepcopy(model)
+    fn = model if backend is None else torch.compile(model, backend=backend, options=_OPTS.get(backend))
+    out = fn(x)
+    out.square().mean().backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+_OPTS = {"tpu": {"cache_dir": None}}
+
+
+def test_marked_blocks_train_like_eager_and_aot_eager():
+    torch.manual_seed(0)
+    model = Stack(4)
+    x = torch.randn(2, 33, 64)
+    tpuc.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a fallback warns
+        warnings.filterwarnings("ignore", message="invoke_subgraph traced multiple backward graphs")
+        out, grads = _train_step(model, "tpu", x)
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {}
+    # One forward and one backward region (PyTorch may trace a second backward region for a
+    # call site whose incoming gradient has another layout).
+    assert 2 <= stats["regions_compiled"] <= 4
+    torch._dynamo.reset()
+    for backend in (None, "aot_eager"):
+        ref_out, ref_grads = _train_step(model, backend, x)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def _inference_compiles(depth: int) -> dict:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Stack(depth)
+    x = torch.randn(1, 40, 64)
+    tpuc.reset_stats()
+    with torch.no_grad():
+        out = torch.compile(model, backend="tpu", options={"cache_dir": None})(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    return tpuc.stats()
+
+
+def test_region_compiled_once_whatever_the_depth():
+    """The block is lowered and XLA-compiled once: 8 blocks compile what 2 do."""
+    two, eight = _inference_compiles(2), _inference_compiles(8)
+    assert two["fallback_ops"] == eight["fallback_ops"] == {}
+    assert two["regions_compiled"] == eight["regions_compiled"] == 1
+    # Executables obtained (compiled, or found in memory: the second model is the first's).
+    obtained = [s["xla_compiles"] + s["cache_hits_memory"] + s["cache_hits_disk"] for s in (two, eight)]
+    assert obtained[0] == obtained[1] == 2  # the region, the head
+    assert eight["graphs_compiled"] == two["graphs_compiled"]
+    # Every block ran: one launch per call site (and the graph around them).
+    assert eight["executions"] - two["executions"] == 6
+
+
+def test_unmarked_blocks_have_no_regions():
+    torch.manual_seed(0)
+    model = Stack(2, block=PreLNBlock)
+    x = torch.randn(1, 9, 64)
+    tpuc.reset_stats()
+    with torch.no_grad():
+        torch.compile(model, backend="tpu", options={"cache_dir": None})(x)
+    assert tpuc.stats()["regions_compiled"] == 0
+
+
+def test_a_write_to_one_blocks_weight_is_seen():
+    """The region's executable serves every block: each call site reads its own block's
+    parameters, and their current values."""
+    torch.manual_seed(0)
+    model = Stack(3)
+    compiled = torch.compile(model, backend="tpu", options={"cache_dir": None})
+    x = torch.randn(1, 17, 64)
+    with torch.no_grad():
+        for _ in range(3):  # parameters become resident on the CPU plugin after the second call
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        model.blocks[1].fc2.weight.mul_(-2.0)
+        model.blocks[2].ln1.bias.add_(0.5)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 17, 64])
+def test_dynamic_sequence_length(n):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Stack(3)
+    x = torch.randn(2, 40, 64)
+    torch._dynamo.mark_dynamic(x, 1, min=1, max=64)
+    compiled = torch.compile(model, backend="tpu", options={"cache_dir": None})
+    tpuc.reset_stats()
+    with torch.no_grad():
+        compiled(x)
+        y = torch.randn(2, n, 64)
+        torch.testing.assert_close(compiled(y), model(y), rtol=1e-5, atol=1e-5)
+    assert tpuc.stats()["fallback_ops"] == {}
