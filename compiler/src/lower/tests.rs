@@ -4279,3 +4279,132 @@ fn num_convolution_few_positions_as_patch_product() {
     // Neither: XLA's convolution.
     check_conv([2, 16, 48, 48], [4, 16, 3, 3], 1, 1);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Lowering by device: the CPU's forms stay as they are; GPUs and TPUs get plain convolutions
+// ---------------------------------------------------------------------------------------------
+
+/// `convolution(x, w, b?, stride, padding, dilation 1, groups)` as FX records it.
+fn conv_args(x: &str, w: &str, b: Option<&str>, stride: i64, pad: i64, groups: i64) -> Value {
+    json!([
+        n(x),
+        n(w),
+        b.map_or(Value::Null, n),
+        [stride, stride],
+        [pad, pad],
+        [1, 1],
+        false,
+        [0, 0],
+        groups
+    ])
+}
+
+/// A small convolutional net that reaches every convolution form of the CPU lowering: a 3x3
+/// convolution with bias (XLA's, channels-last), ReLU, a 1x1 one (a product), a depthwise one
+/// (tap sums behind a barrier), a strided 3x3 one with few output positions (tap products),
+/// and the gradients of the first and the last (`convolution_backward`, their output gradient
+/// the net's own results).
+fn conv_net_graph() -> Graph {
+    let bw = |xs: &[i64], ws: &[i64], bias: Option<i64>| {
+        tuple(vec![
+            f32t(xs),
+            f32t(ws),
+            bias.map_or(Value::Null, |o| f32t(&[o])),
+        ])
+    };
+    Fx::new(&[
+        ("x", &[2, 4, 6, 6], "float32"),
+        ("w1", &[8, 4, 3, 3], "float32"),
+        ("b1", &[8], "float32"),
+        ("w2", &[8, 8, 1, 1], "float32"),
+        ("w3", &[8, 1, 3, 3], "float32"),
+        ("w4", &[16, 8, 3, 3], "float32"),
+    ])
+    .call(
+        "c1",
+        "aten.convolution.default",
+        conv_args("x", "w1", Some("b1"), 1, 1, 1),
+        nokw(),
+        f32t(&[2, 8, 6, 6]),
+    )
+    .call(
+        "r1",
+        "aten.relu.default",
+        json!([n("c1")]),
+        nokw(),
+        f32t(&[2, 8, 6, 6]),
+    )
+    .call(
+        "c2",
+        "aten.convolution.default",
+        conv_args("r1", "w2", None, 1, 0, 1),
+        nokw(),
+        f32t(&[2, 8, 6, 6]),
+    )
+    .call(
+        "c3",
+        "aten.convolution.default",
+        conv_args("c2", "w3", None, 1, 1, 8),
+        nokw(),
+        f32t(&[2, 8, 6, 6]),
+    )
+    .call(
+        "c4",
+        "aten.convolution.default",
+        conv_args("r1", "w4", None, 2, 1, 1),
+        nokw(),
+        f32t(&[2, 16, 3, 3]),
+    )
+    .call(
+        "g1",
+        "aten.convolution_backward.default",
+        json!([
+            n("c3"),
+            n("x"),
+            n("w1"),
+            [8],
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            false,
+            [0, 0],
+            1,
+            [true, true, true]
+        ]),
+        nokw(),
+        bw(&[2, 4, 6, 6], &[8, 4, 3, 3], Some(8)),
+    )
+    .item("g1x", "g1", 0, f32t(&[2, 4, 6, 6]))
+    .item("g1w", "g1", 1, f32t(&[8, 4, 3, 3]))
+    .item("g1b", "g1", 2, f32t(&[8]))
+    .call(
+        "g4",
+        "aten.convolution_backward.default",
+        json!([
+            n("c4"),
+            n("r1"),
+            n("w4"),
+            [16],
+            [2, 2],
+            [1, 1],
+            [1, 1],
+            false,
+            [0, 0],
+            1,
+            [true, true, false]
+        ]),
+        nokw(),
+        bw(&[2, 8, 6, 6], &[16, 8, 3, 3], None),
+    )
+    .item("g4x", "g4", 0, f32t(&[2, 8, 6, 6]))
+    .item("g4w", "g4", 1, f32t(&[16, 8, 3, 3]))
+    .build(&["c3", "c4", "g1x", "g1w", "g1b", "g4x", "g4w"])
+}
+
+/// The CPU's lowering of the conv net, as it was before lowering chose by device: the forms
+/// measured fastest on the CPU plugin (channels-last convolutions, 1x1 products, depthwise and
+/// few-position taps, barriers) must not change with the accelerators' forms.
+#[test]
+fn snap_conv_net_cpu() {
+    assert_snapshot!(mlir(&conv_net_graph()));
+}
