@@ -300,15 +300,6 @@ fn pow<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let a = cx.e.convert(&a, out)?;
         return Ok(vec![cx.e.binary("stablehlo.multiply", &a, &a, out)?]);
     }
-    // Cubes too on a GPU or TPU (tanh-GELU's `pow(x, 3.0)`): `stablehlo.power` is a
-    // transcendental there, as costly as the tanh itself (the CPU keeps its form).
-    if let Some(Arg::Int(3)) | Some(Arg::Float(3.0)) = cx.arg(1, "exponent") {
-        if cx.e.accelerator() && out.is_float() {
-            let a = cx.e.convert(&a, out)?;
-            let a2 = cx.e.binary("stablehlo.multiply", &a, &a, out)?;
-            return Ok(vec![cx.e.binary("stablehlo.multiply", &a2, &a, out)?]);
-        }
-    }
     let c = compute_dtype(out);
     let r = cx.e.binary("stablehlo.power", &a, &b, c)?;
     Ok(vec![cx.e.convert(&r, out)?])
