@@ -99,6 +99,9 @@ pub struct Engine {
     /// Large f32 layer norms go to the host row kernels, once [`Engine::enable_host_rows`]
     /// registered them.
     host_rows: std::sync::atomic::AtomicBool,
+    /// The device kind modules are lowered for: the platform's, unless
+    /// [`Engine::lower_for_device`] chose another.
+    lowering_device: lower::Device,
 }
 
 /// The oldest StableHLO (as a plugin reports its current version) that tpuc's bytecode was
@@ -451,14 +454,23 @@ impl Engine {
             client,
             cache: ExecutableCache::default(),
             disks: DiskCaches::default(),
-            platform,
             machine,
             device_ids: devices.iter().map(|d| i64::from(d.id)).collect(),
             xla_flags: std::env::var("XLA_FLAGS").unwrap_or_default(),
             host_gemm_min_macs: std::sync::atomic::AtomicU64::new(0),
             host_conv: std::sync::atomic::AtomicBool::new(false),
             host_rows: std::sync::atomic::AtomicBool::new(false),
+            lowering_device: lower::Device::of_platform(&platform),
+            platform,
         })
+    }
+
+    /// Lowers modules for `device` instead of this engine's platform: what a GPU or TPU is
+    /// given, run on this plugin (the CPU plugin compiles the accelerators' forms too), so that
+    /// those forms are checked numerically on a machine without the device.
+    pub fn lower_for_device(mut self, device: lower::Device) -> Engine {
+        self.lowering_device = device;
+        self
     }
 
     /// Lowers f32 products of at least `min_macs` multiply-adds to calls of the `sgemm_` in
@@ -543,7 +555,7 @@ impl Engine {
     ) -> LowerOptions {
         LowerOptions {
             precision,
-            device: lower::Device::of_platform(&self.platform),
+            device: self.lowering_device,
             sharding,
             host_gemm_min_macs: self.host_gemm_min_macs(),
             host_conv: self.host_conv(),

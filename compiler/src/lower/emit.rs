@@ -3,7 +3,7 @@
 //! Ops are built generically (`OperationBuilder::new("stablehlo.add")`) with explicit result
 //! types: StableHLO is not registered in our MLIR context, so nothing would infer them.
 
-use super::LowerError;
+use super::{Device, LowerError};
 use melior::ir::attribute::{Attribute, AttributeLike, DenseI64ArrayAttribute};
 use melior::ir::block::BlockLike;
 use melior::ir::operation::{OperationBuilder, OperationRef};
@@ -135,6 +135,9 @@ pub struct Emitter<'c, 'b> {
     /// The fused CPU attention goes to the host kernel (see
     /// [`LowerOptions::host_attention`](crate::lower::LowerOptions::host_attention)).
     pub host_attention: bool,
+    /// What the module is for (see [`Device`]): rules whose best form differs between XLA's
+    /// CPU compiler and the accelerators' choose by it ([`Emitter::accelerator`]).
+    pub device: Device,
 }
 
 /// A value's physical form: the logical value is `transpose(physical, permutation)` (logical dim
@@ -469,6 +472,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_conv: false,
             host_rows: false,
             host_attention: false,
+            device: Device::Cpu,
         }
     }
 
@@ -492,7 +496,15 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_conv: self.host_conv,
             host_rows: self.host_rows,
             host_attention: self.host_attention,
+            device: self.device,
         }
+    }
+
+    /// Whether the module is for a GPU or a TPU: XLA's compilers there fuse, lay out and tile
+    /// convolutions themselves, so rules emit the plain StableHLO form (no CPU taps, patches,
+    /// channels-last transposes or fusion barriers; see docs/tpu-lowering.md).
+    pub fn accelerator(&self) -> bool {
+        self.device != Device::Cpu
     }
 
     pub fn attr(&self, text: &str) -> R<Attribute<'c>> {
@@ -813,8 +825,13 @@ impl<'c, 'b> Emitter<'c, 'b> {
     /// `t` through a `stablehlo.optimization_barrier`: one buffer that every reader reads, so
     /// XLA cannot fuse (and so recompute) what made `t` into each of them. For values that are
     /// costly per element and read by several fusions: XLA's CPU fusion duplicates elementwise
-    /// producers into every consumer whatever their cost.
+    /// producers into every consumer whatever their cost. On a GPU or TPU, `t` itself: their
+    /// fusion weighs recomputation against memory traffic, and a barrier would only keep it
+    /// from fusing (an extra round trip through HBM per barrier).
     pub fn barrier(&self, t: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        if self.accelerator() {
+            return Ok(t.clone());
+        }
         Ok(self
             .op_n(
                 "stablehlo.optimization_barrier",

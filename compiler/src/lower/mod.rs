@@ -503,7 +503,12 @@ fn lower_in(
     // the kernel reads q, k and v where they lie, which it can trace back only within one
     // function (a composite's operands are its arguments; GPT-2's keys and values are also
     // graph outputs, so the unit stops at their views, and the heads were copied out).
-    let fused = Fused::new(graph, plan.is_none(), options.host_attention());
+    let fused = Fused::new(
+        graph,
+        plan.is_none(),
+        options.host_attention(),
+        options.device,
+    );
     let mut functions: Vec<melior::ir::Operation> = Vec::new();
     let constraints: HashMap<ValueRef, String> = plan
         .map(|p| {
@@ -526,6 +531,7 @@ fn lower_in(
         e.host_conv = options.host_conv && plan.is_none();
         e.host_rows = options.host_rows && plan.is_none();
         e.host_attention = options.host_attention();
+        e.device = options.device;
         let mut values: HashMap<ValueRef, T> = HashMap::default();
         for (i, node) in input_nodes.iter().enumerate() {
             let v: Value = block
@@ -701,6 +707,15 @@ fn lower_node<'c, 'b>(
     Ok(results)
 }
 
+/// Whether the `composites` pass's units become `stablehlo.composite`s on `device`: on the CPU
+/// (what its measurements chose); on a GPU or TPU they are inlined. XLA:TPU inlines a
+/// composite's decomposition anyway and nothing in it reads the unit names, so they only add
+/// calls for it to inline (GPT-2 124M at 1x128 on v5e: the same cost analysis either way, and
+/// no compile time gained; see docs/tpu-lowering.md).
+fn composites_for(device: Device) -> bool {
+    device == Device::Cpu
+}
+
 /// What the fusion passes (`fold_transposes`, `composites`) ask lowering to do for one graph.
 struct Fused {
     folds: Folds,
@@ -715,7 +730,7 @@ struct Fused {
 }
 
 impl Fused {
-    fn new(graph: &Graph, allowed: bool, host_attention: bool) -> Fused {
+    fn new(graph: &Graph, allowed: bool, host_attention: bool, device: Device) -> Fused {
         let on = |pass: &str| allowed && graph.lowering.contains(pass);
         let mut folds = Folds::default();
         if on(tpuc_passes::fusion::FOLD_TRANSPOSES) {
@@ -733,7 +748,7 @@ impl Fused {
         }
         let mut inner = HashSet::default();
         let mut roots = HashMap::default();
-        if on(tpuc_passes::fusion::COMPOSITES) {
+        if on(tpuc_passes::fusion::COMPOSITES) && composites_for(device) {
             for group in tpuc_passes::fusion_groups(graph) {
                 let root = *group.nodes.last().expect("groups are not empty");
                 if graph.node(root).results.iter().any(Option::is_none)

@@ -8,7 +8,7 @@
 //! Graphs are written in the JSON wire format Python sends, so the tests also cover the way
 //! FX arguments (positional, keyword, tuples through getitem) reach the rules.
 
-use super::{lower, LowerError, LowerOptions, Precision};
+use super::{lower, Device, LowerError, LowerOptions, Precision};
 use crate::pipeline::{Engine, HostArray, RunArg};
 use insta::assert_snapshot;
 use serde_json::{json, Value};
@@ -249,10 +249,27 @@ fn numel(shape: &[i64]) -> usize {
     shape.iter().product::<i64>() as usize
 }
 
+/// An engine on the CPU plugin that lowers modules as for a TPU ([`Engine::lower_for_device`]):
+/// the accelerators' forms, run here.
+fn tpu_lowering_engine() -> &'static Engine {
+    static ENGINE: OnceLock<Engine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        let path = tpuc_runtime::default_cpu_plugin_path().expect("CPU PJRT plugin not found");
+        Engine::new(&path, &tpuc_runtime::cpu_device_options(Some(1)))
+            .expect("create the CPU engine")
+            .lower_for_device(Device::Tpu)
+    })
+}
+
 /// Lowers, compiles (static shapes: no bindings) and runs `g` on the CPU plugin.
 #[track_caller]
 fn run(g: &Graph, inputs: &[Buf]) -> Vec<Buf> {
-    let e = engine();
+    run_on(engine(), g, inputs)
+}
+
+/// [`run`] through engine `e`.
+#[track_caller]
+fn run_on(e: &Engine, g: &Graph, inputs: &[Buf]) -> Vec<Buf> {
     let compiled = e
         .compile(
             &std::sync::Arc::new(g.clone()),
@@ -2536,6 +2553,12 @@ fn conv2d_grads_ref(
 
 #[test]
 fn num_convolution_backward_groups_stride_dilation() {
+    check_convolution_backward_on(engine());
+}
+
+/// Gradients of grouped, strided, padded and dilated convolutions through engine `e`, against
+/// [`conv2d_grads_ref`].
+fn check_convolution_backward_on(e: &Engine) {
     // (input [2, 4, 6, 6], weight [6, 2, 3, 3], groups 2, stride 2, padding 1) -> [2, 6, 3, 3]:
     // the stride leaves one input row unused, which the input gradient must still cover.
     // Then dilation 2 with padding 2 and no bias gradient wanted.
@@ -2586,7 +2609,7 @@ fn num_convolution_backward_groups_stride_dilation() {
             val,
         );
         let (gx, gw) = conv2d_grads_ref(&x, xs, &w, ws, &gr, os, stride, pad, dil, groups);
-        let out = run(&g, &[Buf::F32(gr.clone()), Buf::F32(x), Buf::F32(w)]);
+        let out = run_on(e, &g, &[Buf::F32(gr.clone()), Buf::F32(x), Buf::F32(w)]);
         assert_close(out[0].f32(), &gx, 1e-5);
         assert_close(out[1].f32(), &gw, 1e-5);
         if with_bias {
@@ -4244,6 +4267,11 @@ fn conv_graph_of(xs: [i64; 4], ws: [i64; 4], stride: i64, pad: i64) -> Graph {
 
 /// Runs `conv_graph_of` on ramps against the direct f64 convolution.
 fn check_conv(xs: [usize; 4], ws: [usize; 4], stride: usize, pad: usize) {
+    check_conv_on(engine(), xs, ws, stride, pad)
+}
+
+/// [`check_conv`] through engine `e`.
+fn check_conv_on(e: &Engine, xs: [usize; 4], ws: [usize; 4], stride: usize, pad: usize) {
     let x = ramp(xs.iter().product(), 0.01, -1.0);
     let w: Vec<f32> = (0..ws.iter().product::<usize>())
         .map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.1)
@@ -4256,7 +4284,7 @@ fn check_conv(xs: [usize; 4], ws: [usize; 4], stride: usize, pad: usize) {
         stride as i64,
         pad as i64,
     );
-    let out = run(&g, &[Buf::F32(x), Buf::F32(w), Buf::F32(b)]);
+    let out = run_on(e, &g, &[Buf::F32(x), Buf::F32(w), Buf::F32(b)]);
     assert_close(out[0].f32(), &want, 1e-4);
 }
 
@@ -4278,4 +4306,233 @@ fn num_convolution_few_positions_as_patch_product() {
     check_conv([2, 3, 5, 5], [8, 3, 3, 3], 1, 1);
     // Neither: XLA's convolution.
     check_conv([2, 16, 48, 48], [4, 16, 3, 3], 1, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lowering by device: the CPU's forms stay as they are; GPUs and TPUs get plain convolutions
+// ---------------------------------------------------------------------------------------------
+
+/// `convolution(x, w, b?, stride, padding, dilation 1, groups)` as FX records it.
+fn conv_args(x: &str, w: &str, b: Option<&str>, stride: i64, pad: i64, groups: i64) -> Value {
+    json!([
+        n(x),
+        n(w),
+        b.map_or(Value::Null, n),
+        [stride, stride],
+        [pad, pad],
+        [1, 1],
+        false,
+        [0, 0],
+        groups
+    ])
+}
+
+/// A small convolutional net that reaches every convolution form of the CPU lowering: a 3x3
+/// convolution with bias (XLA's, channels-last), ReLU, a 1x1 one (a product), a depthwise one
+/// (tap sums behind a barrier), a strided 3x3 one with few output positions (tap products),
+/// and the gradients of the first and the last (`convolution_backward`, their output gradient
+/// the net's own results).
+fn conv_net_graph() -> Graph {
+    let bw = |xs: &[i64], ws: &[i64], bias: Option<i64>| {
+        tuple(vec![
+            f32t(xs),
+            f32t(ws),
+            bias.map_or(Value::Null, |o| f32t(&[o])),
+        ])
+    };
+    Fx::new(&[
+        ("x", &[2, 4, 6, 6], "float32"),
+        ("w1", &[8, 4, 3, 3], "float32"),
+        ("b1", &[8], "float32"),
+        ("w2", &[8, 8, 1, 1], "float32"),
+        ("w3", &[8, 1, 3, 3], "float32"),
+        ("w4", &[16, 8, 3, 3], "float32"),
+    ])
+    .call(
+        "c1",
+        "aten.convolution.default",
+        conv_args("x", "w1", Some("b1"), 1, 1, 1),
+        nokw(),
+        f32t(&[2, 8, 6, 6]),
+    )
+    .call(
+        "r1",
+        "aten.relu.default",
+        json!([n("c1")]),
+        nokw(),
+        f32t(&[2, 8, 6, 6]),
+    )
+    .call(
+        "c2",
+        "aten.convolution.default",
+        conv_args("r1", "w2", None, 1, 0, 1),
+        nokw(),
+        f32t(&[2, 8, 6, 6]),
+    )
+    .call(
+        "c3",
+        "aten.convolution.default",
+        conv_args("c2", "w3", None, 1, 1, 8),
+        nokw(),
+        f32t(&[2, 8, 6, 6]),
+    )
+    .call(
+        "c4",
+        "aten.convolution.default",
+        conv_args("r1", "w4", None, 2, 1, 1),
+        nokw(),
+        f32t(&[2, 16, 3, 3]),
+    )
+    .call(
+        "g1",
+        "aten.convolution_backward.default",
+        json!([
+            n("c3"),
+            n("x"),
+            n("w1"),
+            [8],
+            [1, 1],
+            [1, 1],
+            [1, 1],
+            false,
+            [0, 0],
+            1,
+            [true, true, true]
+        ]),
+        nokw(),
+        bw(&[2, 4, 6, 6], &[8, 4, 3, 3], Some(8)),
+    )
+    .item("g1x", "g1", 0, f32t(&[2, 4, 6, 6]))
+    .item("g1w", "g1", 1, f32t(&[8, 4, 3, 3]))
+    .item("g1b", "g1", 2, f32t(&[8]))
+    .call(
+        "g4",
+        "aten.convolution_backward.default",
+        json!([
+            n("c4"),
+            n("r1"),
+            n("w4"),
+            [16],
+            [2, 2],
+            [1, 1],
+            [1, 1],
+            false,
+            [0, 0],
+            1,
+            [true, true, false]
+        ]),
+        nokw(),
+        bw(&[2, 8, 6, 6], &[16, 8, 3, 3], None),
+    )
+    .item("g4x", "g4", 0, f32t(&[2, 8, 6, 6]))
+    .item("g4w", "g4", 1, f32t(&[16, 8, 3, 3]))
+    .build(&["c3", "c4", "g1x", "g1w", "g1b", "g4x", "g4w"])
+}
+
+/// The CPU's lowering of the conv net, as it was before lowering chose by device: the forms
+/// measured fastest on the CPU plugin (channels-last convolutions, 1x1 products, depthwise and
+/// few-position taps, barriers) must not change with the accelerators' forms.
+#[test]
+fn snap_conv_net_cpu() {
+    assert_snapshot!(mlir(&conv_net_graph()));
+}
+
+/// The conv net lowered for `device`.
+fn conv_net_mlir(device: Device) -> String {
+    let opts = LowerOptions {
+        device,
+        ..LowerOptions::default()
+    };
+    lower(&conv_net_graph(), &opts).unwrap().text().unwrap()
+}
+
+/// Occurrences of op `name` (`stablehlo.` omitted) in a module's text.
+fn ops_named(text: &str, name: &str) -> usize {
+    text.matches(&format!("\"stablehlo.{name}\"")).count()
+}
+
+#[test]
+fn accelerator_convolutions_are_plain_convolutions() {
+    for device in [Device::Tpu, Device::Gpu] {
+        let text = conv_net_mlir(device);
+        // 4 forward convolutions, each backward's input and weight gradients.
+        assert_eq!(ops_named(&text, "convolution"), 8, "{device:?}: {text}");
+        // No taps, patches, products, channels-last layouts or fusion barriers.
+        for form in [
+            "slice",
+            "concatenate",
+            "dot_general",
+            "transpose",
+            "optimization_barrier",
+            "custom_call",
+        ] {
+            assert_eq!(ops_named(&text, form), 0, "{device:?}: {form} in {text}");
+        }
+    }
+    // The CPU's own forms, for contrast (the snapshot `snap_conv_net_cpu` holds them exactly).
+    let cpu = conv_net_mlir(Device::Cpu);
+    assert!(ops_named(&cpu, "convolution") < 8 && ops_named(&cpu, "optimization_barrier") > 0);
+}
+
+/// Inputs of the conv net: ramps scaled to keep every value near 1.
+fn conv_net_inputs() -> Vec<Buf> {
+    let g = conv_net_graph();
+    let mut k = 0;
+    g.inputs
+        .iter()
+        .map(|i| {
+            let len = match &i.kind {
+                tpuc_frontend_fx::InputKind::Tensor(t) => numel(&t.static_shape().unwrap()),
+                other => panic!("unexpected input {other:?}"),
+            };
+            k += 1;
+            Buf::F32(
+                (0..len)
+                    .map(|j| (((j * 7 + k * 3) % 19) as f32 - 9.0) * 0.05)
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn num_accelerator_conv_net_matches_cpu_lowering() {
+    // The TPU's forms run on the CPU plugin against the CPU's (checked against references in
+    // the tests above): same numbers up to the order of the sums.
+    let g = conv_net_graph();
+    let want = run(&g, &conv_net_inputs());
+    let got = run_on(tpu_lowering_engine(), &g, &conv_net_inputs());
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert_close(g.f32(), &to_f64(w.f32()), 1e-5);
+    }
+}
+
+#[test]
+fn num_accelerator_convolutions_match_reference() {
+    let e = tpu_lowering_engine();
+    // 1x1, few output positions, small patches, XLA's own on the CPU: one form on a TPU.
+    check_conv_on(e, [1, 3, 5, 5], [4, 3, 1, 1], 1, 0);
+    check_conv_on(e, [2, 3, 6, 4], [5, 3, 1, 1], 2, 0);
+    check_conv_on(e, [2, 3, 5, 5], [16, 3, 3, 3], 2, 1);
+    check_conv_on(e, [2, 3, 5, 5], [8, 3, 3, 3], 1, 1);
+    check_conv_on(e, [2, 16, 48, 48], [4, 16, 3, 3], 1, 1);
+    check_convolution_backward_on(e);
+}
+
+#[test]
+fn accelerator_composites_are_inlined() {
+    // The composites pass's units (here a GELU) are composites on the CPU, plain ops on a TPU.
+    let g = with_passes(&gelu_graph(Some("tanh")), &["composites"]);
+    let lowered = |device| {
+        let opts = LowerOptions {
+            device,
+            ..LowerOptions::default()
+        };
+        lower(&g, &opts).unwrap().text().unwrap()
+    };
+    assert_eq!(ops_named(&lowered(Device::Cpu), "composite"), 1);
+    let tpu = lowered(Device::Tpu);
+    assert_eq!(ops_named(&tpu, "composite"), 0, "{tpu}");
+    assert_eq!(ops_named(&tpu, "tanh"), 1, "{tpu}");
 }

@@ -238,11 +238,15 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let acc = acc_dtype(out);
     let xc = cx.e.convert(&x, out)?;
     let wc = cx.e.convert(&w, out)?;
-    let pointwise = is_pointwise(&w.shape, &padding, groups);
+    // Every form below but XLA's convolution is for XLA's CPU compiler: on a GPU or TPU each
+    // convolution is one `stablehlo.convolution` in NCHW terms, whose layout XLA assigns
+    // (as JAX emits them; see docs/tpu-lowering.md).
+    let cpu = !cx.e.accelerator();
+    let pointwise = cpu && is_pointwise(&w.shape, &padding, groups);
     // Depthwise convolutions are tap sums (channels-last for 2-D ones): XLA's CPU plugin runs
     // a grouped convolution through Eigen, group by group (MobileNet-v2 at 224, batch 1: 39 ms
     // as XLA's grouped convolution, 10.2 as channels-last taps; batch 8 251 vs 55).
-    let depthwise = is_depthwise(&x.shape, &w.shape, groups);
+    let depthwise = cpu && is_depthwise(&x.shape, &w.shape, groups);
     // Every other 2-D one goes to oneDNN where the session enables it (measured faster than
     // each of the XLA lowerings here, at every size: see [`host_conv`]). Without it, small 2-D
     // ones are their NHWC patches times the kernel (below); small 1-D and 3-D ones the
@@ -253,7 +257,8 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         && channels_last(nsp)
         && onednn_conv(cx.e, &[&x, &w], (&shape, out));
     let taps = depthwise
-        || (groups == 1
+        || (cpu
+            && groups == 1
             && !onednn
             && (few_positions(&shape)
                 || (!channels_last(nsp) && small_patches(&x.shape, &w.shape, &shape))));
@@ -264,7 +269,7 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         padding: padding.clone(),
         dilation: dilation.clone(),
     };
-    if !transposed && (pointwise || depthwise || !taps) && channels_last(nsp) {
+    if cpu && !transposed && (pointwise || depthwise || !taps) && channels_last(nsp) {
         let e = cx.e;
         let xl = nhwc(e, &xc)?;
         let nhwc_shape = [shape[0], shape[2], shape[3], shape[1]];
@@ -429,6 +434,7 @@ fn onednn_conv(
     (shape, dtype): (&[i64], DType),
 ) -> bool {
     e.host_conv
+        && !e.accelerator()
         && dtype == DType::Float32
         && shape.len() == 4
         && shape.iter().all(|&d| d > 0)
@@ -1224,11 +1230,14 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         _ => vec![true; 3],
     };
     let e = cx.e;
+    // On a GPU or TPU both gradients are `stablehlo.convolution`s (as the forward, see
+    // [`convolution`]): the 1x1 products and patch products below are for XLA's CPU compiler.
+    let cpu = !e.accelerator();
     let nhwc_form = |t: &T<'c, 'b>| e.physical(t).is_some_and(|(_, p)| p == NCHW_OF_NHWC);
     // Channels-last where the operands already are, or where oneDNN computes the gradients
     // (it takes channels-last activations).
     let onednn = channels_last(nsp) && onednn_conv(e, &[&g, &x, &w], (&x.shape, g.dtype));
-    if onednn || (channels_last(nsp) && (nhwc_form(&g) || nhwc_form(&x))) {
+    if cpu && (onednn || (channels_last(nsp) && (nhwc_form(&g) || nhwc_form(&x)))) {
         let window = Window {
             kernel: w.shape[2..].to_vec(),
             stride,
@@ -1250,7 +1259,7 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 
     if mask.first().copied().unwrap_or(true) {
         let (shape, out) = cx.out(0)?;
-        if is_pointwise(&w.shape, &padding, groups) {
+        if cpu && is_pointwise(&w.shape, &padding, groups) {
             let r = pointwise_input_grad(
                 cx,
                 &e.convert(&g, acc)?,
@@ -1286,7 +1295,8 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 
     if mask.get(1).copied().unwrap_or(true) {
         let (shape, out) = cx.out(1)?;
-        if !is_pointwise(&w.shape, &padding, groups) && weight_grad_by_patches(&g.shape, groups) {
+        let pointwise = cpu && is_pointwise(&w.shape, &padding, groups);
+        if cpu && !pointwise && weight_grad_by_patches(&g.shape, groups) {
             let geometry = Window {
                 kernel: kernel.clone(),
                 stride: stride.clone(),
@@ -1301,7 +1311,7 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
                 &shape,
             )?;
             results.push(e.convert(&r, out)?);
-        } else if is_pointwise(&w.shape, &padding, groups) {
+        } else if pointwise {
             let r = pointwise_weight_grad(
                 cx,
                 &e.convert(&g, acc)?,

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""XLA:TPU's view of a tpuc graph against the same network written in JAX, with no TPU: both are
+compiled for a TPU topology through libtpu's compile-only client, and their compile seconds and
+XLA cost analysis (flops, bytes accessed, transcendentals) are printed side by side.
+
+Needs a python with `jax[tpu]==0.10.2` (Python 3.11 here; separate from the project's venv: it is a
+measuring tool, not a dependency):
+    python3 -m venv ../jaxtpu && ../jaxtpu/bin/pip install "jax[tpu]==0.10.2"
+    TPU_SKIP_MDS_QUERY=1 ../jaxtpu/bin/python compare.py --twin gpt2 --dump DIR [--topology v5e:2x2]
+        [--precision highest]
+DIR: a tpuc dump folder (or one graph folder) holding stablehlo.mlir files (`options={"dump_dir": ...}`);
+every graph found is compiled, and the sums are compared with the twin (resnet18: `--train` for the
+training twin, against the forward + backward graphs).
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+import time
+
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--twin", required=True, choices=["gpt2", "resnet18"])
+    ap.add_argument("--dump", required=True)
+    ap.add_argument("--topology", default="v5e:2x2")
+    ap.add_argument("--train", action="store_true")
+    # The twin's f32 matmul/convolution precision (jax.default_matmul_precision: "highest",
+    # "default", ...); unset: JAX's default (one bf16 pass on a TPU). tpuc's modules carry their
+    # own (PyTorch's float32 matmul precision, "highest" unless set).
+    ap.add_argument("--precision", default=None)
+    a = ap.parse_args()
+    import jax
+    import numpy as np
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+    from jax._src.lib.mlir import ir
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+    from jaxlib import _jax
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=a.topology)
+    dev = topo.devices[0]
+    twin = __import__(a.twin)
+    fn, args = twin.build(SingleDeviceSharding(dev), **({"train": True} if a.train else {}))
+    t = time.time()
+    if a.precision:
+        with jax.default_matmul_precision(a.precision):
+            lowered = jax.jit(fn).lower(*args)
+    else:
+        lowered = jax.jit(fn).lower(*args)
+    c = lowered.compile()
+    ref = {"seconds": time.time() - t, **{k: v for k, v in c.cost_analysis().items() if "{" not in k}}
+    got = {"seconds": 0.0, "flops": 0.0, "bytes accessed": 0.0, "transcendentals": 0.0, "graphs": 0}
+    client = dev.client
+    for path in sorted(glob.glob(os.path.join(a.dump, "**", "stablehlo.mlir"), recursive=True)):
+        text = open(path).read()
+        m = re.search(r"mhlo.num_partitions = (\d+)", text)
+        n = int(m.group(1)) if m else 1
+        opts = xc.CompileOptions()
+        if n > 1:
+            ebo = opts.executable_build_options
+            ebo.num_partitions, ebo.num_replicas, ebo.use_spmd_partitioning = n, 1, True
+            ebo.device_assignment = xc.DeviceAssignment.create(np.arange(n).reshape(1, n))
+        t = time.time()
+        with mlir.make_ir_context():
+            exe = client.compile(
+                ir.Module.parse(text),
+                executable_devices=_jax.DeviceList(tuple(topo.devices[:n])),
+                compile_options=opts,
+            )
+        got["seconds"] += time.time() - t
+        for k, v in exe.cost_analysis().items():
+            if k in got:
+                got[k] += v
+        got["graphs"] += 1
+    print(f"{'':18s} {'tpuc':>14s} {'jax twin':>14s} {'ratio':>7s}")
+    for k in ("seconds", "flops", "bytes accessed", "transcendentals"):
+        r = got[k] / ref[k] if ref.get(k) else float("nan")
+        print(f"{k:18s} {got[k]:14.4g} {ref.get(k, float('nan')):14.4g} {r:7.2f}")
+    print("RESULT " + json.dumps({"tpuc": got, "jax": ref}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""ResNet-18 (torchvision layout, 10 classes) in JAX at batch 2, 3x64x64, NCHW: the twin of tpuc's
+graphs for `torchvision.models.resnet18(num_classes=10)`. `build(sharding, train)` returns
+(function, abstract arguments): inference uses the running statistics (eval), training returns the
+gradient of the summed logits with batch statistics (train mode)."""
+
+import jax
+import jax.numpy as jnp
+
+STAGES = [(64, 1), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), (512, 1)]
+
+
+def conv(x, w, stride=1, pad=None):
+    pad = w.shape[2] // 2 if pad is None else pad
+    return jax.lax.conv_general_dilated(
+        x, w, (stride, stride), [(pad, pad)] * 2, dimension_numbers=("NCHW", "OIHW", "NCHW")
+    )
+
+
+def bn(x, p, train):
+    if train:
+        m, v = x.mean((0, 2, 3)), x.var((0, 2, 3))
+    else:
+        m, v = p[2], p[3]
+    return (x - m[None, :, None, None]) / jnp.sqrt(v[None, :, None, None] + 1e-5) * p[0][
+        None, :, None, None
+    ] + p[1][None, :, None, None]
+
+
+def forward(params, x, train):
+    x = jax.nn.relu(bn(conv(x, params["stem"], 2, 3), params["bn"], train))
+    x = jax.lax.reduce_window(
+        x, -jnp.inf, jax.lax.max, (1, 1, 3, 3), (1, 1, 2, 2), [(0, 0), (0, 0), (1, 1), (1, 1)]
+    )
+    for b, (_, s) in zip(params["blocks"], STAGES, strict=True):
+        y = jax.nn.relu(bn(conv(x, b["c1"], s), b["b1"], train))
+        y = bn(conv(y, b["c2"]), b["b2"], train)
+        sc = bn(conv(x, b["down"], s, 0), b["bd"], train) if "down" in b else x
+        x = jax.nn.relu(y + sc)
+    return x.mean((2, 3)) @ params["fc_w"].T + params["fc_b"]
+
+
+def build(sharding, train=False):
+    def sd(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
+
+    def bnp(c):
+        return (sd(c), sd(c), sd(c), sd(c))
+
+    params = {"stem": sd(64, 3, 7, 7), "bn": bnp(64), "blocks": [], "fc_w": sd(10, 512), "fc_b": sd(10)}
+    cin = 64
+    for cout, s in STAGES:
+        b = {"c1": sd(cout, cin, 3, 3), "b1": bnp(cout), "c2": sd(cout, cout, 3, 3), "b2": bnp(cout)}
+        if s != 1 or cin != cout:
+            b["down"], b["bd"] = sd(cout, cin, 1, 1), bnp(cout)
+        params["blocks"].append(b)
+        cin = cout
+    x = sd(2, 3, 64, 64)
+    if train:
+        return jax.grad(lambda p, x: forward(p, x, True).sum()), (params, x)
+    return (lambda p, x: forward(p, x, False)), (params, x)
