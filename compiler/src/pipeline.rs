@@ -97,6 +97,9 @@ pub struct Engine {
     /// Large f32 layer norms go to the host row kernels, once [`Engine::enable_host_rows`]
     /// registered them.
     host_rows: std::sync::atomic::AtomicBool,
+    /// ATen ops lowered with tpuc's own math (see [`LowerOptions::own_math`]), once
+    /// [`Engine::set_own_math`] named them.
+    own_math: Mutex<Arc<std::collections::BTreeSet<String>>>,
 }
 
 /// The oldest StableHLO (as a plugin reports its current version) that tpuc's bytecode was
@@ -321,6 +324,7 @@ impl Engine {
             host_gemm_min_macs: std::sync::atomic::AtomicU64::new(0),
             host_conv: std::sync::atomic::AtomicBool::new(false),
             host_rows: std::sync::atomic::AtomicBool::new(false),
+            own_math: Mutex::default(),
         })
     }
 
@@ -391,6 +395,21 @@ impl Engine {
         self.host_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// From now on, lowers the math primitives of these ATen ops (`aten.exp.default`) to tpuc's
+    /// own expansions (the ops the known-answer check found wrong on this plugin).
+    pub fn set_own_math(&self, ops: impl IntoIterator<Item = String>) {
+        *self.own_math.lock().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(ops.into_iter().collect());
+    }
+
+    /// The ATen ops lowered with tpuc's own math (see [`Engine::set_own_math`]).
+    pub fn own_math(&self) -> Arc<std::collections::BTreeSet<String>> {
+        self.own_math
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Whether the fused CPU attention of an unsharded graph goes to the host kernel (the rule
     /// of [`LowerOptions::host_attention`], on this engine's settings).
     pub fn host_attention(&self) -> bool {
@@ -410,6 +429,7 @@ impl Engine {
             host_gemm_min_macs: self.host_gemm_min_macs(),
             host_conv: self.host_conv(),
             host_rows: self.host_rows(),
+            own_math: self.own_math(),
         }
     }
 

@@ -135,6 +135,11 @@ pub struct Emitter<'c, 'b> {
     /// The fused CPU attention goes to the host kernel (see
     /// [`LowerOptions::host_attention`](crate::lower::LowerOptions::host_attention)).
     pub host_attention: bool,
+    /// ATen ops whose math primitives are lowered to tpuc's own expansions (see
+    /// [`LowerOptions::own_math`](crate::lower::LowerOptions)).
+    pub own_math_ops: std::sync::Arc<std::collections::BTreeSet<String>>,
+    /// Set while such an op is lowered: [`Emitter::op`] then expands the primitives itself.
+    pub own_math: std::cell::Cell<bool>,
 }
 
 /// A value's physical form: the logical value is `transpose(physical, permutation)` (logical dim
@@ -469,6 +474,8 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_conv: false,
             host_rows: false,
             host_attention: false,
+            own_math_ops: Default::default(),
+            own_math: Default::default(),
         }
     }
 
@@ -492,6 +499,8 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_conv: self.host_conv,
             host_rows: self.host_rows,
             host_attention: self.host_attention,
+            own_math_ops: self.own_math_ops.clone(),
+            own_math: std::cell::Cell::new(self.own_math.get()),
         }
     }
 
@@ -572,6 +581,13 @@ impl<'c, 'b> Emitter<'c, 'b> {
         shape: &[i64],
         dtype: DType,
     ) -> R<T<'c, 'b>> {
+        if self.own_math.get()
+            && operands
+                .first()
+                .is_some_and(|t| super::own_math::expands(name, t.dtype))
+        {
+            return super::own_math::expand(self, name, operands);
+        }
         if let Some(t) = self.sink(name, operands, attrs, shape, dtype)? {
             return Ok(t);
         }

@@ -1,6 +1,7 @@
 //! Elementwise ops: arithmetic, comparisons, logic, activations, casts.
 
 use crate::lower::emit::Emitter;
+use crate::lower::own_math;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -814,12 +815,15 @@ fn asin<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     unary_f64(cx, |e, x| atan2_of(e, x, &sqrt_one_minus_sq(e, x)?))
 }
 
+/// tpuc's own atan2 (see `own_math`), never the plugin's: on lammps-jax-pjrt-cpu 0.11.2, LLVM
+/// turns `atan2(x, 1)` into a vector `atan` that returns garbage from 64 elements on.
 fn atan<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    unary_f64(cx, |e, x| atan2_of(e, x, &e.k(1.0, F64)?))
+    unary_f64(cx, |e, x| own_math::atan2(e, x, &e.k(1.0, F64)?))
 }
 
+/// tpuc's own atan2, like `atan`: `atan2(y, ones)` is `atan(y)` to LLVM.
 fn atan2<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    binary_f64(cx, |e, y, x| atan2_of(e, y, x))
+    binary_f64(cx, |e, y, x| own_math::atan2(e, y, x))
 }
 
 /// asinh(|x|) = log1p(|x| + x^2 / (1 + sqrt(1 + x^2))) (exact near 0), log(|x|) + ln 2 where x^2

@@ -1,0 +1,65 @@
+"""tpuc's own math expansions (compiler/src/lower/own_math.rs) against eager PyTorch, at sizes that
+reach the plugin's vector code, and their use for ops the known-answer check finds wrong."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+SIZES = (1, 17, 64, 1000, 4099)
+# Relative tolerance per dtype: f32/bf16 results are computed in f64 and rounded once (eager
+# computes in f32), so they may differ by one unit in the last place.
+RTOL = {torch.float32: 2e-7, torch.float64: 1e-15, torch.bfloat16: 8e-3}
+EDGES = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e30, -1e30, 1e-30, -1e-30, 1e300, -1e300]
+# No subnormals: XLA's CPU code flushes them to zero (a documented difference for every op).
+EDGES += [1e-300, 2.3e-308, 1.0, -1.0, 0.66, 2.414, 3.4e38, 1.2e-38]
+
+
+def _values(n: int, dtype: torch.dtype, lo: float = -9.0, hi: float = 9.0) -> torch.Tensor:
+    x = torch.linspace(lo, hi, n, dtype=torch.float64)
+    edges = torch.tensor(EDGES, dtype=torch.float64)[: max(0, n - 2)]
+    x[1 : 1 + len(edges)] = edges
+    return x.to(dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.double(), want.double()
+    same_nan = g.isnan() == w.isnan()
+    assert bool(same_nan.all()), f"NaN at {(~same_nan).nonzero().flatten()[:8].tolist()}"
+    ok = w.isnan() | (g == w) | ((g - w).abs() <= rtol * w.abs())
+    # A subnormal result may be flushed to zero (XLA's CPU code runs with FTZ).
+    ok |= (g == 0) & (w.abs() < torch.finfo(want.dtype).tiny)
+    # Signs of zeros and infinities matter (atan2's quadrants).
+    ok &= w.isnan() | (torch.signbit(g) == torch.signbit(w))
+    bad = (~ok).nonzero().flatten()
+    assert bad.numel() == 0, (
+        f"{bad.numel()} of {g.numel()} differ, first at {bad[:8].tolist()}: "
+        f"{g[bad[:4]].tolist()} vs eager {w[bad[:4]].tolist()}"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_atan_matches_eager(dtype):
+    f = torch.compile(torch.atan, backend="tpu", dynamic=False)
+    for n in SIZES:
+        x = _values(n, dtype)
+        _close(f(x), torch.atan(x), RTOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_atan2_matches_eager(dtype):
+    f = torch.compile(torch.atan2, backend="tpu", dynamic=False)
+    g = torch.compile(lambda y: torch.atan2(y, torch.ones_like(y)), backend="tpu", dynamic=False)
+    for n in SIZES:
+        y = _values(n, dtype)
+        x = _values(n, dtype, -3.0, 5.0).flip(0)
+        _close(f(y, x), torch.atan2(y, x), RTOL[dtype])
+        # atan2(y, 1): the form the default plugin's LLVM turned into its broken vector atan.
+        _close(g(y), torch.atan2(y, torch.ones_like(y)), RTOL[dtype])
+    # Every pair of special values: the quadrants, zeros' signs, infinities and NaN.
+    special = torch.tensor(EDGES, dtype=dtype)
+    yy, xx = torch.meshgrid(special, special, indexing="ij")
+    _close(f(yy.flatten(), xx.flatten()), torch.atan2(yy.flatten(), xx.flatten()), RTOL[dtype])
