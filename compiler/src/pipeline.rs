@@ -395,6 +395,20 @@ impl Engine {
         self.host_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// What a compiled program's numbers depend on besides the module: the plugin's identity
+    /// (hash of the library), the host CPU's features and `XLA_FLAGS`, as the cache key has them.
+    /// The known-answer check's result is kept under this.
+    pub fn numerics_identity(&self) -> (String, String, String) {
+        let id: String = self
+            .client
+            .plugin()
+            .identity()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        (id, self.cpu.clone(), self.xla_flags.clone())
+    }
+
     /// From now on, lowers the math primitives of these ATen ops (`aten.exp.default`) to tpuc's
     /// own expansions (the ops the known-answer check found wrong on this plugin).
     pub fn set_own_math(&self, ops: impl IntoIterator<Item = String>) {

@@ -590,6 +590,13 @@ impl Runtime {
         self.engine.set_own_math(ops);
     }
 
+    /// `(plugin identity hex, host CPU features, XLA_FLAGS)`: what compiled numbers depend on
+    /// besides the module (as in the cache key).
+    #[getter]
+    fn numerics_identity(&self) -> (String, String, String) {
+        self.engine.numerics_identity()
+    }
+
     /// The ATen ops lowered with tpuc's own math (sorted).
     #[getter]
     fn own_math(&self) -> Vec<String> {
