@@ -63,3 +63,73 @@ def test_atan2_matches_eager(dtype):
     special = torch.tensor(EDGES, dtype=dtype)
     yy, xx = torch.meshgrid(special, special, indexing="ij")
     _close(f(yy.flatten(), xx.flatten()), torch.atan2(yy.flatten(), xx.flatten()), RTOL[dtype])
+
+
+def _exp_module(tmp_path, x: torch.Tensor) -> tuple[torch.Tensor, str]:
+    torch._dynamo.reset()
+    f = torch.compile(torch.exp, backend="tpu", options={"dump_dir": str(tmp_path), "cache_dir": None})
+    y = f(x)
+    (mlir,) = [p.read_text() for p in tmp_path.rglob("stablehlo.mlir")]
+    return y, mlir
+
+
+def test_an_op_the_check_finds_wrong_is_lowered_with_tpucs_math(tmp_path):
+    """The known-answer check's result switches the op to tpuc's expansion: a plugin result
+    declared wrong by the test hook (`simulated_wrong`), not a mocked plugin."""
+    from tpuc import conformance, runtime
+
+    rt = runtime.get_runtime(None)
+    if rt.platform != "cpu":
+        pytest.skip("the check runs on CPU plugins")
+    before = rt.own_math
+    x = _values(4099, torch.float32, -80.0, 80.0)
+    conformance.simulated_wrong.add("aten.exp.default")
+    try:
+        report = conformance.check(rt, None)
+        with pytest.warns(RuntimeWarning, match=r"computes aten\.exp\.default wrong on this CPU \(x86_64"):
+            conformance.warn(report)
+        assert "aten.exp.default" in report.wrong and report.repaired == ["aten.exp.default"]
+        assert rt.own_math == ["aten.exp.default"]
+        y, mlir = _exp_module(tmp_path / "own", x)
+    finally:
+        conformance.simulated_wrong.clear()
+        conformance._warned.clear()
+        rt.set_own_math(before)
+    # tpuc's expansion (no plugin exp left in the module), and still PyTorch's numbers.
+    assert "stablehlo.exponential" not in mlir and "stablehlo.shift_left" in mlir
+    _close(y, torch.exp(x), RTOL[torch.float32])
+    # Back to the plugin's exp once the op is no longer listed.
+    y, mlir = _exp_module(tmp_path / "plugin", x)
+    assert "stablehlo.exponential" in mlir
+    _close(y, torch.exp(x), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_own_expansions_match_eager(tmp_path, dtype):
+    """Every primitive tpuc can expand itself, through the ops that use them, at vector sizes and
+    edge values."""
+    from tpuc import conformance, runtime
+
+    rt = runtime.get_runtime(None)
+    ops = {
+        "aten.exp.default": (torch.exp, -80.0, 80.0),
+        "aten.expm1.default": (torch.expm1, -5.0, 5.0),
+        "aten.log.default": (torch.log, 1e-3, 1e3),
+        "aten.log1p.default": (torch.log1p, -0.99, 10.0),
+        "aten.tanh.default": (torch.tanh, -10.0, 10.0),
+        "aten.sigmoid.default": (torch.sigmoid, -30.0, 30.0),
+        "aten.rsqrt.default": (torch.rsqrt, 1e-3, 100.0),
+    }
+    before = rt.own_math
+    rt.set_own_math(list(ops))
+    try:
+        for op, (fn, lo, hi) in ops.items():
+            torch._dynamo.reset()
+            f = torch.compile(fn, backend="tpu", options={"cache_dir": None})
+            for n in (17, 4099):
+                x = _values(n, dtype, lo, hi)
+                # The reference in float64, rounded once; our expansions are evaluated in f64.
+                _close(f(x), fn(x.double()).to(dtype), 4 * RTOL[dtype])
+    finally:
+        rt.set_own_math(before)
+    assert conformance.REPAIRABLE >= set(ops)

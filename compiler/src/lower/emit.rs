@@ -156,6 +156,10 @@ pub struct Emitter<'c, 'b> {
 /// norms in the host kernel) took the code generation of one fusion past 20 minutes.
 const RESHAPE_CHAIN_LIMIT: u32 = 3;
 
+/// Transposes of this rank or more are emitted with runs of adjacent dims merged (see
+/// [`Emitter::transpose`]); lower ranks as written, which XLA handles well.
+const MERGE_TRANSPOSE_MIN_RANK: usize = 5;
+
 /// Ops that XLA fuses like elementwise ones but that read their operand at other indices: each
 /// adds one to a value's reshape depth (see [`RESHAPE_CHAIN_LIMIT`]).
 const REINDEXING: &[&str] = &[
@@ -884,7 +888,10 @@ impl<'c, 'b> Emitter<'c, 'b> {
             return Ok(t.clone());
         }
         let shape: Vec<i64> = perm.iter().map(|&p| t.shape[p as usize]).collect();
-        if let Some((merged, merged_perm)) = merged_transpose(&t.shape, perm) {
+        let merged = (perm.len() >= MERGE_TRANSPOSE_MIN_RANK)
+            .then(|| merged_transpose(&t.shape, perm))
+            .flatten();
+        if let Some((merged, merged_perm)) = merged {
             // Runs of dims that stay adjacent are one dim: XLA's tiled CPU emitter analyses a
             // fusion's indexing per dim, and a 6-D transpose behind reshapes of other
             // factorizations (Swin's patch merging after its residual adds) took it minutes.

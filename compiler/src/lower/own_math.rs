@@ -235,19 +235,7 @@ pub fn log<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
     let m = e.select(&high, &e.mul(&m, &e.k(0.5, F64)?)?, &m, F64)?;
     let k = e.select(&high, &e.add(&k, &e.k(1.0, F64)?)?, &k, F64)?;
     let f = e.sub(&m, &e.k(1.0, F64)?)?;
-    let s = e.div(&f, &e.add(&f, &e.k(2.0, F64)?)?)?;
-    let z = e.mul(&s, &s)?;
-    let r = e.mul(&z, &poly(e, &z, &LG)?)?;
-    let hfsq = e.mul(&e.mul(&f, &f)?, &e.k(0.5, F64)?)?;
-    // k ln2_hi - ((hfsq - (s (hfsq + R) + k ln2_lo)) - f)
-    let inner = e.add(
-        &e.mul(&s, &e.add(&hfsq, &r)?)?,
-        &e.mul(&k, &e.k(LN2_LO, F64)?)?,
-    )?;
-    let v = e.sub(
-        &e.mul(&k, &e.k(LN2_HI, F64)?)?,
-        &e.sub(&e.sub(&hfsq, &inner)?, &f)?,
-    )?;
+    let v = log_core(e, &f, &k)?;
     let zero = e.k(0.0, F64)?;
     let inf = e.k(f64::INFINITY, F64)?;
     let v = e.select(&e.compare(x, &inf, "EQ")?, &inf, &v, F64)?;
@@ -261,15 +249,35 @@ pub fn log<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
     e.select(&bad, &e.k(f64::NAN, F64)?, &v, F64)
 }
 
-/// log1p(x) = log(u) x / (u - 1) with u = 1 + x (Kahan: the rounding of u cancels), x where u is 1.
+/// k ln 2 + log(1 + f) for f in [sqrt(2)/2 - 1, sqrt(2) - 1] (fdlibm):
+/// k ln2_hi - ((hfsq - (s (hfsq + R) + k ln2_lo)) - f).
+fn log_core<'c, 'b>(e: &Emitter<'c, 'b>, f: &T<'c, 'b>, k: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    let s = e.div(f, &e.add(f, &e.k(2.0, F64)?)?)?;
+    let z = e.mul(&s, &s)?;
+    let r = e.mul(&z, &poly(e, &z, &LG)?)?;
+    let hfsq = e.mul(&e.mul(f, f)?, &e.k(0.5, F64)?)?;
+    let inner = e.add(
+        &e.mul(&s, &e.add(&hfsq, &r)?)?,
+        &e.mul(k, &e.k(LN2_LO, F64)?)?,
+    )?;
+    e.sub(
+        &e.mul(k, &e.k(LN2_HI, F64)?)?,
+        &e.sub(&e.sub(&hfsq, &inner)?, f)?,
+    )
+}
+
+/// log1p(x): fdlibm's core on x itself where 1 + x is in [sqrt(2)/2, sqrt(2)] (no rounding of
+/// 1 + x; Kahan's `log(u) x / (u - 1)` is undone by XLA folding `(1 + x) - 1` to x), log(1 + x)
+/// elsewhere (where that rounding is small against the result).
 pub fn log1p<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
-    let one = e.k(1.0, F64)?;
-    let u = e.add(&one, x)?;
-    let um1 = e.sub(&u, &one)?;
-    let v = e.div(&e.mul(&log(e, &u)?, x)?, &um1)?;
-    let v = e.select(&e.compare(&u, &one, "EQ")?, x, &v, F64)?;
-    let inf = e.k(f64::INFINITY, F64)?;
-    e.select(&e.compare(x, &inf, "EQ")?, &inf, &v, F64)
+    let near = e.and(
+        &e.compare(x, &e.k(std::f64::consts::FRAC_1_SQRT_2 - 1.0, F64)?, "GE")?,
+        &e.compare(x, &e.k(std::f64::consts::SQRT_2 - 1.0, F64)?, "LT")?,
+    )?;
+    let core = log_core(e, x, &e.k(0.0, F64)?)?;
+    let far = log(e, &e.add(&e.k(1.0, F64)?, x)?)?;
+    let v = e.select(&near, &core, &far, F64)?;
+    e.select(&e.compare(x, &e.k(0.0, F64)?, "EQ")?, x, &v, F64) // -0 stays -0
 }
 
 /// expm1(x) = (u - 1) x / log(u) with u = exp(x) (Kahan), x where u is 1, -1 where u - 1 is.
