@@ -285,8 +285,12 @@ def cache_args(opts: options_mod.Options) -> tuple:
     return (str(opts.cache_dir), opts.cache_max_bytes)
 
 
-def record_compile(exe) -> None:
-    """Counts one executable obtained from Runtime.compile in tpuc.stats()."""
+def record_compile(exe, graph: str | None = None) -> None:
+    """Counts one executable obtained from Runtime.compile in tpuc.stats() (per `graph` too)."""
+    if graph is not None:
+        counters.record_graph_compile(
+            graph, exe.lower_seconds, exe.compile_seconds if exe.cache == "miss" else None
+        )
     if exe.cache == "miss":
         counters.add(xla_compiles=1, lower_seconds=exe.lower_seconds, compile_seconds=exe.compile_seconds)
     elif exe.cache == "disk":
@@ -430,7 +434,7 @@ class CompiledGraph:
         exe = self.runtime.compile(self.graph, bindings, self.opts.precision, *cache_args(self.opts), request)
         if self.sharded is not None:
             self.sharded.compiled(exe)
-        record_compile(exe)
+        record_compile(exe, self.name)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
         floats = self.symfloats(bindings)
@@ -503,7 +507,7 @@ class CompiledGraph:
         return _bucket_key(chosen, bindings), bg
 
     def add_bucket_executable(self, key, exe, bg) -> None:
-        record_compile(exe)
+        record_compile(exe, self.name)
         if self.opts.dump_dir is not None:
             chosen, others = key
             dump.write(self, exe, {**dict(others), **{f"{k}_bucket": v for k, v in chosen}})

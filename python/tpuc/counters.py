@@ -38,6 +38,9 @@ def reset_stats() -> None:
             passes={},
             lower_seconds=0.0,
             compile_seconds=0.0,
+            # per compiled graph (Dynamo's name, e.g. "forward_0"): {"lower_seconds",
+            # "compile_seconds" (XLA's, cache misses only), "xla_compiles"}
+            graph_compile_seconds={},
         )
 
 
@@ -49,6 +52,7 @@ def stats() -> dict:
         out["fallback_ops"] = dict(_stats["fallback_ops"])
         out["torch_kernels"] = dict(_stats["torch_kernels"])
         out["passes"] = {k: dict(v) for k, v in _stats["passes"].items()}
+        out["graph_compile_seconds"] = {k: dict(v) for k, v in _stats["graph_compile_seconds"].items()}
         return out
 
 
@@ -72,6 +76,19 @@ def record_passes(report) -> None:
             p["ops_removed"] += before - after
             p["changes"] += changes
             p["seconds"] += seconds
+
+
+def record_graph_compile(graph: str, lower_seconds: float, compile_seconds: float | None) -> None:
+    """One executable of `graph`: its lowering seconds, and XLA's compile seconds when it was
+    compiled (None: from a cache)."""
+    with _lock:
+        g = _stats["graph_compile_seconds"].setdefault(
+            graph, {"lower_seconds": 0.0, "compile_seconds": 0.0, "xla_compiles": 0}
+        )
+        g["lower_seconds"] += lower_seconds
+        if compile_seconds is not None:
+            g["compile_seconds"] += compile_seconds
+            g["xla_compiles"] += 1
 
 
 def count_fallback(op: str, n: int = 1) -> None:
