@@ -133,3 +133,20 @@ def test_own_expansions_match_eager(tmp_path, dtype):
     finally:
         rt.set_own_math(before)
     assert conformance.REPAIRABLE >= set(ops)
+
+
+def test_known_answer_check_passes_on_this_cpu():
+    """The check at run time on this machine's default CPU plugin: every op right, or repaired by
+    tpuc's own math (what `make test` reports for CI's CPU)."""
+    from tpuc import conformance, runtime
+
+    rt = runtime.get_runtime(None)
+    if rt.platform != "cpu":
+        pytest.skip("the check runs on CPU plugins")
+    report = conformance.check(rt, None)
+    assert report.ops >= 25
+    unrepaired = {
+        op: conformance.describe(op, w) for op, w in report.wrong.items() if op not in report.repaired
+    }
+    assert not unrepaired, f"{report.plugin} on {report.cpu}: {unrepaired}"
+    assert rt.own_math == sorted(report.repaired)

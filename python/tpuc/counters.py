@@ -78,16 +78,16 @@ def record_passes(report) -> None:
             p["seconds"] += seconds
 
 
-def record_graph_compile(graph: str, lower_seconds: float, compile_seconds: float | None) -> None:
-    """One executable of `graph`: its lowering seconds, and XLA's compile seconds when it was
-    compiled (None: from a cache)."""
+def record_graph_compile(graph: str, exe) -> None:
+    """One executable of `graph` (from Runtime.compile): its lowering seconds, and XLA's compile
+    seconds when it was compiled rather than found in a cache."""
     with _lock:
         g = _stats["graph_compile_seconds"].setdefault(
             graph, {"lower_seconds": 0.0, "compile_seconds": 0.0, "xla_compiles": 0}
         )
-        g["lower_seconds"] += lower_seconds
-        if compile_seconds is not None:
-            g["compile_seconds"] += compile_seconds
+        g["lower_seconds"] += exe.lower_seconds
+        if exe.cache == "miss":
+            g["compile_seconds"] += exe.compile_seconds
             g["xla_compiles"] += 1
 
 
