@@ -131,6 +131,15 @@ if ! have "import transformers, torchvision, sys; sys.exit(transformers.__versio
     }
 fi
 
+# timm (tests/test_swinv2.py: Swin-V2's first call, issue 44) builds its models from configs
+# (random weights). It declares torch and torchvision, so it goes in with --no-deps; its other
+# dependencies (huggingface-hub, pyyaml, safetensors) come with Transformers above.
+TIMM_VERSION=1.0.31
+if ! have "import timm, sys; sys.exit(timm.__version__ != '$TIMM_VERSION')"; then
+    step "python: installing timm $TIMM_VERSION (no torch)"
+    "${PIP[@]}" --no-deps "timm==$TIMM_VERSION"
+fi
+
 # diffusers (bench/sweep_diffusers.py, tests/test_sweep_diffusers.py) builds its denoisers and VAEs
 # from small configs. Its wheel does not declare torch, but --no-deps keeps pip from upgrading
 # anything else; its own small dependencies go in normally.

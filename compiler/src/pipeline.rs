@@ -102,6 +102,9 @@ pub struct Engine {
     /// The device kind modules are lowered for: the platform's, unless
     /// [`Engine::lower_for_device`] chose another.
     lowering_device: lower::Device,
+    /// ATen ops lowered with tpuc's own math (see [`LowerOptions::own_math`]), once
+    /// [`Engine::set_own_math`] named them.
+    own_math: Mutex<Arc<std::collections::BTreeSet<String>>>,
 }
 
 /// The oldest StableHLO (as a plugin reports its current version) that tpuc's bytecode was
@@ -462,6 +465,7 @@ impl Engine {
             host_rows: std::sync::atomic::AtomicBool::new(false),
             lowering_device: lower::Device::of_platform(&platform),
             platform,
+            own_math: Mutex::default(),
         })
     }
 
@@ -540,6 +544,35 @@ impl Engine {
         self.host_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// What a compiled program's numbers depend on besides the module: the plugin's identity
+    /// (hash of the library), the host CPU's features and `XLA_FLAGS`, as the cache key has them.
+    /// The known-answer check's result is kept under this.
+    pub fn numerics_identity(&self) -> (String, String, String) {
+        let id: String = self
+            .client
+            .plugin()
+            .identity()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        (id, self.machine.1.clone(), self.xla_flags.clone())
+    }
+
+    /// From now on, lowers the math primitives of these ATen ops (`aten.exp.default`) to tpuc's
+    /// own expansions (the ops the known-answer check found wrong on this plugin).
+    pub fn set_own_math(&self, ops: impl IntoIterator<Item = String>) {
+        *self.own_math.lock().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(ops.into_iter().collect());
+    }
+
+    /// The ATen ops lowered with tpuc's own math (see [`Engine::set_own_math`]).
+    pub fn own_math(&self) -> Arc<std::collections::BTreeSet<String>> {
+        self.own_math
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Whether the fused CPU attention of an unsharded graph goes to the host kernel (the rule
     /// of [`LowerOptions::host_attention`], on this engine's settings).
     pub fn host_attention(&self) -> bool {
@@ -560,6 +593,7 @@ impl Engine {
             host_gemm_min_macs: self.host_gemm_min_macs(),
             host_conv: self.host_conv(),
             host_rows: self.host_rows(),
+            own_math: self.own_math(),
         }
     }
 

@@ -585,6 +585,25 @@ impl Runtime {
             .map_err(pjrt_err)
     }
 
+    /// From now on, lowers the math primitives (exp, log, atan2, tanh ...) of these ATen ops
+    /// (`"aten.exp.default"`) to tpuc's own expansions instead of the plugin's code.
+    fn set_own_math(&self, ops: Vec<String>) {
+        self.engine.set_own_math(ops);
+    }
+
+    /// `(plugin identity hex, host CPU features, XLA_FLAGS)`: what compiled numbers depend on
+    /// besides the module (as in the cache key).
+    #[getter]
+    fn numerics_identity(&self) -> (String, String, String) {
+        self.engine.numerics_identity()
+    }
+
+    /// The ATen ops lowered with tpuc's own math (sorted).
+    #[getter]
+    fn own_math(&self) -> Vec<String> {
+        self.engine.own_math().iter().cloned().collect()
+    }
+
     /// Whether large f32 layer norms run in the host row kernels.
     #[getter]
     fn host_rows(&self) -> bool {

@@ -439,6 +439,7 @@ class CompiledGraph:
         if self.sharded is not None:
             self.sharded.compiled(exe)
         record_compile(exe)
+        counters.record_graph_compile(self.name, exe)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
         floats = self.symfloats(bindings)
@@ -512,6 +513,7 @@ class CompiledGraph:
 
     def add_bucket_executable(self, key, exe, bg) -> None:
         record_compile(exe)
+        counters.record_graph_compile(self.name, exe)
         if self.opts.dump_dir is not None:
             chosen, others = key
             dump.write(self, exe, {**dict(others), **{f"{k}_bucket": v for k, v in chosen}})

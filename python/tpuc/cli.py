@@ -67,6 +67,16 @@ def _doctor(args) -> int:
         else:
             rows = "tpuc's kernel for large f32 layer norms (attention needs the host BLAS)"
         print(f"host row kernels: {rows}")
+        from . import conformance
+
+        report = conformance.check(rt, options_mod.parse({}).cache_dir, full=args.full_math)
+        how = "kept result" if report.cached else f"ran in {report.seconds:.1f} s"
+        print(f"known-answer check of the plugin's math ({report.ops} ops; {how}):")
+        if not report.wrong:
+            print("  every op matches PyTorch")
+        for op, where in sorted(report.wrong.items()):
+            fixed = "tpuc's own expansion from now on" if op in report.repaired else "NOT REPAIRED"
+            print(f"  WRONG {conformance.describe(op, where)} -> {fixed}")
     print(f"cache dir: {options_mod.parse({}).cache_dir}")
     print(f"lowering rules: {len(_native.supported_ops())} ATen ops")
     return 0
@@ -202,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         "--plugin",
         default=None,
         help="cpu, cuda, rocm, tpu or a path (default: TPUC_PJRT_PLUGIN, else detect)",
+    )
+    doctor.add_argument(
+        "--full-math",
+        action="store_true",
+        help="run the plugin's known-answer check at every size (1 to 4099) and in bfloat16 too, afresh",
     )
     doctor.set_defaults(func=_doctor)
 

@@ -40,6 +40,9 @@ def reset_stats() -> None:
             passes={},
             lower_seconds=0.0,
             compile_seconds=0.0,
+            # per compiled graph (Dynamo's name, e.g. "forward_0"): {"lower_seconds",
+            # "compile_seconds" (XLA's, cache misses only), "xla_compiles"}
+            graph_compile_seconds={},
         )
 
 
@@ -51,6 +54,7 @@ def stats() -> dict:
         out["fallback_ops"] = dict(_stats["fallback_ops"])
         out["torch_kernels"] = dict(_stats["torch_kernels"])
         out["passes"] = {k: dict(v) for k, v in _stats["passes"].items()}
+        out["graph_compile_seconds"] = {k: dict(v) for k, v in _stats["graph_compile_seconds"].items()}
         return out
 
 
@@ -74,6 +78,19 @@ def record_passes(report) -> None:
             p["ops_removed"] += before - after
             p["changes"] += changes
             p["seconds"] += seconds
+
+
+def record_graph_compile(graph: str, exe) -> None:
+    """One executable of `graph` (from Runtime.compile): its lowering seconds, and XLA's compile
+    seconds when it was compiled rather than found in a cache."""
+    with _lock:
+        g = _stats["graph_compile_seconds"].setdefault(
+            graph, {"lower_seconds": 0.0, "compile_seconds": 0.0, "xla_compiles": 0}
+        )
+        g["lower_seconds"] += exe.lower_seconds
+        if exe.cache == "miss":
+            g["compile_seconds"] += exe.compile_seconds
+            g["xla_compiles"] += 1
 
 
 def count_fallback(op: str, n: int = 1) -> None:

@@ -283,6 +283,10 @@ def get_runtime(
                 _enable_host_gemm(rt)
                 _enable_host_conv(rt)
                 _enable_host_rows(rt)
+                # The plugin's math against PyTorch, once per plugin build and CPU (conformance.py).
+                from . import conformance
+
+                conformance.run_for(rt)
             _runtimes[key] = rt
         return rt
 

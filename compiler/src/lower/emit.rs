@@ -138,7 +138,44 @@ pub struct Emitter<'c, 'b> {
     /// What the module is for (see [`Device`]): rules whose best form differs between XLA's
     /// CPU compiler and the accelerators' choose by it ([`Emitter::accelerator`]).
     pub device: Device,
+    /// ATen ops whose math primitives are lowered to tpuc's own expansions (see
+    /// [`LowerOptions::own_math`](crate::lower::LowerOptions)).
+    pub own_math_ops: std::sync::Arc<std::collections::BTreeSet<String>>,
+    /// Set while such an op is lowered: [`Emitter::op`] then expands the primitives itself.
+    pub own_math: std::cell::Cell<bool>,
+    /// Per value (by address) made by elementwise ops, reshapes and transposes only: how many
+    /// reshapes and transposes lie on its longest path back to a value XLA must materialize
+    /// (see [`RESHAPE_CHAIN_LIMIT`]).
+    reshape_depth: std::cell::RefCell<HashMap<usize, u32>>,
+    /// Values cut there: address -> the barrier's result.
+    cut: std::cell::RefCell<HashMap<usize, T<'c, 'b>>>,
 }
+
+/// The most reshapes and transposes an elementwise op's operand may have behind it within what
+/// XLA would fuse; deeper operands are materialized first ([`Emitter::barrier`]). XLA's CPU
+/// fusion duplicates elementwise chains into every consumer, and its tiled emitter's indexing
+/// analysis grows explosively with each reshape between different factorizations of a shape:
+/// Swin-V2's residual stream (adds between `[B, H, W, C]` and `[B, H*W, C]` views, with the layer
+/// norms in the host kernel) took the code generation of one fusion past 20 minutes.
+const RESHAPE_CHAIN_LIMIT: u32 = 3;
+
+/// Transposes of this rank or more are emitted with runs of adjacent dims merged (see
+/// [`Emitter::transpose`]); lower ranks as written, which XLA handles well.
+const MERGE_TRANSPOSE_MIN_RANK: usize = 5;
+
+/// Ops that XLA fuses like elementwise ones but that read their operand at other indices: each
+/// adds one to a value's reshape depth (see [`RESHAPE_CHAIN_LIMIT`]).
+const REINDEXING: &[&str] = &[
+    "stablehlo.reshape",
+    "stablehlo.transpose",
+    "stablehlo.broadcast_in_dim",
+    "stablehlo.slice",
+    "stablehlo.dynamic_slice",
+    "stablehlo.concatenate",
+    "stablehlo.pad",
+    "stablehlo.reverse",
+    "stablehlo.gather",
+];
 
 /// A value's physical form: the logical value is `transpose(physical, permutation)` (logical dim
 /// `i` is physical dim `permutation[i]`).
@@ -156,6 +193,44 @@ pub fn to_physical<X: Copy>(logical: &[X], perm: &[i64]) -> Vec<X> {
         out[p as usize] = logical[i];
     }
     out
+}
+
+/// `(shape, perm)` of the transpose `perm` of `shape` with each run of input dims that stays
+/// adjacent and in order in the output merged into one dim (size-1 dims dropped); None when
+/// nothing merges.
+fn merged_transpose(shape: &[i64], perm: &[i64]) -> Option<(Vec<i64>, Vec<i64>)> {
+    // Output positions of the input dims that are not 1, in output order.
+    let kept: Vec<usize> = perm
+        .iter()
+        .map(|&p| p as usize)
+        .filter(|&p| shape[p] != 1)
+        .collect();
+    // Runs: consecutive output entries whose input dims are consecutive (ignoring size-1 dims).
+    let mut runs: Vec<Vec<usize>> = Vec::new();
+    for &d in &kept {
+        let next_input = |last: usize| (last + 1..shape.len()).find(|&k| shape[k] != 1);
+        match runs.last_mut() {
+            Some(run) if next_input(*run.last().expect("runs are not empty")) == Some(d) => {
+                run.push(d)
+            }
+            _ => runs.push(vec![d]),
+        }
+    }
+    if runs.len() == perm.len() || runs.is_empty() {
+        return None;
+    }
+    // The merged input: runs in input order; the merged perm: their output order.
+    let mut by_input: Vec<usize> = (0..runs.len()).collect();
+    by_input.sort_by_key(|&r| runs[r][0]);
+    let merged: Vec<i64> = by_input
+        .iter()
+        .map(|&r| runs[r].iter().map(|&d| shape[d]).product())
+        .collect();
+    let mut merged_perm = vec![0i64; runs.len()];
+    for (position, &r) in by_input.iter().enumerate() {
+        merged_perm[r] = position as i64;
+    }
+    Some((merged, merged_perm))
 }
 
 /// The address of a value, the key of the emitter's side tables.
@@ -473,6 +548,10 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_rows: false,
             host_attention: false,
             device: Device::Cpu,
+            own_math_ops: Default::default(),
+            own_math: Default::default(),
+            reshape_depth: Default::default(),
+            cut: Default::default(),
         }
     }
 
@@ -497,6 +576,10 @@ impl<'c, 'b> Emitter<'c, 'b> {
             host_rows: self.host_rows,
             host_attention: self.host_attention,
             device: self.device,
+            own_math_ops: self.own_math_ops.clone(),
+            own_math: std::cell::Cell::new(self.own_math.get()),
+            reshape_depth: Default::default(),
+            cut: Default::default(),
         }
     }
 
@@ -584,10 +667,49 @@ impl<'c, 'b> Emitter<'c, 'b> {
         shape: &[i64],
         dtype: DType,
     ) -> R<T<'c, 'b>> {
-        if let Some(t) = self.sink(name, operands, attrs, shape, dtype)? {
-            return Ok(t);
+        if self.own_math.get()
+            && operands
+                .first()
+                .is_some_and(|t| super::own_math::expands(name, t.dtype))
+        {
+            return super::own_math::expand(self, name, operands);
         }
-        self.plain_op(name, operands, attrs, shape, dtype)
+        let reshaping = REINDEXING.contains(&name);
+        let elementwise = !reshaping && ELEMENTWISE.contains(&name);
+        if !reshaping && !elementwise {
+            return self.plain_op(name, operands, attrs, shape, dtype);
+        }
+        let depth_of = |t: &T<'c, 'b>| self.reshape_depth.borrow().get(&addr(t)).copied();
+        let mut cut: SmallVec<[T<'c, 'b>; 4]> = SmallVec::new();
+        let mut depth = 0;
+        for &t in operands {
+            match depth_of(t) {
+                Some(d) if elementwise && d >= RESHAPE_CHAIN_LIMIT => cut.push(self.cut_chain(t)?),
+                d => {
+                    depth = depth.max(d.unwrap_or(0));
+                    cut.push(t.clone());
+                }
+            }
+        }
+        let operands: SmallVec<[&T<'c, 'b>; 4]> = cut.iter().collect();
+        let r = match self.sink(name, &operands, attrs, shape, dtype)? {
+            Some(t) => t,
+            None => self.plain_op(name, &operands, attrs, shape, dtype)?,
+        };
+        self.reshape_depth
+            .borrow_mut()
+            .insert(addr(&r), depth + u32::from(reshaping));
+        Ok(r)
+    }
+
+    /// `t` materialized (one barrier per value), ending its reshape chain.
+    fn cut_chain(&self, t: &T<'c, 'b>) -> R<T<'c, 'b>> {
+        if let Some(b) = self.cut.borrow().get(&addr(t)) {
+            return Ok(b.clone());
+        }
+        let b = self.barrier(t)?;
+        self.cut.borrow_mut().insert(addr(t), b.clone());
+        Ok(b)
     }
 
     /// [`Emitter::op`] as given, with no layout sinking.
@@ -778,6 +900,36 @@ impl<'c, 'b> Emitter<'c, 'b> {
             return Ok(t.clone());
         }
         let shape: Vec<i64> = perm.iter().map(|&p| t.shape[p as usize]).collect();
+        let merged = (perm.len() >= MERGE_TRANSPOSE_MIN_RANK)
+            .then(|| merged_transpose(&t.shape, perm))
+            .flatten();
+        if let Some((merged, merged_perm)) = merged {
+            // Runs of dims that stay adjacent are one dim: XLA's tiled CPU emitter analyses a
+            // fusion's indexing per dim, and a 6-D transpose behind reshapes of other
+            // factorizations (Swin's patch merging after its residual adds) took it minutes.
+            if merged.len() == 1 {
+                return self.reshape(t, &shape); // only size-1 dims moved
+            }
+            let r = self.reshape(t, &merged)?;
+            let out: Vec<i64> = merged_perm.iter().map(|&p| merged[p as usize]).collect();
+            let x = self.op(
+                "stablehlo.transpose",
+                &[&r],
+                &[("permutation", array_i64(&merged_perm))],
+                &out,
+                t.dtype,
+            )?;
+            let y = self.reshape(&x, &shape)?;
+            // One transpose, whatever the reshapes around it.
+            let depth = self
+                .reshape_depth
+                .borrow()
+                .get(&addr(t))
+                .copied()
+                .unwrap_or(0);
+            self.reshape_depth.borrow_mut().insert(addr(&y), depth + 1);
+            return Ok(y);
+        }
         self.op(
             "stablehlo.transpose",
             &[t],
@@ -1530,5 +1682,30 @@ mod tests {
         ] {
             assert_eq!(i64_array(other), None, "{other}");
         }
+    }
+
+    #[test]
+    fn transposes_merge_runs_of_adjacent_dims() {
+        // Swin's patch merging: (B, H/2, 2, W/2, 2, C) -> (B, H/2, W/2, 2, 2, C).
+        assert_eq!(
+            merged_transpose(&[2, 28, 2, 28, 2, 96], &[0, 1, 3, 4, 2, 5]),
+            Some((vec![56, 2, 56, 96], vec![0, 2, 1, 3]))
+        );
+        // Size-1 dims drop out; what is left may be a plain reshape.
+        assert_eq!(
+            merged_transpose(&[4, 1, 5], &[1, 0, 2]),
+            Some((vec![20], vec![0]))
+        );
+        assert_eq!(
+            merged_transpose(&[3, 1, 5], &[2, 1, 0]),
+            Some((vec![3, 5], vec![1, 0]))
+        );
+        assert_eq!(
+            merged_transpose(&[3, 4, 5], &[2, 0, 1]),
+            Some((vec![12, 5], vec![1, 0]))
+        );
+        // Nothing to merge.
+        assert_eq!(merged_transpose(&[3, 4, 5], &[2, 1, 0]), None);
+        assert_eq!(merged_transpose(&[3, 4], &[1, 0]), None);
     }
 }

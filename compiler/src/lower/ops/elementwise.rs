@@ -1,6 +1,7 @@
 //! Elementwise ops: arithmetic, comparisons, logic, activations, casts.
 
 use crate::lower::emit::Emitter;
+use crate::lower::own_math;
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
@@ -814,12 +815,15 @@ fn asin<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     unary_f64(cx, |e, x| atan2_of(e, x, &sqrt_one_minus_sq(e, x)?))
 }
 
+/// tpuc's own atan2 (see `own_math`), never the plugin's: on lammps-jax-pjrt-cpu 0.11.2, LLVM
+/// turns `atan2(x, 1)` into a vector `atan` that returns garbage from 64 elements on.
 fn atan<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    unary_f64(cx, |e, x| atan2_of(e, x, &e.k(1.0, F64)?))
+    unary_f64(cx, |e, x| own_math::atan2(e, x, &e.k(1.0, F64)?))
 }
 
+/// tpuc's own atan2, like `atan`: `atan2(y, ones)` is `atan(y)` to LLVM.
 fn atan2<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    binary_f64(cx, |e, y, x| atan2_of(e, y, x))
+    binary_f64(cx, |e, y, x| own_math::atan2(e, y, x))
 }
 
 /// asinh(|x|) = log1p(|x| + x^2 / (1 + sqrt(1 + x^2))) (exact near 0), log(|x|) + ln 2 where x^2
@@ -844,7 +848,8 @@ fn asinh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     })
 }
 
-/// acosh(x) = log1p(t + sqrt(t (x + 1))) with t = x - 1 (exact near 1), log(x) + ln 2 for huge x.
+/// acosh(x) = log1p(t + sqrt(t (x + 1))) with t = x - 1 (exact near 1), log(x) + ln 2 for huge x,
+/// NaN below 1 (where the product of two negatives would give a number).
 fn acosh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     unary_f64(cx, |e, x| {
         let one = e.k(1.0, F64)?;
@@ -855,7 +860,8 @@ fn acosh<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             &e.unary("stablehlo.log", x)?,
             &e.k(std::f64::consts::LN_2, F64)?,
         )?;
-        e.select(&e.compare(x, &e.k(1e150, F64)?, "GT")?, &big, &small, F64)
+        let r = e.select(&e.compare(x, &e.k(1e150, F64)?, "GT")?, &big, &small, F64)?;
+        e.select(&e.compare(x, &one, "LT")?, &e.k(f64::NAN, F64)?, &r, F64)
     })
 }
 
@@ -916,12 +922,22 @@ fn exp2<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 }
 
 /// sqrt(a^2 + b^2), and +inf when either is infinite (even with a NaN), as C's hypot.
+/// hypot(a, b) = m sqrt((a/m)^2 + (b/m)^2) with m = max(|a|, |b|), so that squares of large or
+/// tiny values neither overflow nor underflow; inf wins over NaN.
 fn hypot<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     binary_f64(cx, |e, a, b| {
-        let s = e.unary("stablehlo.sqrt", &e.add(&e.mul(a, a)?, &e.mul(b, b)?)?)?;
+        let (a, b) = (e.unary("stablehlo.abs", a)?, e.unary("stablehlo.abs", b)?);
+        let m = e.binary("stablehlo.maximum", &a, &b, F64)?;
+        let zero = e.k(0.0, F64)?;
+        let safe = e.select(&e.compare(&m, &zero, "EQ")?, &e.k(1.0, F64)?, &m, F64)?;
+        let (p, q) = (e.div(&a, &safe)?, e.div(&b, &safe)?);
+        let s = e.mul(
+            &m,
+            &e.unary("stablehlo.sqrt", &e.add(&e.mul(&p, &p)?, &e.mul(&q, &q)?)?)?,
+        )?;
         let inf = e.k(f64::INFINITY, F64)?;
-        let is_inf = |t: &T<'c, 'b>| e.compare(&e.unary("stablehlo.abs", t)?, &inf, "EQ");
-        e.select(&e.or(&is_inf(a)?, &is_inf(b)?)?, &inf, &s, F64)
+        let is_inf = |t: &T<'c, 'b>| e.compare(t, &inf, "EQ");
+        e.select(&e.or(&is_inf(&a)?, &is_inf(&b)?)?, &inf, &s, F64)
     })
 }
 
