@@ -281,7 +281,7 @@ mod tests {
         let report = TargetReport {
             target: "tpu:v5e:2x2".into(),
             devices: 4,
-            memory: [1, 2, 3, 4, 5, 6],
+            memory: [10, 20, 3, 40, 50, 60],
             cost: vec![("flops".into(), 8.0)],
             compile_seconds: 1.5,
         };
@@ -293,7 +293,8 @@ mod tests {
         let (_, back) = read_target_meta(&bytes).unwrap();
         let back = back.unwrap();
         assert_eq!((back.target.as_str(), back.devices), ("tpu:v5e:2x2", 4));
-        assert_eq!(back.memory().footprint(), 1 + 2 - 3 + 4 + 5);
+        // arguments + outputs - aliased + temporaries + code
+        assert_eq!(back.memory().footprint(), 117);
         assert_eq!(entry_target(&bytes).as_deref(), Some("tpu:v5e:2x2"));
         // An entry compiled on its devices has no report.
         let plain = bincode::serialize(&meta()).unwrap();
