@@ -1161,8 +1161,9 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     saving = bool(torch._functorch.config.bundled_autograd_cache)
     if saving and mesh is not None:
         raise NotImplementedError("tpuc: saving a compiled function with a mesh (SPMD) is not supported yet")
-    maxima = buckets.declared_maxima(example_inputs)
-    buckets.check_declared(gm, example_inputs, maxima)
+    declared = buckets.user_declared(gm)
+    maxima = buckets.declared_maxima(example_inputs, declared)
+    buckets.check_declared(gm, example_inputs, declared)
 
     shard_ctx = None
     if mesh is not None:
