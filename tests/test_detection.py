@@ -166,8 +166,9 @@ def test_faster_rcnn_float64_matches_eager_and_nondegenerate_weights_run():
         assert r.keys() == o.keys()
         for key in r:
             _assert_close(o[key], r[key])
-    # What ran in PyTorch: roi_align (no lowering); NMS and the sizes it decides are between graphs.
-    assert "torchvision.roi_align.default" in stats["fallback_ops"]
+    # What ran in PyTorch: roi_align alone (no lowering; prims.convert_element_type in
+    # remove_small_boxes had been a fallback too). NMS and the sizes it decides run between graphs.
+    assert set(stats["fallback_ops"]) == {"torchvision.roi_align.default"}, stats["fallback_ops"]
     assert stats["graphs_compiled"] < 40, stats["graphs_compiled"]
 
     # The same compiled model with weights N(0, 0.05) and score_thresh 0: 1500 candidate boxes
