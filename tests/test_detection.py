@@ -186,3 +186,33 @@ def test_faster_rcnn_float64_matches_eager_and_nondegenerate_weights_run():
     expected, actual = features
     for key in expected:
         _assert_close(actual[key], expected[key])
+
+
+# --- torchvision ops without a lowering rule --------------------------------------------------
+
+
+def test_roi_align_runs_in_pytorch_and_says_so_once(monkeypatch):
+    from torchvision.ops import roi_align
+
+    from tpuc import backend
+
+    monkeypatch.setattr(backend, "_warned_fallback", set())  # other tests may have warned already
+
+    def pool(features, rois):
+        return roi_align(features.relu(), rois, (2, 2), 0.5, 2, True) * 2
+
+    torch._dynamo.reset()
+    tpuc.reset_stats()
+    compiled = _compile(pool, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (3, 5):  # two graphs
+            features = torch.randn(2, 4, 8, 8, generator=g)
+            rois = torch.cat(
+                [torch.randint(0, 2, (n, 1), generator=g).float(), torch.rand(n, 4, generator=g) * 8], 1
+            )
+            assert torch.equal(compiled(features, rois), pool(features, rois))
+    said = [w for w in caught if "torchvision.roi_align.default" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert tpuc.stats()["fallback_ops"] == {"torchvision.roi_align.default": 2}
