@@ -20,9 +20,9 @@ the status (`match`, `differs` with the first differing output and its largest e
 off: tpuc's cache_dir=None, Inductor's FX and kernel caches disabled), Dynamo's graph count,
 and for tpu the ops run in PyTorch (`fallback_ops`) and `eager_reruns`.
 
-Each model and configuration is its own process (spawned by this script, tpu and aot_eager
-sharing one, Inductor in another) limited to --timeout seconds. They go in priority order
-(`random`/default and `normal`/0 with tpu and aot_eager, then Inductor, then the rest) and stop at
+Each model, configuration and backend is its own process (spawned by this script) limited to
+--timeout seconds. They go in priority order (tpu on `random`/default and `normal`/0, tpu in
+float64, Inductor, aot_eager, then the other configurations) and stop at
 --budget seconds; runs not reached are listed as such. Results: bench/results/detection.json and
 detection.md (rewritten after every run).
 
@@ -169,13 +169,15 @@ def run_one(name: str, weights: str, thresh: str, backends: str) -> dict:
 
 
 def _jobs(models):
-    """(model, weights, thresh, backends) in priority order."""
+    """(model, weights, thresh, backends) in priority order: tpu on the issue's two
+    configurations, then in float64, Inductor and aot_eager (the bars), then the rest."""
     both = "tpu,aot_eager"
-    jobs = [(m, "random", "default", both) for m in models]
-    jobs += [(m, "normal", "0", both) for m in models]
-    jobs += [(m, "random", "default", "inductor") for m in models]
+    jobs = [(m, "random", "default", "tpu") for m in models]
+    jobs += [(m, "normal", "0", "tpu") for m in models]
     jobs += [(m, "random64", "default", "tpu") for m in models]
+    jobs += [(m, "random", "default", "inductor") for m in models]
     jobs += [(m, "normal", "0", "inductor") for m in models]
+    jobs += [(m, w, t, "aot_eager") for w, t in CONFIGS[:2] for m in models]
     jobs += [(m, w, t, both) for w, t in CONFIGS[2:4] for m in models]
     return jobs
 
