@@ -1186,8 +1186,9 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     saving = bool(torch._functorch.config.bundled_autograd_cache)
     if saving and mesh is not None:
         raise NotImplementedError("tpuc: saving a compiled function with a mesh (SPMD) is not supported yet")
-    maxima = buckets.declared_maxima(example_inputs)
-    buckets.check_declared(gm, example_inputs, maxima)
+    declared = buckets.user_declared(gm)
+    maxima = buckets.declared_maxima(example_inputs, declared)
+    buckets.check_declared(gm, example_inputs, declared)
     # Otherwise the graphs go into AOTAutograd's cache (autograd_cache.py), where PyTorch allows
     # (not yet for bucketed graphs, whose declared maxima the loader would not know).
     caching = not saving and not maxima and autograd_cache.enabled(mesh)

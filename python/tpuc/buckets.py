@@ -24,19 +24,42 @@ def describe(source: str) -> str:
     return f"input `{m.group(1)}{m.group(2)}` dim {m.group(3)}" if m else source
 
 
-def declared_maxima(example_inputs) -> dict[str, tuple[int, str]]:
-    """{symbol: (declared maximum, source)} for every size symbol of this trace that has a finite
-    upper bound (`mark_dynamic(..., max=M)`)."""
+def user_declared(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """{size source (`L['x'].size()[0]`): maximum} for every dim the user bounded with
+    `torch._dynamo.mark_dynamic(x, dim, max=M)` on a tensor this trace read. Only these are
+    declared: a bound the trace inferred (a guard such as torchvision's `boxes.numel() > 4000`
+    test, a data-dependent size's value range) holds for this trace alone, and a larger size
+    retraces or compiles per shape."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        arg = node.meta.get("grapharg")
+        source = getattr(getattr(arg, "source", None), "name", None)
+        try:
+            example = arg.example if arg is not None else None
+        except Exception:  # erased, or not a tensor argument
+            continue
+        for dim_range in getattr(example, "_dynamo_dynamic_range", ()) if source else ():
+            if dim_range.max is not None:
+                out[f"{source}.size()[{dim_range.dim}]"] = int(dim_range.max)
+    return out
+
+
+def declared_maxima(example_inputs, declared: dict[str, int]) -> dict[str, tuple[int, str]]:
+    """{symbol: (maximum, source)} for every size symbol of this trace that is a dim the user
+    declared a maximum for (`declared`: `user_declared`); the maximum is the trace's upper bound
+    for it (the declared one, or lower where the trace's guards narrowed it)."""
     fake = torch._guards.detect_fake_mode(example_inputs)
     env = getattr(fake, "shape_env", None)
-    if env is None:
+    if env is None or not declared:
         return {}
     out = {}
     for sym, rng in env.var_to_range.items():
         try:
             upper = int(rng.upper)
             lower = int(rng.lower)
-        except Exception:  # int_oo: no declared maximum; -int_oo: an integer that is not a size
+        except Exception:  # int_oo: no finite bound; -int_oo: an integer that is not a size
             # (an unbacked value such as a clamp of `.item()` only bounded above: gemma3's
             # sliding-window masks under a static cache), never a marked dim
             continue
@@ -44,8 +67,10 @@ def declared_maxima(example_inputs) -> dict[str, tuple[int, str]]:
             # A range of one value is the trace pinning the size (a Linear's input features
             # equal to its weight's), not a declared maximum.
             continue
-        sources = env.var_to_sources.get(sym) or []
-        out[str(sym)] = (upper, sources[0].name if sources else str(sym))
+        names = [s.name for s in env.var_to_sources.get(sym) or []]
+        source = next((name for name in names if name in declared), None)
+        if source is not None:
+            out[str(sym)] = (min(upper, declared[source]), source)
     return out
 
 
@@ -81,9 +106,10 @@ def _hint(size) -> int | None:
         return None
 
 
-def check_declared(gm: torch.fx.GraphModule, example_inputs, maxima: dict) -> None:
-    """Raises ValueError when an input of this trace is larger than the maximum declared for it
-    by an earlier trace of the same frame; then records this trace's maxima."""
+def check_declared(gm: torch.fx.GraphModule, example_inputs, declared: dict[str, int]) -> None:
+    """Raises ValueError when an input of this trace is larger than the maximum the user
+    declared for it on an earlier trace of the same frame; then records this trace's
+    declarations (`declared`: `user_declared`)."""
     cid = torch._guards.CompileContext.current_compile_id()
     frame = getattr(cid, "frame_id", None)
     if frame is None:
@@ -92,7 +118,7 @@ def check_declared(gm: torch.fx.GraphModule, example_inputs, maxima: dict) -> No
         if not getattr(cid, "frame_compile_id", 0):
             # The frame's first compile (frame ids restart after torch._dynamo.reset()).
             _frame_maxima.pop(frame, None)
-        declared = dict(_frame_maxima.get(frame, {}))
+        earlier = dict(_frame_maxima.get(frame, {}))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, ex in zip(placeholders, example_inputs, strict=False):
         source = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
@@ -101,15 +127,13 @@ def check_declared(gm: torch.fx.GraphModule, example_inputs, maxima: dict) -> No
         for d, size in enumerate(ex.shape):
             key = f"{source}.size()[{d}]"
             n = _hint(size)
-            if key in declared and n is not None and n > declared[key]:
+            if key in earlier and n is not None and n > earlier[key]:
                 raise ValueError(
-                    f"tpuc: {describe(key)} has size {n}, above its declared maximum {declared[key]} "
+                    f"tpuc: {describe(key)} has size {n}, above its declared maximum {earlier[key]} "
                     "(torch._dynamo.mark_dynamic(..., max=...))"
                 )
     with _frame_lock:
-        mine = _frame_maxima.setdefault(frame, {})
-        for upper, source in maxima.values():
-            mine[source] = upper
+        _frame_maxima.setdefault(frame, {}).update(declared)
 
 
 def pad(t: torch.Tensor, sizes) -> torch.Tensor:

@@ -1368,6 +1368,20 @@ fn num_compare_any_to_copy() {
 }
 
 #[test]
+fn num_prims_convert_element_type() {
+    // Positional dtype (prims' schema), truncation toward zero as `_to_copy`.
+    let g = op(
+        &[("x", &[4], "float32")],
+        "prims.convert_element_type.default",
+        json!([n("x"), dtype_arg("int64")]),
+        nokw(),
+        t(&[4], "int64"),
+    );
+    let out = run(&g, &[Buf::F32(vec![-1.7, 1.7, 2.5, -0.2])]);
+    assert_eq!(out[0].i64(), &[-1, 1, 2, 0]);
+}
+
+#[test]
 fn num_select_permute_expand() {
     // x[2,3,4] -> select(1, -1) [2,4] -> permute [4,2] -> view [4,2,1] -> expand [4,2,3].
     let g = Fx::new(&[("x", &[2, 3, 4], "float32")])

@@ -80,6 +80,8 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.isinf.default", isinf),
     ("aten.where.self", where_),
     ("aten._to_copy.default", to_copy),
+    // A dtype conversion AOTAutograd leaves undecomposed (torchvision's remove_small_boxes).
+    ("prims.convert_element_type.default", to_copy),
     ("aten.clone.default", identity),
     ("aten.alias.default", identity),
     ("aten.lift_fresh_copy.default", identity),
