@@ -176,6 +176,17 @@ impl DiskCache {
     /// Reads and verifies the entry for `key`. `Ok(None)`: no entry. A corrupt entry is removed
     /// and returned as `Err(Corrupt)` so the caller can warn and recompile.
     pub fn get(&self, key: &CacheKey) -> Result<Option<Entry>, CacheError> {
+        self.read(key, true)
+    }
+
+    /// [`DiskCache::get`] for inspecting an entry (what `tpuc cache ls` shows of each): the
+    /// entry does not count as used, so the LRU order stays what the compiles made it.
+    pub fn peek(&self, key: &CacheKey) -> Result<Option<Entry>, CacheError> {
+        self.read(key, false)
+    }
+
+    /// Reads and verifies; `touch`: mark the entry as just used (for LRU eviction).
+    fn read(&self, key: &CacheKey, touch: bool) -> Result<Option<Entry>, CacheError> {
         let path = self.entry_path(key);
         let mut file = match File::open(&path) {
             Ok(f) => f,
@@ -186,8 +197,10 @@ impl DiskCache {
         file.read_to_end(&mut bytes).map_err(io_err(&self.dir))?;
         match Self::decode(key, &bytes) {
             Ok(entry) => {
-                // Recently used = recently modified, for LRU eviction.
-                let _ = file.set_modified(SystemTime::now());
+                if touch {
+                    // Recently used = recently modified, for LRU eviction.
+                    let _ = file.set_modified(SystemTime::now());
+                }
                 Ok(Some(entry))
             }
             Err(reason) => {
@@ -388,12 +401,21 @@ impl DiskCache {
     }
 
     pub fn read_raw(&self, key_hex: &str) -> Result<(CacheKey, Entry), CacheError> {
+        self.read_hex(key_hex, true)
+    }
+
+    /// [`DiskCache::read_raw`] without counting the entry as used (see [`DiskCache::peek`]).
+    pub fn peek_raw(&self, key_hex: &str) -> Result<(CacheKey, Entry), CacheError> {
+        self.read_hex(key_hex, false)
+    }
+
+    fn read_hex(&self, key_hex: &str, touch: bool) -> Result<(CacheKey, Entry), CacheError> {
         let path = self.dir.join(format!("{key_hex}.{SUFFIX}"));
         let key = parse_key(&format!("{key_hex}.{SUFFIX}")).ok_or_else(|| CacheError::Corrupt {
             path: path.clone(),
             reason: "not a cache key (64 hex digits)".into(),
         })?;
-        match self.get(&key)? {
+        match self.read(&key, touch)? {
             Some(e) => Ok((key, e)),
             None => Err(io_err(&self.dir)(io::Error::new(
                 io::ErrorKind::NotFound,
@@ -509,6 +531,8 @@ mod tests {
                 .set_modified(t)
                 .unwrap();
         }
+        // Inspecting y (tpuc cache ls) does not count as a use; reading x does.
+        c.peek(&key("y")).unwrap().unwrap();
         c.get(&key("x")).unwrap().unwrap(); // x becomes most recently used
         let size = c.list().unwrap()[0].size;
         let r = c.gc(2 * size).unwrap();

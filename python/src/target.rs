@@ -188,7 +188,7 @@ fn compile_err_lower(e: tpuc_compiler::lower::LowerError) -> PyErr {
 /// was compiled on, e.g. `cpu`), or None when its metadata is unreadable.
 #[pyfunction]
 pub(crate) fn cache_entry_target(dir: PathBuf, key: &str) -> PyResult<Option<String>> {
-    let (_, entry) = open_cache(dir)?.read_raw(key).map_err(cache_err)?;
+    let (_, entry) = open_cache(dir)?.peek_raw(key).map_err(cache_err)?;
     Ok(entry_target(&entry.meta))
 }
 
@@ -200,7 +200,7 @@ pub(crate) fn cache_entry_report(
     dir: PathBuf,
     key: &str,
 ) -> PyResult<Option<HashMap<String, Py<PyAny>>>> {
-    let (_, entry) = open_cache(dir)?.read_raw(key).map_err(cache_err)?;
+    let (_, entry) = open_cache(dir)?.peek_raw(key).map_err(cache_err)?;
     let Some(r) = entry_report(&entry.meta) else {
         return Ok(None);
     };
