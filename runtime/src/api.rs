@@ -252,6 +252,19 @@ pub(crate) unsafe fn copy_str(ptr: *const c_char, len: usize) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// A `PJRT_Program` of format "mlir" (StableHLO as bytecode or text) pointing into `module`,
+/// which must outlive every use of the program. The plugin only reads `code` when compiling (the
+/// field is `char*` because `OptimizedProgram` writes through it).
+pub(crate) fn mlir_program(module: &[u8]) -> sys::PJRT_Program {
+    const FORMAT: &str = "mlir";
+    let mut program = sys::PJRT_Program::new();
+    program.code = module.as_ptr().cast::<c_char>().cast_mut();
+    program.code_size = module.len();
+    program.format = FORMAT.as_ptr().cast::<c_char>();
+    program.format_size = FORMAT.len();
+    program
+}
+
 /// Copies `n` named values (attributes, cost properties) owned by the plugin; values of a type
 /// this header does not know are skipped.
 ///

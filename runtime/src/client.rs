@@ -4,7 +4,7 @@ use std::ffi::c_char;
 use std::ptr;
 use std::sync::Arc;
 
-use super::api::{copy_str, pjrt_call, Api, Args, Event};
+use super::api::{copy_str, mlir_program, pjrt_call, Api, Args, Event};
 use super::buffer::Buffer;
 use super::executable::{CompileOptions, LoadedExecutable};
 use super::plugin::Plugin;
@@ -240,14 +240,7 @@ impl Client {
         options: &CompileOptions,
     ) -> Result<LoadedExecutable, PjrtError> {
         let _span = tracing::debug_span!("pjrt_compile", bytes = stablehlo_mlir.len()).entered();
-        const FORMAT: &str = "mlir";
-        let mut program = sys::PJRT_Program::new();
-        // The plugin only reads `code` when compiling; the field is `char*`
-        // because OptimizedProgram writes through it.
-        program.code = stablehlo_mlir.as_ptr().cast::<c_char>().cast_mut();
-        program.code_size = stablehlo_mlir.len();
-        program.format = FORMAT.as_ptr().cast::<c_char>();
-        program.format_size = FORMAT.len();
+        let program = mlir_program(stablehlo_mlir);
         // Never empty: empty options abort the process inside the CPU plugin.
         let encoded = options.encode();
         let mut args = sys::PJRT_Client_Compile_Args::new();

@@ -7,7 +7,7 @@ use std::ffi::c_char;
 use std::ptr;
 
 use super::analysis::{self, MemoryStats};
-use super::api::{copy_str, pjrt_call, Api, Args};
+use super::api::{copy_str, mlir_program, pjrt_call, Api, Args};
 use super::client::{named_values, OptionValue};
 use super::executable::{serialize_raw, CompileOptions};
 use super::plugin::Plugin;
@@ -162,14 +162,7 @@ impl Topology {
     ) -> Result<TopologyExecutable, PjrtError> {
         let _span =
             tracing::debug_span!("pjrt_compile_for_topology", bytes = module.len()).entered();
-        const FORMAT: &str = "mlir";
-        let mut program = sys::PJRT_Program::new();
-        // The plugin only reads `code` when compiling (the field is `char*` for
-        // OptimizedProgram, which writes through it).
-        program.code = module.as_ptr().cast::<c_char>().cast_mut();
-        program.code_size = module.len();
-        program.format = FORMAT.as_ptr().cast::<c_char>();
-        program.format_size = FORMAT.len();
+        let program = mlir_program(module);
         let encoded = options.encode();
         let mut args = sys::PJRT_Compile_Args::new();
         args.topology = self.raw;
