@@ -466,6 +466,16 @@ fn option_value(name: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<Optio
     )))
 }
 
+/// A `{name: value}` dict of PJRT create options (client or topology) as the runtime takes them.
+fn create_options_of(d: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(String, OptionValue)>> {
+    let Some(d) = d else {
+        return Ok(Vec::new());
+    };
+    d.iter()
+        .map(|(k, v)| Ok((k.extract::<String>()?, option_value(&k, &v)?)))
+        .collect()
+}
+
 fn host_array(t: &Bound<'_, PyTuple>) -> PyResult<HostArray> {
     let (ptr, nbytes, dt, shape): (usize, usize, String, Vec<i64>) = t.extract()?;
     Ok(HostArray {
@@ -487,13 +497,7 @@ impl Runtime {
         plugin_path: PathBuf,
         create_options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Runtime> {
-        let options = match create_options {
-            Some(d) => d
-                .iter()
-                .map(|(k, v)| Ok((k.extract::<String>()?, option_value(&k, &v)?)))
-                .collect::<PyResult<Vec<_>>>()?,
-            None => Vec::new(),
-        };
+        let options = create_options_of(create_options)?;
         let engine = py
             .detach(|| Engine::new(&plugin_path, &options))
             .map_err(pjrt_err)?;

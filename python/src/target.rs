@@ -10,7 +10,7 @@ use tpuc_compiler::pipeline::{CacheOutcome, DiskCacheOptions};
 use tpuc_compiler::target::{entry_report, entry_target, TargetCompiled, TargetEngine};
 
 use crate::{
-    cache_err, compile_err, no_panic, open_cache, option_value, parse_precision, pjrt_err,
+    cache_err, compile_err, create_options_of, no_panic, open_cache, parse_precision, pjrt_err,
     sharding_request, FxGraph,
 };
 
@@ -34,13 +34,7 @@ impl Target {
         name: String,
         create_options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Target> {
-        let options = match create_options {
-            Some(d) => d
-                .iter()
-                .map(|(k, v)| Ok((k.extract::<String>()?, option_value(&k, &v)?)))
-                .collect::<PyResult<Vec<_>>>()?,
-            None => Vec::new(),
-        };
+        let options = create_options_of(create_options)?;
         let engine = py
             .detach(|| TargetEngine::new(&plugin_path, &topology, &name, &options))
             .map_err(pjrt_err)?;
