@@ -222,12 +222,16 @@ pub(crate) struct Prepared {
 
 /// What an engine and a target's compile share before the compiler: `lower_options` is given
 /// the sharding plan (if any) and returns the options to lower with; `devices` is how many
-/// devices a mesh may use, `platform` names them in errors.
+/// devices a mesh may use, `platform` names them in errors. On a TPU the partitions go to the
+/// first of `device_ids` (every device's id, in order), spelled out in the compile options: a
+/// target's compile has no client to pick them, and an engine on the TPUs spells them the same
+/// way, so that both compute one cache key.
 pub(crate) fn prepare(
     graph: &Arc<Graph>,
     bindings: &HashMap<String, i64>,
     sharding: Option<&ShardingRequest>,
     devices: usize,
+    device_ids: &[i64],
     platform: &str,
     lower_options: impl FnOnce(Option<tpuc_passes::sharding::ShardingPlan>) -> LowerOptions,
 ) -> Result<Prepared, CompileError> {
@@ -256,6 +260,9 @@ pub(crate) fn prepare(
     if let Some(p) = &plan {
         options.num_partitions = p.mesh.size();
         options.use_spmd_partitioning = true;
+    }
+    if platform == "tpu" {
+        options.partition_devices = device_ids[..options.num_partitions as usize].to_vec();
     }
     let lowered = lower::lower(&specialized, &lower_options(plan))?;
     Ok(Prepared {
@@ -690,20 +697,17 @@ impl Engine {
         let Prepared {
             specialized,
             lowered,
-            mut options,
+            options,
             lower_seconds,
         } = prepare(
             graph,
             bindings,
             sharding,
             self.client.addressable_device_count(),
+            &self.device_ids,
             &self.platform,
             |plan| self.lower_options(precision, plan),
         )?;
-        if self.platform == "tpu" {
-            // As a target's compile spells them (crate::target), so that both compute one key.
-            options.partition_devices = self.device_ids[..options.num_partitions as usize].to_vec();
-        }
         let unpartitioned = self.platform == "cpu" && runs_unpartitioned(&specialized);
         let key = executable_key(
             &lowered,

@@ -125,9 +125,10 @@ impl TargetEngine {
         sharding: Option<&ShardingRequest>,
     ) -> Result<TargetCompiled, CompileError> {
         let device = lower::Device::of_platform(&self.platform);
+        let device_ids: Vec<i64> = self.devices.iter().map(|d| i64::from(d.id)).collect();
         let Prepared {
             lowered,
-            mut options,
+            options,
             lower_seconds,
             ..
         } = prepare(
@@ -135,6 +136,7 @@ impl TargetEngine {
             bindings,
             sharding,
             self.devices.len(),
+            &device_ids,
             &self.platform,
             |sharding| LowerOptions {
                 precision,
@@ -143,12 +145,6 @@ impl TargetEngine {
                 ..LowerOptions::default()
             },
         )?;
-        // No client picks the devices: the first `num_partitions` of the topology, as an engine
-        // on the devices spells them too (same compile options, same key).
-        options.partition_devices = self.devices[..options.num_partitions as usize]
-            .iter()
-            .map(|d| i64::from(d.id))
-            .collect();
         let plugin = self.topology.plugin();
         let key = executable_key(
             &lowered,
@@ -158,9 +154,10 @@ impl TargetEngine {
             &self.machine,
             &self.xla_flags,
         );
+        let meta = EntryMeta::new(plugin, &self.platform, &lowered);
         let disk = self.disks.open(disk)?;
         let t = Instant::now();
-        if let Some(report) = disk.as_ref().and_then(|d| self.load(d, &key, &lowered)) {
+        if let Some(report) = disk.as_ref().and_then(|d| load(d, &key, &meta)) {
             return Ok(TargetCompiled {
                 lowered,
                 key,
@@ -192,12 +189,10 @@ impl TargetEngine {
                 .serialize()
                 .map_err(|e| e.to_string())
                 .and_then(|bytes| {
-                    let mut meta =
-                        bincode::serialize(&EntryMeta::new(plugin, &self.platform, &lowered))
-                            .map_err(|e| e.to_string())?;
+                    let mut stored_meta = bincode::serialize(&meta).map_err(|e| e.to_string())?;
                     // After the entry's own metadata, which an engine on the devices reads alone.
-                    meta.extend(bincode::serialize(&report).map_err(|e| e.to_string())?);
-                    d.put(&key, &meta, &bytes).map_err(|e| e.to_string())
+                    stored_meta.extend(bincode::serialize(&report).map_err(|e| e.to_string())?);
+                    d.put(&key, &stored_meta, &bytes).map_err(|e| e.to_string())
                 });
             if let Err(e) = stored {
                 return Err(CompileError::Run(format!(
@@ -217,16 +212,15 @@ impl TargetEngine {
             compile_seconds,
         })
     }
+}
 
-    /// The report of a verified entry for `key`, or None (absent, or made by another plugin
-    /// build or from another module: then it is recompiled and overwritten).
-    fn load(&self, disk: &DiskCache, key: &CacheKey, lowered: &Lowered) -> Option<TargetReport> {
-        let entry = disk.get(key).ok()??;
-        let (meta, report) = read_target_meta(&entry.meta)?;
-        let fresh = EntryMeta::new(self.topology.plugin(), &self.platform, lowered);
-        (meta.plugin_identity == fresh.plugin_identity && meta.module_hash == fresh.module_hash)
-            .then_some(report?)
-    }
+/// The report of a verified entry for `key`, or None (absent, or made by another plugin build
+/// (`expected`'s identity) or from another module: then it is recompiled and overwritten).
+fn load(disk: &DiskCache, key: &CacheKey, expected: &EntryMeta) -> Option<TargetReport> {
+    let entry = disk.get(key).ok()??;
+    let (meta, report) = read_target_meta(&entry.meta)?;
+    (meta.plugin_identity == expected.plugin_identity && meta.module_hash == expected.module_hash)
+        .then_some(report?)
 }
 
 /// An entry's metadata, and the target report after it where the entry was compiled for a
