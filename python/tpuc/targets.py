@@ -210,7 +210,7 @@ def _dense_bytes(shape, dtype: str) -> int:
     n = 1
     for d in shape:
         n *= d if isinstance(d, int) else 1
-    return n * torch.empty((), dtype=getattr(torch, dtype, torch.float32)).element_size()
+    return n * getattr(torch, dtype, torch.float32).itemsize
 
 
 class TargetGraph:
