@@ -22,11 +22,18 @@ os.environ["TPUC_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-cache-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-torch-cache-")
 
 import tpuc  # noqa: E402
-from tpuc import backend, runtime  # noqa: E402
+from tpuc import backend, env  # noqa: E402
 
-# TPUC_DISCRETE_DEVICE=1: the CPU plugin treated as a device with memory of its own (the GPU/TPU
+# TPUC_DEBUG=discrete_device: the CPU plugin treated as a device with memory of its own (the GPU/TPU
 # path); the few tests of what only host memory allows skip themselves.
-DISCRETE = runtime.env_flag("TPUC_DISCRETE_DEVICE", False)
+DISCRETE = env.debug("discrete_device")
+
+
+def host_kernels_without(*paths: str) -> str:
+    """A TPUC_HOST_KERNELS value: what is on now, less `paths`."""
+    on = [name for name, is_on in env.host_kernels().items() if is_on and name not in paths]
+    return ",".join(on) or "off"
+
 
 _verified: list[str] = []
 

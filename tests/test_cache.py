@@ -44,7 +44,7 @@ def _env(**extra: str) -> dict:
     for k in (
         "TPUC_CACHE_DIR",
         "TPUC_CACHE_MAX_SIZE",
-        "TPUC_CACHE_WRITE_PAUSE_MS",
+        "TPUC_DEBUG",
         "TPUC_LOG",
         "TPUC_DUMP_DIR",
     ):
@@ -265,7 +265,9 @@ def test_sixteen_concurrent_processes(tmp_path, zygote):
 
 def test_sigkill_while_writing(tmp_path, zygote):
     d = tmp_path / "cache"
-    writer = zygote.start("model", ["--cache-dir", d, "--batch", "4"], TPUC_CACHE_WRITE_PAUSE_MS="10000")
+    writer = zygote.start(
+        "model", ["--cache-dir", d, "--batch", "4"], TPUC_DEBUG="cache_write_pause_ms=10000"
+    )
     try:
         deadline = time.monotonic() + 600
         while not (d.exists() and temp_files(d)):

@@ -1,5 +1,6 @@
 """docs/api.md is the user contract: this holds it and the code together, both ways. Every
-option and enumerated value, every TPUC_* variable the non-test sources name, every
+option and enumerated value, every TPUC_* variable the non-test sources name (with the host
+paths of TPUC_HOST_KERNELS, the keys of TPUC_DEBUG and the retired variables), every
 `tpuc.stats()` key, every public name, error type and CLI command or flag is listed there, and
 nothing listed there is missing from the code.
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import tpuc
-from tpuc import cli, options, runtime
+from tpuc import cli, env, options, runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "docs" / "api.md"
@@ -89,7 +90,17 @@ def _quoted(cell: str) -> set[str]:
 
 def test_sections_parse():
     sections = _sections()
-    for name in ("Options", "Python API", "Errors", "Statistics", "Command line", "Environment variables"):
+    for name in (
+        "Options",
+        "Python API",
+        "Errors",
+        "Statistics",
+        "Command line",
+        "Environment variables",
+        "Host paths",
+        "Debugging hooks",
+        "Retired variables",
+    ):
         assert name in sections, f"docs/api.md has no `## {name}` section"
         assert _rows(name), f"docs/api.md `## {name}` has no table rows"
 
@@ -140,20 +151,38 @@ def test_environment_variables():
     assert in_docs == in_code, _diff("TPUC_* variables", in_code, in_docs)
 
 
-def test_on_off_variables_say_so():
-    # The ones read through the one boolean rule are documented with values "on/off".
-    rows = _rows("Environment variables")
-    flags = set()
+def test_host_paths():
+    # TPUC_HOST_KERNELS's paths, as the one parser (runtime/src/env.rs) names them.
+    in_docs = list(_rows("Host paths"))
+    assert in_docs == env.host_kernel_names(), _diff("host paths", set(env.host_kernel_names()), set(in_docs))
+
+
+def test_debugging_hooks():
+    rows = _rows("Debugging hooks")
+    keys = env.debug_keys()
+    assert set(rows) == set(keys), _diff("TPUC_DEBUG keys", set(keys), set(rows))
+    for key, (kind, values, _) in keys.items():
+        cell = rows[key][1]
+        if kind == "flag":
+            assert cell == "on/off", f"{key} is a flag; docs/api.md says {cell!r}"
+        elif kind == "count":
+            assert "integer" in cell, f"{key} takes an integer; docs/api.md says {cell!r}"
+        else:
+            assert set(re.findall(r"`([^`]+)`", cell)) == set(values), f"{key}: {values} vs {cell!r}"
+
+
+def test_retired_variables():
+    # The variables tpuc no longer reads are listed with what replaced them (tpuc.env.RETIRED,
+    # spelled without their prefix), and no non-test source names one.
+    rows = _rows("Retired variables")
+    retired = {"TPUC_" + old: new for old, new in env.RETIRED.items()}
+    assert set(rows) == set(retired), _diff("retired variables", set(retired), set(rows))
+    for name, new in retired.items():
+        assert rows[name][1].replace("`", "") == new, f"{name}: docs/api.md does not say {new!r}"
+    named = set()
     for path in _source_files():
-        text = path.read_text(errors="replace")
-        flags |= set(re.findall(r'env_flag\(\s*"(TPUC_[A-Z0-9_]+)"', text))
-        flags |= set(re.findall(r'env::flag\(\s*"(TPUC_[A-Z0-9_]+)"', text))
-    assert flags, "no on/off variables found: did env_flag / env::flag move?"
-    for name in flags:
-        assert rows[name][1] == "on/off", f"{name} is read as on/off; docs/api.md says {rows[name][1]!r}"
-    for name, cells in rows.items():
-        if cells[1] == "on/off":
-            assert name in flags, f"docs/api.md calls {name} on/off, but it is not read by env_flag"
+        named |= set(re.findall(r"TPUC_[A-Z0-9_]+", path.read_text(errors="replace"))) & set(retired)
+    assert not named, f"retired variables still named in the sources: {sorted(named)}"
 
 
 def test_stats_keys():

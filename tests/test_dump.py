@@ -190,7 +190,7 @@ def test_big_graph_is_skipped_with_a_note(tmp_path, monkeypatch):
     (f,) = _compile_dump(tmp_path)
     assert not (f / "graph.svg").exists() and (f / "graph.dot").exists()
     note = json.loads((f / "meta.json").read_text())["graph_picture"]["note"]
-    assert "above the limit of 5" in note and "TPUC_DUMP_SVG_MAX_NODES" in note
+    assert "above the limit of 5" in note and "tpuc.dump.SVG_MAX_NODES" in note
 
 
 def test_large_graph_settings_and_dot_timeout(tmp_path, monkeypatch):
@@ -206,7 +206,7 @@ def test_large_graph_settings_and_dot_timeout(tmp_path, monkeypatch):
     (f,) = _compile_dump(tmp_path / "slow")
     pic = json.loads((f / "meta.json").read_text())["graph_picture"]
     assert not (f / "graph.svg").exists() and pic["svg"] is None
-    assert "dot took longer than" in pic["note"] and "TPUC_DUMP_SVG_TIMEOUT" in pic["note"]
+    assert "dot took longer than" in pic["note"] and "tpuc.dump.SVG_TIMEOUT" in pic["note"]
 
 
 def test_cli_dump_summarizes(mlp_dump):

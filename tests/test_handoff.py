@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from conftest import host_kernels_without
 
 import tpuc
 
@@ -99,7 +100,7 @@ def test_saved_tensor_hook_that_copies(model_and_input):
 
 def test_off_switch(model_and_input, monkeypatch):
     model, x = model_and_input
-    monkeypatch.setenv("TPUC_LAYOUT_HANDOFF", "0")
+    monkeypatch.setenv("TPUC_HOST_KERNELS", host_kernels_without("handoff"))
     torch._dynamo.reset()
     tpuc.reset_stats()
     got = _steps(model, x, compiled=True)

@@ -1,7 +1,7 @@
 """2-D f32 convolutions run in oneDNN (3.x from PyPI's onednn-cpu-gomp, else Debian's libdnnl2
 2.x) as XLA FFI custom calls
 (`tpuc_conv2d_fwd|bwd_data|bwd_weights`) inside the compiled program, registered with the CPU
-plugin at start (`TPUC_HOST_CONV=0`: never). Checked against eager, forward and both gradients,
+plugin at start (`TPUC_HOST_KERNELS=-conv`: never). Checked against eager, forward and both gradients,
 over strides, padding, dilation, groups, non-square kernels and batch 1; with the weights changed
 under the compiled model in the ways PyTorch allows (in place, `.data =`, `load_state_dict`);
 from two threads at once; with oneDNN 2.x where 3.x is the default (a child process: the two
@@ -156,7 +156,7 @@ print("on", runtime.get_runtime(None).host_conv, "calls", sum(tpuc._native.Runti
 
 
 def test_off_keeps_convolutions_in_xla_with_the_same_numbers(tmp_path):
-    env = dict(os.environ, TPUC_HOST_CONV="0", TPUC_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, TPUC_HOST_KERNELS="-conv", TPUC_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split()[-4:] == ["on", "False", "calls", "0"], r.stdout
@@ -172,7 +172,7 @@ def test_xla_convolution_lowerings_still_match_eager_with_onednn_off(tmp_path):
         "tests/test_ops.py::test_pointwise_and_patch_product_convolutions_forward_and_backward",
         "tests/test_handoff.py",
     ]
-    env = dict(os.environ, TPUC_HOST_CONV="0", TPUC_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, TPUC_HOST_KERNELS="-conv", TPUC_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         env=env,

@@ -1,6 +1,6 @@
 """Large f32 matrix products run in PyTorch's own BLAS
 (MKL) as XLA FFI custom calls (`tpuc_sgemm_nn|nt|tn|tt`) inside the compiled program, registered
-with the CPU plugin at start (`TPUC_HOST_GEMM=0`: never). Checked against eager for every operand
+with the CPU plugin at start (`TPUC_HOST_KERNELS=-gemm`: never). Checked against eager for every operand
 layout (plain, transposed weight as in nn.Linear, transposed input, batched), with bias and
 scaling (addmm), and through the disk cache (a second process loads the executables, the handler
 registered before they run), cut into row blocks (many rows) or column blocks (fewer rows) on
@@ -24,6 +24,8 @@ pytestmark = pytest.mark.skipif(not MKL, reason="PyTorch here is not built with 
 
 CHILD = r"""
 import os, pathlib, sys, torch, tpuc
+if sys.argv[2:] == ["pieces"]:
+    tpuc._native.set_host_gemm_always_pieces(True)
 torch.manual_seed(0)
 dump = pathlib.Path(sys.argv[1])
 lin = torch.nn.Linear(256, 384)
@@ -80,18 +82,19 @@ HOST = (
 )
 
 
-def _run(tmp_path: Path, name: str, env_value: str | None, pieces: bool = False) -> dict[str, str]:
+def _run(tmp_path: Path, name: str, host_kernels: str | None, pieces: bool = False) -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("TPUC_HOST_GEMM", None)
-    env.pop("TPUC_HOST_GEMM_PIECES", None)
-    if env_value is not None:
-        env["TPUC_HOST_GEMM"] = env_value
-    if pieces:
-        env["TPUC_HOST_GEMM_PIECES"] = "1"
-    env["TPUC_CACHE_DIR"] = str(tmp_path / f"cache-{env_value}-{pieces}")
+    env.pop("TPUC_HOST_KERNELS", None)
+    if host_kernels is not None:
+        env["TPUC_HOST_KERNELS"] = host_kernels
+    env["TPUC_CACHE_DIR"] = str(tmp_path / f"cache-{host_kernels}-{pieces}")
     dump = tmp_path / name
     r = subprocess.run(
-        [sys.executable, "-c", CHILD, str(dump)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", CHILD, str(dump), *(["pieces"] if pieces else [])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln.split(" ", 1) for ln in r.stdout.splitlines() if ln.strip()]
@@ -125,13 +128,14 @@ def test_host_gemm_in_one_thread_pieces_over_xlas_pool_matches_eager(tmp_path):
 
 
 def test_host_gemm_off_keeps_every_product_in_xla(tmp_path):
-    out = _run(tmp_path, "off", "0")
+    out = _run(tmp_path, "off", "-gemm")
     assert out["mm"] == "False" and out["vector_matrix"] == "False", out
     assert out["min_macs"] == "None", out
 
 
 CONCURRENT = r"""
 import threading, torch, tpuc
+tpuc._native.set_host_gemm_always_pieces(True)
 torch.manual_seed(0)
 shapes = [(600, 256, 320), (128, 1024, 320), (64, 512, 512)]
 fns = [torch.compile(lambda a, b: torch.relu(a @ b), backend="tpu") for _ in shapes]
@@ -158,8 +162,8 @@ def test_host_gemm_pieces_from_several_threads_at_once_match_eager(tmp_path):
     """Products cut into pieces on three Python threads at once: each posts its blocks for the
     helper threads (one board: a later product replaces an earlier one there, whose owner then
     finishes it alone), and every result matches eager."""
-    env = dict(os.environ, TPUC_HOST_GEMM_PIECES="1", TPUC_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("TPUC_HOST_GEMM", None)
+    env = dict(os.environ, TPUC_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TPUC_HOST_KERNELS", None)
     r = subprocess.run(
         [sys.executable, "-c", CONCURRENT], env=env, capture_output=True, text=True, timeout=600
     )

@@ -22,7 +22,7 @@ OPTS = {"fallback": "error", "cache_dir": None}
 def host_rows():
     rt = runtime.get_runtime(None)
     if not rt.host_attention:
-        pytest.skip("no host kernels in this process (TPUC_HOST_ROWS=0, or no MKL)")
+        pytest.skip("no host kernels in this process (TPUC_HOST_KERNELS without rows, or no MKL)")
     return rt
 
 
@@ -156,7 +156,7 @@ def test_flash_attention_runs_in_the_host_kernel_and_matches_eager(host_rows, tm
 
 
 def test_flash_attention_in_xla_keeps_a_nan_row_nan(host_rows, tmp_path):
-    """The XLA lowering (`TPUC_HOST_ROWS=0`, and dtypes other than f32): XLA's max skips NaN,
+    """The XLA lowering (`TPUC_HOST_KERNELS=-rows`, and dtypes other than f32): XLA's max skips NaN,
     which once made a row of NaN scores look fully masked and come out as zeros."""
     q, k, v, kwargs = _attention_case("scale_and_nan", torch.Generator().manual_seed(5))
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -37,7 +37,7 @@ print(host_malloc.tune_for_xla_cpu(), "|", faults)
 def _child_last_line(code: str, **env_changes) -> str:
     """The last line `code` prints, run with no malloc settings of the user's and one CPU device."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    env.pop("TPUC_MALLOC", None)
+    env.pop("TPUC_HOST_KERNELS", None)
     env.pop("TPUC_CPU_DEVICES", None)
     env.update(env_changes)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -56,9 +56,9 @@ def test_a_freed_large_block_is_reused_without_page_faults():
     assert faults < 1000, faults
 
 
-def test_tpuc_malloc_default_leaves_the_allocator_alone():
-    state, faults = _run(TPUC_MALLOC="default")
-    assert state == "left alone (TPUC_MALLOC=default)"
+def test_host_kernels_without_malloc_leave_the_allocator_alone():
+    state, faults = _run(TPUC_HOST_KERNELS="-malloc")
+    assert state == "left alone (TPUC_HOST_KERNELS turns malloc off)"
     assert faults > 3 * 10_000, faults
 
 
@@ -68,12 +68,13 @@ def test_the_users_own_malloc_settings_win():
     assert faults > 3 * 10_000, faults
 
 
-def test_a_wrong_tpuc_malloc_value_is_a_clear_error():
-    env = dict(os.environ, TPUC_MALLOC="jemalloc")
+def test_a_wrong_host_kernels_value_is_a_clear_error():
+    env = dict(os.environ, TPUC_HOST_KERNELS="-jemalloc")
     child = "import torch, tpuc\nprint(torch.compile(lambda x: x + 1, backend='tpu')(torch.ones(2)))"
     out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
-    assert "TPUC_MALLOC must be 'tuned' or 'default', got 'jemalloc'" in out.stderr
+    assert "ValueError" in out.stderr and 'TPUC_HOST_KERNELS="-jemalloc"' in out.stderr, out.stderr[-2000:]
+    assert 'unknown host path "jemalloc"' in out.stderr and "malloc" in out.stderr
 
 
 # Threads that allocate and exit leave their malloc arenas on glibc's free list, and threads

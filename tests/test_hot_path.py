@@ -3,6 +3,7 @@ aliased), the general path for inputs a plan does not fit, and the per-call prof
 TPUC_LOG=debug."""
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -206,7 +207,9 @@ def test_tpuc_log_debug_reports_per_call_phases():
         assert prof["execute"] > 0, prof
         """
     )
-    env = {**__import__("os").environ, "TPUC_LOG": "debug", "TPUC_PROFILE_EVERY": "5"}
+    # Added to the debugging hooks already set (the discrete-device rerun's).
+    hooks = ",".join(filter(None, [os.environ.get("TPUC_DEBUG"), "profile_every=5"]))
+    env = {**os.environ, "TPUC_LOG": "debug", "TPUC_DEBUG": hooks}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [line for line in r.stderr.splitlines() if "planned calls" in line]

@@ -226,7 +226,7 @@ def test_cpu_flash_attention_in_query_blocks(kind):
 
 @pytest.mark.parametrize("kind", ["causal", "float_mask", "grouped_heads"])
 def test_cpu_flash_attention_products_of_real_size_run_in_the_host_blas(tmp_path, kind):
-    """Without the host attention kernel (`TPUC_HOST_ROWS=0`, here switched off for the
+    """Without the host attention kernel (`TPUC_HOST_KERNELS=-rows`, here switched off for the
     compile; see test_host_kernels.py for the kernel), per-head products of 128 x 64 x 128
     multiply-adds (GPT-2's) go to the host BLAS as one batched call each (scores with the keys
     stored transposed, then the weighted values), which spreads the heads over the threads where

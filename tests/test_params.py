@@ -1,7 +1,7 @@
 """Parameters and buffers stay on the device while unchanged; an in-place update re-uploads; and
 whatever ordinary PyTorch does to a parameter's memory between calls is seen. (The counting tests
 ask for residency="versioned", which keeps copies too, so that they count the same under
-TPUC_DISCRETE_DEVICE=1.)"""
+TPUC_DEBUG=discrete_device.)"""
 
 from __future__ import annotations
 

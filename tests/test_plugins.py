@@ -143,12 +143,12 @@ def _real_plugin(family: str) -> Path:
 @pytest.mark.parametrize("forced", [False, True], ids=["checked", "loaded"])
 def test_real_accelerator_plugin_without_its_hardware_fails_fast(family, forced):
     # "checked": tpuc's own check names the missing device before loading anything; "loaded"
-    # (TPUC_SKIP_DEVICE_CHECK=1): the plugin itself starts and says so, within seconds (libtpu
+    # (TPUC_DEBUG=skip_device_check): the plugin itself starts and says so, within seconds (libtpu
     # never waits on a metadata server), and is never handed the CPU plugin's options.
     if runtime.hardware_present(family):
         pytest.skip(f"this machine has a {family} device")
     plugin = _real_plugin(family)
-    env = {**os.environ, "TPUC_SKIP_DEVICE_CHECK": "1" if forced else "0"}
+    env = {**os.environ, "TPUC_DEBUG": f"skip_device_check={'on' if forced else 'off'}"}
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, str(plugin)], env=env, capture_output=True, text=True, timeout=120
     )
@@ -168,7 +168,7 @@ def test_plugin_reports_the_stablehlo_it_accepts():
 
 
 def test_modules_as_text_compile_and_match():
-    # What a plugin older than tpuc's bytecode gets (or TPUC_MODULE_FORMAT=text asks for).
+    # What a plugin older than tpuc's bytecode gets (or TPUC_DEBUG=module_format=text asks for).
     child = (
         "import torch, tpuc\n"
         "from tpuc import runtime\n"
@@ -178,7 +178,7 @@ def test_modules_as_text_compile_and_match():
         "    torch.testing.assert_close(torch.compile(m, backend='tpu')(x), m(x), rtol=1e-5, atol=1e-5)\n"
         "print(runtime.get_runtime(None).module_format)\n"
     )
-    env = {**os.environ, "TPUC_MODULE_FORMAT": "text"}
+    env = {**os.environ, "TPUC_DEBUG": "module_format=text"}
     out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "text"

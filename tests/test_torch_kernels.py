@@ -1,6 +1,6 @@
 """Attention over many keys runs through PyTorch's CPU flash attention on the CPU plugin (see
 python/tpuc/torch_kernels.py): the graph is split around it, results match eager, nothing is
-warned or counted as a fallback; small attention and TPUC_TORCH_KERNELS=0 stay in XLA."""
+warned or counted as a fallback; small attention and TPUC_HOST_KERNELS=-torch stay in XLA."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import host_kernels_without
 
 import tpuc
 
@@ -83,7 +84,7 @@ def test_short_attention_and_the_setting_keep_attention_in_xla(monkeypatch):
         torch.testing.assert_close(out, model(short), rtol=1e-5, atol=1e-5)
         assert stats["torch_kernels"] == {} and stats["graphs_compiled"] == 1
 
-        monkeypatch.setenv("TPUC_TORCH_KERNELS", "0")
+        monkeypatch.setenv("TPUC_HOST_KERNELS", host_kernels_without("torch"))
         long = torch.randn(2, 1100, 32)
         out, stats = _run(model, long, fallback="error")
         torch.testing.assert_close(out, model(long), rtol=1e-5, atol=1e-5)

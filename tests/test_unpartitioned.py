@@ -1,8 +1,8 @@
 """On the CPU plugin a graph whose tensors are all small (at most 2^18 elements), or a graph
 without convolutions whose loop results (not inputs, views or products) have at most 32 times
 that, is compiled with its loop fusions unpartitioned (run on the calling thread, not split over
-XLA's pool); other graphs keep XLA's partitions; `TPUC_UNPARTITIONED_MAX` sets the bound (0:
-never). Read from
+XLA's pool); other graphs keep XLA's partitions; `tpuc._native.set_unpartitioned_max` sets the
+bound (0: never). Read from
 XLA's optimized HLO, where a partitioned fusion carries a non-empty `outer_dimension_partitions`. The compiling
 thread's CPU affinity is restored after, and given to the threads the plugin started meanwhile."""
 
@@ -22,6 +22,8 @@ pytestmark = pytest.mark.skipif(
 CHILD = r"""
 import json, os, pathlib, re, sys, torch, tpuc
 import torch.nn.functional as F
+if len(sys.argv) > 2:
+    tpuc._native.set_unpartitioned_max(int(sys.argv[2]))
 before = os.sched_getaffinity(0)
 def small(x):
     return torch.exp(torch.sin(x) * 2.0) + x
@@ -80,11 +82,10 @@ for (name, _, _), hlo in zip(cases, hlos):
 """
 
 
-def _partitioned(tmp_path, **env) -> dict[str, bool]:
-    child_env = {k: v for k, v in os.environ.items() if k != "TPUC_UNPARTITIONED_MAX"} | env
-    child_env["XLA_FLAGS"] = f"--xla_dump_to={tmp_path}"
+def _partitioned(tmp_path, *unpartitioned_max: int) -> dict[str, bool]:
+    child_env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}")
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
+        [sys.executable, "-c", CHILD, str(tmp_path), *map(str, unpartitioned_max)],
         env=child_env,
         capture_output=True,
         text=True,
@@ -104,8 +105,8 @@ def test_small_and_conv_free_graphs_run_unpartitioned_large_ones_keep_partitions
     }
 
 
-def test_tpuc_unpartitioned_max_zero_keeps_every_partition(tmp_path):
-    assert _partitioned(tmp_path, TPUC_UNPARTITIONED_MAX="0") == {
+def test_unpartitioned_max_zero_keeps_every_partition(tmp_path):
+    assert _partitioned(tmp_path, 0) == {
         "small": True,
         "conv_free": True,
         "conv_free_huge": True,

@@ -425,14 +425,20 @@ impl DiskCache {
     }
 }
 
-/// Tests of crash safety need a writer to die half-way through an entry: with
-/// `TPUC_CACHE_WRITE_PAUSE_MS` set, a writer sleeps after the header and metadata, before the
-/// payload. Not for production use.
+/// Tests of crash safety need a writer to die half-way through an entry: with a pause set
+/// ([`set_write_pause`]), a writer sleeps after the header and metadata, before the payload.
+static WRITE_PAUSE_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Test hook (`TPUC_DEBUG=cache_write_pause_ms=N`): every later write of this process sleeps
+/// `pause` half-way through its entry. Not for production use.
+pub fn set_write_pause(pause: Duration) {
+    let ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX);
+    WRITE_PAUSE_MS.store(ms, std::sync::atomic::Ordering::Relaxed);
+}
+
 fn fault_injection_pause() {
-    if let Some(ms) = std::env::var("TPUC_CACHE_WRITE_PAUSE_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    {
+    let ms = WRITE_PAUSE_MS.load(std::sync::atomic::Ordering::Relaxed);
+    if ms > 0 {
         std::thread::sleep(Duration::from_millis(ms));
     }
 }

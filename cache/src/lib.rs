@@ -7,7 +7,9 @@
 
 mod disk;
 
-pub use disk::{CacheError, DiskCache, Entry, EntryInfo, GcReport, FORMAT_VERSION};
+pub use disk::{
+    set_write_pause, CacheError, DiskCache, Entry, EntryInfo, GcReport, FORMAT_VERSION,
+};
 
 use std::collections::HashMap;
 use std::fmt;

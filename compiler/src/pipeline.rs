@@ -330,8 +330,8 @@ fn reads_as_bytecode_rejection(message: &str) -> bool {
 }
 
 /// Largest tensor (elements) of a graph with convolutions compiled for the CPU plugin with its
-/// loop fusions run on the calling thread, unpartitioned (`TPUC_UNPARTITIONED_MAX` sets it; 0:
-/// none). Below it XLA's partitions of a fusion each take microseconds, which the hand-offs to
+/// loop fusions run on the calling thread, unpartitioned ([`set_unpartitioned_max`] changes it;
+/// 0: none). Below it XLA's partitions of a fusion each take microseconds, which the hand-offs to
 /// its thread pool (and that pool spinning after) cost more than the second core gives; above
 /// it, as in ResNet-50 (800k-element activations at batch 1), partitions win or tie.
 const UNPARTITIONED_MAX_ELEMENTS: i64 = 1 << 18;
@@ -351,14 +351,20 @@ const UNPARTITIONED_MAX_ELEMENTS: i64 = 1 << 18;
 /// `bench_real.py` 0.88x partitioned, 1.03-1.05x unpartitioned).
 const UNPARTITIONED_CONV_FREE_FACTOR: i64 = 32;
 
+static UNPARTITIONED_MAX: std::sync::atomic::AtomicI64 =
+    std::sync::atomic::AtomicI64::new(UNPARTITIONED_MAX_ELEMENTS);
+
+/// Test and benchmark hook: the bound of [`UNPARTITIONED_MAX_ELEMENTS`] for later compiles in
+/// this process (0: every graph keeps XLA's partitions); returns the previous one.
+pub fn set_unpartitioned_max(elements: i64) -> i64 {
+    UNPARTITIONED_MAX.swap(elements, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether XLA's CPU compiler should see one CPU while it compiles `g` (see the two bounds
 /// above).
 fn runs_unpartitioned(g: &Graph) -> bool {
-    // Read at each compile (a compile costs far more), so one process can compare both ways.
-    let max = std::env::var("TPUC_UNPARTITIONED_MAX")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(UNPARTITIONED_MAX_ELEMENTS);
+    // Read at each compile, so one process can compare both ways.
+    let max = UNPARTITIONED_MAX.load(std::sync::atomic::Ordering::Relaxed);
     if max <= 0 {
         return false;
     }
@@ -412,9 +418,9 @@ fn is_loop_op(op: &str) -> bool {
     !NOT_LOOPS.iter().any(|p| op.starts_with(p))
 }
 
-/// Whether `TPUC_DISCRETE_DEVICE` asks to treat every plugin as a discrete device.
+/// Whether `TPUC_DEBUG=discrete_device` asks to treat every plugin as a discrete device.
 pub fn discrete_device_forced() -> bool {
-    tpuc_runtime::env::flag("TPUC_DISCRETE_DEVICE", false)
+    tpuc_runtime::env::debug_flag("discrete_device")
 }
 
 /// Bytes of a dense array of `shape` and `dtype` (shapes of lowered signatures are valid).
@@ -443,9 +449,12 @@ impl Engine {
             client.devices()?
         };
         let machine = machine_key_part(&platform, &devices);
-        let text = match std::env::var("TPUC_MODULE_FORMAT").as_deref() {
-            Ok("text") => true,
-            Ok("bytecode") => false,
+        if let Some(ms) = tpuc_runtime::env::debug_count("cache_write_pause_ms") {
+            tpuc_cache::set_write_pause(std::time::Duration::from_millis(ms));
+        }
+        let text = match tpuc_runtime::env::debug_choice("module_format") {
+            Some("text") => true,
+            Some("bytecode") => false,
             _ => stablehlo_versions
                 .as_ref()
                 .is_some_and(|(current, _)| current.as_slice() < BYTECODE_TESTED_FROM.as_slice()),
@@ -453,13 +462,12 @@ impl Engine {
         Ok(Engine {
             text_modules: std::sync::atomic::AtomicBool::new(text),
             stablehlo_versions,
-            // TPUC_DISCRETE_DEVICE=1 treats the CPU plugin as a device with memory of its own
+            // TPUC_DEBUG=discrete_device treats the CPU plugin as a device with memory of its own
             // (inputs uploaded, outputs copied back, resident buffers as copies): the path of
             // GPUs and TPUs, tested where there are none.
             host_zero_copy: platform == "cpu" && !discrete_device_forced(),
-            host_views: std::sync::atomic::AtomicBool::new(!tpuc_runtime::env::flag(
-                "TPUC_NO_HOST_VIEWS",
-                false,
+            host_views: std::sync::atomic::AtomicBool::new(!tpuc_runtime::env::debug_flag(
+                "no_host_views",
             )),
             client,
             cache: ExecutableCache::default(),
@@ -615,7 +623,7 @@ impl Engine {
     }
 
     /// Compiles `lowered` with the plugin: as MLIR bytecode, or as text for a plugin older than
-    /// the bytecode was tested with (`TPUC_MODULE_FORMAT=text|bytecode` decides instead). A
+    /// the bytecode was tested with (`TPUC_DEBUG=module_format=text|bytecode` decides instead). A
     /// plugin that cannot read the bytecode gets the text, from then on.
     /// `unpartitioned`: see [`runs_unpartitioned`].
     fn compile_module(

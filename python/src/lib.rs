@@ -3,6 +3,7 @@
 //! Python exception carrying the core's message.
 
 mod bucket;
+mod env;
 mod fx_walk;
 mod hot;
 mod target;
@@ -562,7 +563,7 @@ impl Runtime {
     }
 
     /// Sets how long the host BLAS's helper threads poll for the next product after their last
-    /// one before they sleep (`TPUC_HOST_GEMM_SPIN_US`), for this process.
+    /// one before they sleep (`tpuc_runtime::spin_helpers::SPIN`), for this process.
     #[staticmethod]
     fn set_host_gemm_spin_us(us: u64) {
         tpuc_runtime::spin_helpers::set_spin(std::time::Duration::from_micros(us));
@@ -1058,7 +1059,7 @@ impl Executable {
     }
 
     /// Whether XLA compiled its loop fusions unpartitioned (CPU plugin: small graphs, and
-    /// graphs without convolutions up to a bound; `TPUC_UNPARTITIONED_MAX`).
+    /// graphs without convolutions up to a bound; `set_unpartitioned_max`).
     #[getter]
     fn unpartitioned(&self) -> bool {
         self.compiled.unpartitioned
@@ -1183,7 +1184,7 @@ fn live_objects() -> HashMap<&'static str, usize> {
 }
 
 /// How long a wait for an execution polls before it sleeps, in microseconds (see
-/// `TPUC_EXECUTE_SPIN_US`); with an argument, sets it for this process first.
+/// `tpuc_runtime::EXECUTE_SPIN`); with an argument, sets it for this process first.
 #[pyfunction]
 #[pyo3(signature = (us=None))]
 fn execute_spin_us(us: Option<u64>) -> u64 {
@@ -1231,6 +1232,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(live_objects, m)?)?;
     m.add_function(wrap_pyfunction!(plugin_api_version, m)?)?;
     m.add_function(wrap_pyfunction!(execute_spin_us, m)?)?;
+    env::register(m)?;
     m.add_function(wrap_pyfunction!(cache_list, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(cache_verify, m)?)?;

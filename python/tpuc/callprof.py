@@ -2,7 +2,7 @@
 
 With `TPUC_LOG` at debug for tpuc (`debug`, `trace`, `tpuc=debug`), or the Python logger `tpuc`
 at DEBUG when a graph is compiled, every call of that graph is timed phase by phase and the
-logger `tpuc.calls` reports the median time per phase over the last `TPUC_PROFILE_EVERY`
+logger `tpuc.calls` reports the median time per phase over the last `TPUC_DEBUG=profile_every=N`
 calls (default 1000), after the first call and then every that many calls:
 
     tpuc: g1_forward: 1000 planned calls (0 general), median us per call over the last 1000:
@@ -29,6 +29,8 @@ import os
 import statistics
 import sys
 import threading
+
+from . import env
 
 log = logging.getLogger("tpuc.calls")
 
@@ -67,11 +69,12 @@ def enabled() -> bool:
     return logging.getLogger("tpuc").isEnabledFor(logging.DEBUG)
 
 
+#: Calls between two reports of a graph's phase times, unless TPUC_DEBUG=profile_every=N.
+PROFILE_EVERY = 1000
+
+
 def _every() -> int:
-    try:
-        return max(1, int(os.environ.get("TPUC_PROFILE_EVERY", "1000")))
-    except ValueError:
-        return 1000
+    return max(1, env.debug("profile_every") or PROFILE_EVERY)
 
 
 class CallProfile:
@@ -119,7 +122,7 @@ class CallProfile:
 
 def call_profiles() -> dict:
     """{graph name: {"calls", "general", phase: median us per call}} for graphs that time
-    their calls (medians over each graph's last TPUC_PROFILE_EVERY calls)."""
+    their calls (medians over each graph's last PROFILE_EVERY calls, or TPUC_DEBUG=profile_every=N)."""
     with _lock:
         profiles = list(_profiles)
     return {p.name: {"calls": p.calls, "general": p.general, **p.per_call_us()} for p in profiles}

@@ -50,18 +50,18 @@ def _doctor(args) -> int:
         host = (
             f"PyTorch's MKL for f32 products of >= {macs} multiply-adds"
             if macs
-            else "off (TPUC_HOST_GEMM=0, or PyTorch here has no MKL)"
+            else "off (TPUC_HOST_KERNELS without gemm, or PyTorch here has no MKL)"
         )
         print(f"host BLAS: {host}")
         version = _native.Runtime.host_conv_version()
         conv = (
             f"oneDNN {'.'.join(map(str, version or ()))} for 2-D f32 convolutions"
             if rt.host_conv
-            else "off (TPUC_HOST_CONV=0, or no oneDNN here: PyPI onednn-cpu-gomp or apt libdnnl2)"
+            else "off (TPUC_HOST_KERNELS without conv, or no oneDNN here: PyPI onednn-cpu-gomp or apt libdnnl2)"
         )
         print(f"host convolutions: {conv}")
         if not rt.host_rows:
-            rows = "off (TPUC_HOST_ROWS=0, or the plugin has no FFI extension)"
+            rows = "off (TPUC_HOST_KERNELS without rows, or the plugin has no FFI extension)"
         elif rt.host_attention:
             rows = "tpuc's kernels for large f32 layer norms and CPU flash attention"
         else:

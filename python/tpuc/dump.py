@@ -12,7 +12,6 @@ import collections
 import difflib
 import itertools
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -26,15 +25,17 @@ _lock = threading.Lock()
 #: meta.json's `format`; `tpuc dump` recognizes a dump folder by it.
 FORMAT = "tpuc-dump/1"
 
-#: Graphs with more nodes than this get `graph.dot` only (a note in meta.json says why).
-SVG_MAX_NODES = int(os.environ.get("TPUC_DUMP_SVG_MAX_NODES", "3000"))
+#: Graphs with more nodes than this get `graph.dot` only (a note in meta.json says why): the
+#: 3000-op chain measured at SVG_CLUSTER_MAX_NODES took 4-8 s to draw, larger ones longer.
+SVG_MAX_NODES = 3000
 #: Above this many nodes the picture is drawn without region clusters and with cheaper placement
 #: and crossing reduction (BIG_GRAPH_DOT_FLAGS). Measured on a synthetic 3000-op chain on the
 #: shared 2-core machine: 21 s with clusters, 14 s without, 4-8 s with the flags too.
 SVG_CLUSTER_MAX_NODES = 1500
 BIG_GRAPH_DOT_FLAGS = ["-Gnslimit=1", "-Gnslimit1=1", "-Gmclimit=0.01", "-Gremincross=false"]
-#: Seconds `dot` may take before the SVG is skipped.
-SVG_TIMEOUT = float(os.environ.get("TPUC_DUMP_SVG_TIMEOUT", "20"))
+#: Seconds `dot` may take before the SVG is skipped: above the 4-8 s of that 3000-op chain,
+#: short enough that a dump never stalls a compile for minutes.
+SVG_TIMEOUT = 20.0
 
 # One op per line in the generic MLIR form tpuc prints: `%3 = "stablehlo.add"(...)`, also
 # `%0:2 = ...` and ops without results (`"stablehlo.return"(...)`).
@@ -75,7 +76,7 @@ def _render_svg(folder: Path, dot_text: str, n_nodes: int, exe, title: str) -> d
     if n_nodes > SVG_MAX_NODES:
         info["note"] = (
             f"graph.svg not written: {n_nodes} nodes is above the limit of {SVG_MAX_NODES} "
-            "(TPUC_DUMP_SVG_MAX_NODES); render graph.dot yourself"
+            "(tpuc.dump.SVG_MAX_NODES); render graph.dot yourself"
         )
         return info
     cmd = [dot_bin, "-Tsvg"]
@@ -87,7 +88,8 @@ def _render_svg(folder: Path, dot_text: str, n_nodes: int, exe, title: str) -> d
         proc = subprocess.run(cmd, input=dot_text, capture_output=True, text=True, timeout=SVG_TIMEOUT)
     except subprocess.TimeoutExpired:
         info["note"] = (
-            f"graph.svg not written: dot took longer than {SVG_TIMEOUT:g} s (TPUC_DUMP_SVG_TIMEOUT)"
+            f"graph.svg not written: dot took longer than {SVG_TIMEOUT:g} s (tpuc.dump.SVG_TIMEOUT); "
+            "render graph.dot yourself"
         )
         return info
     info["render_seconds"] = round(time.perf_counter() - t0, 4)

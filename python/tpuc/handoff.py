@@ -17,7 +17,7 @@ Only tpuc's own backward reads these tensors, so nothing needs them row-major:
 
 Exact whatever arrives: a saved tensor with other strides (a saved-tensor hook that copied it)
 is made contiguous in its NHWC view by the general call path, as any non-contiguous input.
-`TPUC_LAYOUT_HANDOFF=0` turns it off (read per compiled graph); `tpuc.stats()`
+`TPUC_HOST_KERNELS=-handoff` turns it off (read per compiled graph); `tpuc.stats()`
 counts the activations handed over (`saved_channels_last`).
 """
 
@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from . import counters, input_views
-from .runtime import env_flag
+from . import counters, env, input_views
 
 # NHWC of an NCHW tensor, and back.
 NHWC_OF_NCHW = (0, 2, 3, 1)
@@ -35,7 +34,7 @@ NCHW_OF_NHWC = (0, 3, 1, 2)
 
 
 def enabled() -> bool:
-    return env_flag("TPUC_LAYOUT_HANDOFF", True)
+    return env.host_kernel("handoff")
 
 
 class Handoff:

@@ -13,7 +13,7 @@ to bring every fault back as soon as one graph's temporaries exceed it).
 
 The settings are process-wide, so tpuc leaves them alone when the user tuned malloc
 (`_USER_SETTINGS`: glibc's malloc tunables in the environment; debugging ones such as
-`MALLOC_CHECK_` do not count) or set `TPUC_MALLOC=default`, and off glibc.
+`MALLOC_CHECK_` do not count) or turned it off (`TPUC_HOST_KERNELS=-malloc`), and off glibc.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import ctypes
 import logging
 import os
 import platform
+
+from . import env
 
 _log = logging.getLogger("tpuc")
 
@@ -59,11 +61,8 @@ def tune_for_xla_cpu() -> str:
 
 
 def _tune() -> str:
-    choice = os.environ.get("TPUC_MALLOC", "tuned")
-    if choice not in ("tuned", "default"):
-        raise ValueError(f"TPUC_MALLOC must be 'tuned' or 'default', got {choice!r}")
-    if choice == "default":
-        return "left alone (TPUC_MALLOC=default)"
+    if not env.host_kernel("malloc"):
+        return "left alone (TPUC_HOST_KERNELS turns malloc off)"
     user = [name for name in _USER_SETTINGS if name in os.environ]
     if user:
         return f"left alone (the environment sets {', '.join(user)})"

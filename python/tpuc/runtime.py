@@ -11,7 +11,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from . import _native, host_malloc
+from . import _native, env, host_malloc
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, _native.Runtime] = {}
@@ -144,8 +144,8 @@ def resolve_plugin(plugin: str | None) -> Path:
 def check_hardware(path: Path, family: str) -> None:
     """Raises PjrtError naming the missing device when `path`'s family needs hardware this machine
     lacks: a GPU plugin fails slowly and obscurely without one, and libtpu waits minutes for a
-    metadata server. TPUC_SKIP_DEVICE_CHECK=1 skips it (device files elsewhere)."""
-    if family not in _HARDWARE or env_flag("TPUC_SKIP_DEVICE_CHECK", False):
+    metadata server. TPUC_DEBUG=skip_device_check skips it (device files elsewhere)."""
+    if family not in _HARDWARE or env.debug("skip_device_check"):
         return
     if not hardware_present(family):
         what, files = _HARDWARE[family]
@@ -173,31 +173,6 @@ def create_options(family: str, devices: int | None, overrides: dict | None = No
         options["preallocate"] = False
     options.update(overrides or {})
     return options
-
-
-#: What every on/off environment variable accepts, in any case (docs/api.md, "Environment");
-#: the Rust side reads its own by the same rule (`tpuc_runtime::env::flag`, runtime/src/env.rs).
-FLAG_ON = ("1", "on", "true", "yes")
-FLAG_OFF = ("0", "off", "false", "no")
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """The on/off environment variable `name`: one of FLAG_ON or FLAG_OFF; unset or empty gives
-    `default`, and so does any other value, with a RuntimeWarning naming the variable (a switch
-    only picks between correct paths, so the default is always a safe reading)."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in FLAG_ON:
-        return True
-    if value in FLAG_OFF:
-        return False
-    if value:
-        warnings.warn(
-            f"tpuc: {name}={os.environ[name]!r} is neither on ({'/'.join(FLAG_ON)}) nor off "
-            f"({'/'.join(FLAG_OFF)}); using the default ({'on' if default else 'off'})",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return default
 
 
 def positive_int_env(name: str, default: int) -> int:
@@ -270,6 +245,7 @@ def get_runtime(
     with _lock:
         rt = _runtimes.get(key)
         if rt is None:
+            env.check()
             check_hardware(path, family)
             check_plugin_file(path)
             if family == "cpu":
@@ -300,8 +276,8 @@ def _enable_host_gemm(rt: _native.Runtime) -> None:
     """Lets large f32 matrix products run in the BLAS PyTorch itself
     calls (MKL in its x86 wheels), as XLA FFI custom calls inside the compiled program, where
     MKL was measured faster than XLA's dot (docs/host-kernels.md, "Host BLAS"). Only where that BLAS is MKL;
-    `TPUC_HOST_GEMM=0` keeps every product in XLA."""
-    if not env_flag("TPUC_HOST_GEMM", True):
+    `TPUC_HOST_KERNELS=-gemm` keeps every product in XLA."""
+    if not env.host_kernel("gemm"):
         return
     import torch
 
@@ -330,8 +306,8 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
     """Lets 2-D f32 convolutions run in oneDNN, the library PyTorch's own CPU convolutions use,
     as XLA FFI custom calls inside the compiled program (XLA's CPU convolutions are Eigen's,
     measured slower: docs/host-kernels.md, "Host oneDNN"). Where oneDNN is missing, convolutions stay in XLA;
-    `TPUC_HOST_CONV=0` keeps them there."""
-    if not env_flag("TPUC_HOST_CONV", True):
+    `TPUC_HOST_KERNELS=-conv` keeps them there."""
+    if not env.host_kernel("conv"):
         return
     library = host_conv_library()
     if not rt.enable_host_conv(library) and os.environ.get("TPUC_ONEDNN"):
@@ -348,8 +324,9 @@ def _enable_host_conv(rt: _native.Runtime) -> None:
 def _enable_host_rows(rt: _native.Runtime) -> None:
     """Lets large f32 layer norms run in tpuc's own row kernels (one pass over memory per row,
     on both cores), as XLA FFI custom calls inside the compiled program: XLA's CPU lowering
-    makes five passes (docs/host-kernels.md, "Host row kernels"). `TPUC_HOST_ROWS=0` keeps them in XLA."""
-    rt.enable_host_rows(env_flag("TPUC_HOST_ROWS", True))
+    makes five passes (docs/host-kernels.md, "Host row kernels"). `TPUC_HOST_KERNELS=-rows` keeps them
+    in XLA."""
+    rt.enable_host_rows(env.host_kernel("rows"))
 
 
 def _plain_start_error(message: str, path: Path, family: str) -> str:

@@ -7,7 +7,7 @@ scores in cache and never writes them out, where XLA's CPU backend runs the lowe
 blocks pass by pass over memory (scores, max, exponentials, sum, product). UNet's 4096-token
 attention (8 heads of 8): 53 ms in PyTorch, 134 through XLA; the whole UNet step 307 ms instead
 of 640. Only on the CPU plugin, whose buffers are the tensors' own memory (nothing is copied
-between the partitions); `TPUC_TORCH_KERNELS=0` keeps everything in XLA.
+between the partitions); `TPUC_HOST_KERNELS=-torch` keeps everything in XLA.
 
 The graph is split with the fallback partitioner: the attention runs in PyTorch between the
 compiled partitions before and after it. It is not a fallback: nothing is warned or counted in
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import env_flag
+from . import env
 
 ATTENTION = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
@@ -29,8 +29,8 @@ MIN_SCORES = 1 << 22
 
 
 def enabled() -> bool:
-    """Whether `TPUC_TORCH_KERNELS` allows handing ops to PyTorch (on unless switched off)."""
-    return env_flag("TPUC_TORCH_KERNELS", True)
+    """Whether `TPUC_HOST_KERNELS` allows handing ops to PyTorch (path `torch`, on by default)."""
+    return env.host_kernel("torch")
 
 
 def nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

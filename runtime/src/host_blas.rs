@@ -1,8 +1,8 @@
 //! f32 matrix products through the host's BLAS (the `sgemm_` PyTorch itself calls: MKL in
 //! torch's x86 wheels), registered with a CPU plugin as XLA FFI custom calls.
 //!
-//! Unless `TPUC_HOST_GEMM=0`, the compiler emits `stablehlo.custom_call @tpuc_sgemm_<ta><tb>`
-//! (typed FFI, api_version 4) for large f32 products; XLA's CPU runtime
+//! Unless `TPUC_HOST_KERNELS` turns `gemm` off, the compiler emits
+//! `stablehlo.custom_call @tpuc_sgemm_<ta><tb>` (typed FFI, api_version 4) for large f32 products; XLA's CPU runtime
 //! calls [`gemm`] with the operands' host memory. The targets must be registered in every
 //! process before a module naming them is compiled or deserialized: [`register`] does it once
 //! per plugin, through the plugin's PJRT FFI extension.
@@ -11,7 +11,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::path::Path;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::plugin::Plugin;
@@ -386,11 +386,18 @@ pub fn calls() -> (u64, u64, u64) {
     )
 }
 
-/// `TPUC_HOST_GEMM_PIECES=1`: cut products into one-thread pieces on the calling thread too (the
-/// path of XLA's threads, which small test programs never take otherwise).
+/// Test hook ([`set_always_pieces`]): products cut into one-thread pieces on the calling thread
+/// too (the path of XLA's threads, which small test programs never take otherwise).
+static ALWAYS_PIECES: AtomicBool = AtomicBool::new(false);
+
 fn always_pieces() -> bool {
-    static ALWAYS: OnceLock<bool> = OnceLock::new();
-    *ALWAYS.get_or_init(|| crate::env::flag("TPUC_HOST_GEMM_PIECES", false))
+    ALWAYS_PIECES.load(Ordering::Relaxed)
+}
+
+/// Test hook: cut every product into one-thread pieces, on the calling thread too, from now on
+/// in this process (`on`), or only on XLA's threads again.
+pub fn set_always_pieces(on: bool) {
+    ALWAYS_PIECES.store(on, Ordering::Relaxed);
 }
 
 /// A call's products cut into pieces, claimed one at a time by the threads that run them.
@@ -406,7 +413,7 @@ impl Pieces {
     /// Runs unclaimed pieces on this thread, each through a one-thread `sgemm_`, until none is
     /// left.
     fn work_with(&self, blas: &'static Blas) {
-        // On the thread that called execute (only with `TPUC_HOST_GEMM_PIECES=1`) MKL's setting
+        // On the thread that called execute (only with [`set_always_pieces`]) MKL's setting
         // is restored after: PyTorch's own products there use its threads.
         let _one_thread = OneThreadBlas::with(blas);
         let total = self.batch * self.pieces;

@@ -3,9 +3,10 @@
 //!
 //! XLA's CPU plugin runs convolutions through Eigen; oneDNN's JIT kernels (the ones PyTorch's
 //! eager and Inductor call) run ResNet-50's convolutions about 1.4x faster on the same cores.
-//! Unless `TPUC_HOST_CONV=0`, the compiler emits `stablehlo.custom_call @tpuc_conv2d_<kind>`
-//! (typed FFI, api_version 4) for 2-D f32 convolutions of the channels-last form; XLA's runtime
-//! calls the handlers below with the operands' host memory. As for the host BLAS, the targets
+//! Unless `TPUC_HOST_KERNELS` turns `conv` off, the compiler emits
+//! `stablehlo.custom_call @tpuc_conv2d_<kind>` (typed FFI, api_version 4) for 2-D f32
+//! convolutions of the channels-last form; XLA's runtime calls the handlers below with the
+//! operands' host memory. As for the host BLAS, the targets
 //! must be registered in every process before a module naming them is compiled or loaded.
 //!
 //! Operands (activations channels-last, the kernel as PyTorch holds it):
@@ -758,7 +759,7 @@ fn primitive_desc_v3(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<
 }
 
 /// The primitives of oneDNN's implementations of `shape` that [`fastest`] picks from: the one
-/// it ranks first, and with 3.x up to [`max_candidates`] - 1 more (its ranking is a heuristic;
+/// it ranks first, and with 3.x up to [`MAX_CANDIDATES`] - 1 more (its ranking is a heuristic;
 /// ResNet-50's 3x3 weight gradients ran faster in an implementation it ranked later). Reference
 /// implementations (`ref:`, slow by design) are left out unless there is nothing else, and so
 /// are kernels for narrower vectors than one already taken.
@@ -832,7 +833,7 @@ fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
         }
         let usable = candidates.iter().filter(|p| !p.is_reference()).count();
         // SAFETY: as above; a status other than success means there is no next one.
-        if usable == max_candidates() || unsafe { primitive_desc_next_impl(pd) } != SUCCESS {
+        if usable == MAX_CANDIDATES || unsafe { primitive_desc_next_impl(pd) } != SUCCESS {
             break;
         }
     }
@@ -861,22 +862,10 @@ fn isa_level(name: &str) -> Option<u8> {
     }
 }
 
-/// How many of oneDNN's implementations of a shape [`fastest`] tries at most.
+/// How many of oneDNN's implementations of a shape [`fastest`] tries at most (the choice may
+/// differ from one process to the next, and implementations sum in different orders).
+// 4: ResNet-50 training 332-352 ms a step with the trials, 360-381 with oneDNN's first choice.
 const MAX_CANDIDATES: usize = 4;
-
-/// [`MAX_CANDIDATES`], or 1 with `TPUC_ONEDNN_TRIALS=0`: oneDNN's first-ranked implementation,
-/// the same in every process (the trials may pick differently from one process to the next,
-/// and implementations sum in different orders).
-fn max_candidates() -> usize {
-    static MAX: OnceLock<usize> = OnceLock::new();
-    *MAX.get_or_init(|| {
-        if !crate::env::flag("TPUC_ONEDNN_TRIALS", true) {
-            1
-        } else {
-            MAX_CANDIDATES
-        }
-    })
-}
 
 /// The name of the implementation behind primitive descriptor `pd` (empty where not given).
 fn impl_name(d: &Dnnl, pd: Handle) -> String {

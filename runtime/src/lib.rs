@@ -64,32 +64,25 @@ pub fn live_objects() -> LiveObjects {
 }
 
 /// How long a thread that waits for an execution polls its completion event before it sleeps
-/// on it, in nanoseconds (`TPUC_EXECUTE_SPIN_US`, default 100 us; 0 never polls). The CPU
-/// plugin runs any program above a tiny cost on its worker pool; a blocking wait then adds a
-/// wake-up of the waiting thread, tens of microseconds on a busy machine. Only programs whose
-/// last run finished within this time are polled for (longer ones would lose a core to it).
-static EXECUTE_SPIN_NANOS: std::sync::OnceLock<std::sync::atomic::AtomicU64> =
-    std::sync::OnceLock::new();
+/// on it, unless [`set_execute_spin`] changed it (0 never polls). The CPU plugin runs any
+/// program above a tiny cost on its worker pool; a blocking wait then adds a wake-up of the
+/// waiting thread, tens of microseconds on a busy machine. Only programs whose last run
+/// finished within this time are polled for (longer ones would lose a core to it).
+// 100 us: above the wake-up measured with it (commit 2366577: mlp 17 us a call, ~30 us more after a pause).
+pub const EXECUTE_SPIN: std::time::Duration = std::time::Duration::from_micros(100);
 
-fn execute_spin_cell() -> &'static std::sync::atomic::AtomicU64 {
-    EXECUTE_SPIN_NANOS.get_or_init(|| {
-        let us = std::env::var("TPUC_EXECUTE_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(100);
-        std::sync::atomic::AtomicU64::new(us.saturating_mul(1000))
-    })
-}
+static EXECUTE_SPIN_NANOS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(EXECUTE_SPIN.as_nanos() as u64);
 
-/// The current poll time before a blocking wait on an execution (see `TPUC_EXECUTE_SPIN_US`).
+/// The current poll time before a blocking wait on an execution (see [`EXECUTE_SPIN`]).
 pub fn execute_spin() -> std::time::Duration {
-    std::time::Duration::from_nanos(execute_spin_cell().load(Ordering::Relaxed))
+    std::time::Duration::from_nanos(EXECUTE_SPIN_NANOS.load(Ordering::Relaxed))
 }
 
 /// Sets the poll time before a blocking wait on an execution, for this process.
 pub fn set_execute_spin(spin: std::time::Duration) {
     let nanos = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
-    execute_spin_cell().store(nanos, Ordering::Relaxed);
+    EXECUTE_SPIN_NANOS.store(nanos, Ordering::Relaxed);
 }
 
 /// Errors of the PJRT runtime.

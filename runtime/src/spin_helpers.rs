@@ -52,27 +52,21 @@ impl Helpers {
     }
 }
 
-/// `TPUC_HOST_GEMM_SPIN_US` (default 1000; see [`set_spin`]): how long a helper polls for the
-/// next job after its last one before it sleeps.
-fn spin_nanos() -> &'static AtomicU64 {
-    static SPIN: OnceLock<AtomicU64> = OnceLock::new();
-    SPIN.get_or_init(|| {
-        let us = std::env::var("TPUC_HOST_GEMM_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(1000);
-        AtomicU64::new(us.saturating_mul(1000))
-    })
-}
+/// How long a helper polls for the next job after its last one before it sleeps, unless
+/// [`set_spin`] changed it.
+// 1 ms: a sleeping pool thread started a block 55-80 us late (docs/host-kernels.md, "Host BLAS").
+pub const SPIN: Duration = Duration::from_micros(1000);
+
+static SPIN_NANOS: AtomicU64 = AtomicU64::new(SPIN.as_nanos() as u64);
 
 fn spin() -> Duration {
-    Duration::from_nanos(spin_nanos().load(Ordering::Relaxed))
+    Duration::from_nanos(SPIN_NANOS.load(Ordering::Relaxed))
 }
 
 /// Sets how long helpers poll for the next job before they sleep, for this process.
 pub fn set_spin(spin: Duration) {
     let nanos = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
-    spin_nanos().store(nanos, Ordering::Relaxed);
+    SPIN_NANOS.store(nanos, Ordering::Relaxed);
 }
 
 /// The helpers, `count` of them, started on first use (none where threads cannot be made).

@@ -415,14 +415,17 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 }
 
 /// Whether forward convolutions with `nsp` spatial dims are computed channels-last: 2-D ones,
-/// unless `TPUC_CHANNELS_LAST=0`. XLA's CPU backend runs a convolution in NHWC, so an NCHW one
-/// is transposed in and out; channels-last convolutions chained through batch norm, ReLU,
-/// residual adds and pooling (whose lowerings follow the layout, see
-/// [`Emitter::layout_transpose`]) need no transposes between them. ResNet-50 on the CPU
+/// unless `TPUC_HOST_KERNELS` turns `channels_last` off (read once per process). XLA's CPU
+/// backend runs a convolution in NHWC, so an NCHW one is transposed in and out; channels-last
+/// convolutions chained through batch norm, ReLU, residual adds and pooling (whose lowerings
+/// follow the layout, see [`Emitter::layout_transpose`]) need no transposes between them. ResNet-50 on the CPU
 /// plugin (2 cores): 205 ms at batch 8 vs 222-229 NCHW, 33-37 at batch 1 vs 40.
 fn channels_last(nsp: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    nsp == 2 && *ON.get_or_init(|| tpuc_runtime::env::flag("TPUC_CHANNELS_LAST", true))
+    nsp == 2
+        && *ON.get_or_init(|| {
+            tpuc_runtime::env::host_kernel(tpuc_runtime::env::HostKernel::ChannelsLast)
+        })
 }
 
 /// Whether oneDNN computes a 2-D convolution, or its gradients, of `operands` giving `out`
