@@ -367,10 +367,9 @@ mod tests {
 
     #[test]
     fn debug_grammar() {
-        let m = parse_debug(
-            "discrete_device, module_format=TEXT,profile_every=50,no_host_views=off",
-        )
-        .unwrap();
+        let m =
+            parse_debug("discrete_device, module_format=TEXT,profile_every=50,no_host_views=off")
+                .unwrap();
         assert_eq!(m["discrete_device"], DebugValue::Flag(true));
         assert_eq!(m["no_host_views"], DebugValue::Flag(false));
         assert_eq!(m["module_format"], DebugValue::Choice("text"));
@@ -380,7 +379,10 @@ mod tests {
         let m = parse_debug("discrete_device,discrete_device=0").unwrap();
         assert_eq!(m["discrete_device"], DebugValue::Flag(false));
         for (v, says) in [
-            ("discrete", "unknown key \"discrete\"; known keys: discrete_device,"),
+            (
+                "discrete",
+                "unknown key \"discrete\"; known keys: discrete_device,",
+            ),
             ("module_format=mlir", "module_format= one of text, bytecode"),
             ("module_format", "module_format= one of"),
             ("profile_every=-1", "non-negative integer"),
@@ -399,7 +401,10 @@ mod tests {
         std::env::set_var(HOST_KERNELS_VAR, "-conv");
         assert!(host_kernel(HostKernel::Gemm) && !host_kernel(HostKernel::Conv));
         std::env::set_var(HOST_KERNELS_VAR, "not-a-path");
-        assert!(host_kernel(HostKernel::Conv), "a malformed value counts as auto");
+        assert!(
+            host_kernel(HostKernel::Conv),
+            "a malformed value counts as auto"
+        );
         std::env::remove_var(HOST_KERNELS_VAR);
         assert!(host_kernel(HostKernel::Conv));
 
@@ -408,7 +413,10 @@ mod tests {
         assert_eq!(debug_count("cache_write_pause_ms"), Some(7));
         assert_eq!(debug_choice("module_format"), None);
         std::env::set_var(DEBUG_VAR, "discrete_device,bogus");
-        assert!(!debug_flag("discrete_device"), "a malformed value counts as empty");
+        assert!(
+            !debug_flag("discrete_device"),
+            "a malformed value counts as empty"
+        );
         std::env::remove_var(DEBUG_VAR);
         assert!(!debug_flag("discrete_device"));
     }
