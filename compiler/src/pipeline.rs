@@ -495,7 +495,7 @@ impl Engine {
             self.host_gemm_min_macs.store(0, Relaxed);
             return Ok(min_macs == 0);
         }
-        let ok = pjrt::host_blas::register(self.client.plugin(), library)?;
+        let ok = tpuc_hostkernels::host_blas::register(self.client.plugin(), library)?;
         self.host_gemm_min_macs
             .store(if ok { min_macs } else { 0 }, Relaxed);
         Ok(ok)
@@ -519,7 +519,7 @@ impl Engine {
         use std::sync::atomic::Ordering::Relaxed;
         let ok = match library {
             Some(lib) if self.platform == "cpu" => {
-                pjrt::host_conv::register(self.client.plugin(), lib)?
+                tpuc_hostkernels::host_conv::register(self.client.plugin(), lib)?
             }
             _ => false,
         };
@@ -532,14 +532,14 @@ impl Engine {
         self.host_conv.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Lowers large f32 layer norms to the runtime's row kernels (`tpuc_runtime::host_rows`)
+    /// Lowers large f32 layer norms to the host row kernels (`tpuc_hostkernels::host_rows`)
     /// from now on, registering them with the plugin first; false turns it off. Only on the CPU
     /// plugin. Returns whether they go there (false: a plugin without the PJRT FFI extension).
     pub fn enable_host_rows(&self, on: bool) -> Result<bool, PjrtError> {
         let ok = on
             && self.platform == "cpu"
-            && pjrt::host_rows::register(self.client.plugin())?
-            && pjrt::host_attention::register(self.client.plugin())?;
+            && tpuc_hostkernels::host_rows::register(self.client.plugin())?
+            && tpuc_hostkernels::host_attention::register(self.client.plugin())?;
         self.host_rows
             .store(ok, std::sync::atomic::Ordering::Relaxed);
         Ok(ok)

@@ -306,7 +306,7 @@ impl LoadedExecutable {
         args.device_complete_events = events.as_mut_ptr();
         let api = self.client.api();
         let started = std::time::Instant::now();
-        let executing = super::host_blas::Executing::enter();
+        let executing = Executing::enter();
         // SAFETY: all arrays have the sizes PJRT expects ([num_devices][num_args]
         // inputs of this client, [num_devices][num_outputs] outputs,
         // [num_devices] events) and outlive the call.
@@ -491,4 +491,31 @@ pub(crate) unsafe fn serialize_raw(
         ));
     }
     Ok(bytes)
+}
+
+thread_local! {
+    /// Set while this thread is inside `PJRT_LoadedExecutable_Execute` (see [`Executing`]).
+    static EXECUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside [`LoadedExecutable::execute`]'s call into the plugin: the CPU
+/// plugin may run a program on the calling thread, so a host kernel called here runs on a
+/// thread of the caller's (PyTorch's products on it use MKL's own threads), not one of XLA's.
+pub fn executing_on_this_thread() -> bool {
+    EXECUTING.with(|e| e.get())
+}
+
+/// Marks this thread as calling execute while it lives (see [`executing_on_this_thread`]).
+struct Executing(bool);
+
+impl Executing {
+    fn enter() -> Executing {
+        Executing(EXECUTING.with(|e| e.replace(true)))
+    }
+}
+
+impl Drop for Executing {
+    fn drop(&mut self) {
+        EXECUTING.with(|e| e.set(self.0));
+    }
 }

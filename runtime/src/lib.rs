@@ -17,18 +17,13 @@ mod buffer;
 mod client;
 pub mod env;
 mod executable;
+mod ffi_extension;
 mod hlo_text;
-pub mod host_attention;
-pub mod host_blas;
-pub mod host_conv;
-pub mod host_rows;
 mod plugin;
-pub mod spin_helpers;
 mod sys;
 #[cfg(test)]
 mod tests;
 mod topology;
-mod xla_ffi;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -36,7 +31,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub use analysis::MemoryStats;
 pub use buffer::Buffer;
 pub use client::{cpu_device_options, Client, CreateOptions, OptionValue};
-pub use executable::{CompileOptions, LoadedExecutable};
+pub use executable::{executing_on_this_thread, CompileOptions, LoadedExecutable};
 pub use plugin::{load_plugin, Plugin};
 pub use topology::{DeviceInfo, Topology, TopologyExecutable};
 

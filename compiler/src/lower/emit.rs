@@ -632,7 +632,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
     }
 
     /// A typed XLA FFI custom call (api_version 4) of a host handler the runtime registered with
-    /// the CPU plugin (`tpuc_runtime::host_blas`, `host_conv`, `host_rows`).
+    /// the CPU plugin (`tpuc_hostkernels::host_blas`, `host_conv`, `host_rows`).
     pub fn ffi_call(
         &self,
         target: &str,

@@ -87,13 +87,13 @@ pub struct LowerOptions {
     pub sharding: Option<ShardingPlan>,
     /// f32 matrix products of at least this many multiply-adds are lowered to a call of the
     /// host's BLAS (`tpuc_sgemm_*` custom calls, which the runtime registered with the CPU
-    /// plugin: `tpuc_runtime::host_blas`); `None` keeps every product in XLA.
+    /// plugin: `tpuc_hostkernels::host_blas`); `None` keeps every product in XLA.
     pub host_gemm_min_macs: Option<u64>,
     /// 2-D f32 convolutions (channels-last) are lowered to oneDNN calls (`tpuc_conv2d_*`
-    /// custom calls, registered with the CPU plugin by `tpuc_runtime::host_conv`).
+    /// custom calls, registered with the CPU plugin by `tpuc_hostkernels::host_conv`).
     pub host_conv: bool,
     /// Large f32 layer norms are lowered to the runtime's row kernels (`tpuc_layer_norm`
-    /// custom calls, registered with the CPU plugin by `tpuc_runtime::host_rows`).
+    /// custom calls, registered with the CPU plugin by `tpuc_hostkernels::host_rows`).
     pub host_rows: bool,
     /// ATen ops (`aten.exp.default`) whose math primitives (exp, log, atan2, tanh ...) are lowered
     /// to tpuc's own expansions ([`own_math`]) instead of the plugin's: the ones the known-answer

@@ -97,7 +97,7 @@ fn flash_attention_cpu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 const HOST_MIN_SCORES: i64 = 1 << 12;
 
 /// The op's two results through the host kernel (`tpuc_attention`, see
-/// `tpuc_runtime::host_attention`), where the session enables it and everything is f32: q, k
+/// `tpuc_hostkernels::host_attention`), where the session enables it and everything is f32: q, k
 /// and v as they lie, the output written `[b, l, h, dv]` (the layout the heads are merged from)
 /// and returned as its transpose. None where XLA should compute it.
 fn host_attention<'c, 'b>(
@@ -164,12 +164,15 @@ fn host_attention<'c, 'b>(
     };
     // The output as [b, l, h, dv].
     geometry.extend([l * h * dv, dv, h * dv]);
-    debug_assert_eq!(geometry.len(), tpuc_runtime::host_attention::GEOMETRY_LEN);
+    debug_assert_eq!(
+        geometry.len(),
+        tpuc_hostkernels::host_attention::GEOMETRY_LEN
+    );
     operands.push(e.constant_i64(&geometry, &[geometry.len() as i64], DType::Int64)?);
     operands.push(e.splat(Scalar::Float(scale), &[1], f32)?);
     operands.extend(mask);
     let r = e.ffi_call(
-        tpuc_runtime::host_attention::ATTENTION,
+        tpuc_hostkernels::host_attention::ATTENTION,
         &operands.iter().collect::<Vec<_>>(),
         &[(vec![b, l, h, dv], f32), (vec![b, h, l], f32)],
     )?;

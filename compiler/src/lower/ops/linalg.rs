@@ -7,7 +7,7 @@ use crate::lower::ops::window::{taps as window_taps, Window};
 use crate::lower::registry::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
-use tpuc_runtime::host_conv;
+use tpuc_hostkernels::host_conv;
 
 pub static RULES: &[(&str, Rule)] = &[
     ("aten.mm.default", mm),
@@ -61,7 +61,7 @@ fn matmul_acc<'c, 'b>(
     }
 }
 
-/// The product through the host BLAS (`tpuc_sgemm_<a><b>`, see `tpuc_runtime::host_blas`) where
+/// The product through the host BLAS (`tpuc_sgemm_<a><b>`, see `tpuc_hostkernels::host_blas`) where
 /// the session enables it and [`host_matmul`] takes it, operands stored as given or transposed
 /// in their last two dims (a batch dim first). None where XLA's dot computes it.
 fn host_gemm<'c, 'b>(
@@ -139,7 +139,7 @@ pub(crate) fn host_matmul<'c, 'b>(
     {
         return Ok(None);
     }
-    let target = tpuc_runtime::host_blas::target(ta, tb);
+    let target = tpuc_hostkernels::host_blas::target(ta, tb);
     e.ffi_call_f32(target, &[a, b], shape).map(Some)
 }
 
@@ -426,7 +426,7 @@ fn channels_last(nsp: usize) -> bool {
 }
 
 /// Whether oneDNN computes a 2-D convolution, or its gradients, of `operands` giving `out`
-/// (shape, dtype): the session enables it (`tpuc_runtime::host_conv`), everything is f32 and no
+/// (shape, dtype): the session enables it (`tpuc_hostkernels::host_conv`), everything is f32 and no
 /// dim is empty.
 fn onednn_conv(
     e: &Emitter<'_, '_>,

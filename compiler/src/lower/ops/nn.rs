@@ -121,7 +121,7 @@ fn native_layer_norm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 
 /// Layer norms of at least this many elements, over rows of at least [`HOST_LAYER_NORM_MIN_N`],
 /// go to the host row kernel where the session enables it: XLA's five passes took 1.65 ms on
-/// 1576x768 rows against the kernel's ~0.3 (see `tpuc_runtime::host_rows`).
+/// 1576x768 rows against the kernel's ~0.3 (see `tpuc_hostkernels::host_rows`).
 const HOST_LAYER_NORM_MIN_ELEMENTS: i64 = 1 << 15;
 const HOST_LAYER_NORM_MIN_N: i64 = 64;
 
@@ -160,7 +160,7 @@ fn host_layer_norm<'c, 'b>(
         e.splat(Scalar::Float(eps), &[1], f32)?,
     ];
     let r = e.ffi_call(
-        tpuc_runtime::host_rows::LAYER_NORM,
+        tpuc_hostkernels::host_rows::LAYER_NORM,
         &operands.iter().collect::<Vec<_>>(),
         &[(vec![rows, n], f32), (vec![rows], f32), (vec![rows], f32)],
     )?;

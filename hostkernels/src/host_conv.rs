@@ -26,10 +26,10 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::plugin::Plugin;
 use super::xla_ffi::{arg, error, open_frame, register_targets, ret, CallFrame, FfiBuffer};
 use super::xla_ffi::{Handler, DTYPE_F32, DTYPE_S64};
-use super::PjrtError;
+use tpuc_runtime::PjrtError;
+use tpuc_runtime::Plugin;
 
 pub const FORWARD: &str = "tpuc_conv2d_fwd";
 pub const INPUT_GRAD: &str = "tpuc_conv2d_bwd_data";
@@ -870,7 +870,7 @@ const MAX_CANDIDATES: usize = 4;
 fn max_candidates() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     *MAX.get_or_init(|| {
-        if !crate::env::flag("TPUC_ONEDNN_TRIALS", true) {
+        if !tpuc_runtime::env::flag("TPUC_ONEDNN_TRIALS", true) {
             1
         } else {
             MAX_CANDIDATES

@@ -16,13 +16,13 @@ use std::ffi::c_void;
 
 use super::host_blas::OneThreadBlas;
 use super::host_rows::vector;
-use super::plugin::Plugin;
 use super::spin_helpers::{cpus, run_units};
 use super::xla_ffi::{
     arg, error, open_frame, register_targets, ret, CallFrame, FfiBuffer, Handler, DTYPE_F32,
     DTYPE_S64,
 };
-use super::PjrtError;
+use tpuc_runtime::PjrtError;
+use tpuc_runtime::Plugin;
 
 /// `tpuc_attention(q, k, v, geometry i64 [GEOMETRY_LEN], scale f32 [1][, mask f32])
 /// -> (out f32, logsumexp f32 [b, h, l])`. q, k, v and out are buffers of any shape read and

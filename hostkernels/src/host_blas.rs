@@ -14,13 +14,13 @@ use std::path::Path;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::plugin::Plugin;
 use super::spin_helpers::cpus;
 use super::xla_ffi::{
     arg, destroy, error, open_frame_of, register_targets, ret, CallFrame, ErrorGetMessageArgs,
     FfiApi, FfiBuffer, Handler, DTYPE_F32,
 };
-use super::PjrtError;
+use tpuc_runtime::PjrtError;
+use tpuc_runtime::Plugin;
 
 /// The custom-call targets, by whether A and B are stored transposed (`t`) or not (`n`):
 /// A is `[.., M, K]` (`n`) or `[.., K, M]` (`t`), B is `[.., K, N]` or `[.., N, K]`; the result
@@ -306,7 +306,7 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
         b: bp,
         c: cp,
     };
-    if EXECUTING.with(|e| e.get()) && !always_pieces() {
+    if tpuc_runtime::executing_on_this_thread() && !always_pieces() {
         // The plugin runs the program on the thread that called execute: the BLAS's own
         // threading there is the one PyTorch's own products on this thread use.
         // SAFETY: the buffers hold `batch` products of the checked shapes.
@@ -390,7 +390,7 @@ pub fn calls() -> (u64, u64, u64) {
 /// path of XLA's threads, which small test programs never take otherwise).
 fn always_pieces() -> bool {
     static ALWAYS: OnceLock<bool> = OnceLock::new();
-    *ALWAYS.get_or_init(|| crate::env::flag("TPUC_HOST_GEMM_PIECES", false))
+    *ALWAYS.get_or_init(|| tpuc_runtime::env::flag("TPUC_HOST_GEMM_PIECES", false))
 }
 
 /// A call's products cut into pieces, claimed one at a time by the threads that run them.
@@ -445,8 +445,6 @@ impl super::spin_helpers::Work for Pieces {
 }
 
 thread_local! {
-    /// Set while this thread is inside `PJRT_LoadedExecutable_Execute` (see [`Executing`]).
-    static EXECUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Whether MKL was told to use one thread on this (XLA) thread.
     static ONE_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Packed B of [`Product::run_packed_b`], kept for the thread's next product (MKL's packed
@@ -479,7 +477,7 @@ impl OneThreadBlas {
     }
 
     fn with(blas: &'static Blas) -> OneThreadBlas {
-        let restore = if EXECUTING.with(|e| e.get()) {
+        let restore = if tpuc_runtime::executing_on_this_thread() {
             // SAFETY: MKL's setting for the calling thread, restored on drop.
             Some(unsafe { (blas.set_local_threads)(1) })
         } else {
@@ -528,22 +526,6 @@ impl Drop for OneThreadBlas {
             // SAFETY: MKL's setting for the calling thread, as it was.
             unsafe { (self.blas.set_local_threads)(before) };
         }
-    }
-}
-
-/// Marks this thread as calling execute while it lives: the CPU plugin may run a program on it,
-/// and products met there use the BLAS's own threading, as PyTorch's calls on it do.
-pub(crate) struct Executing(bool);
-
-impl Executing {
-    pub(crate) fn enter() -> Executing {
-        Executing(EXECUTING.with(|e| e.replace(true)))
-    }
-}
-
-impl Drop for Executing {
-    fn drop(&mut self) {
-        EXECUTING.with(|e| e.set(self.0));
     }
 }
 
