@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 
 use super::api::{copy_str, pjrt_call, Api, Args, Event};
 use super::buffer::Buffer;
-use super::client::ClientInner;
+use super::client_handle::ClientInner;
 use super::{sys, PjrtError};
 
 /// XLA compile options: the few fields of `xla.CompileOptionsProto` we set.

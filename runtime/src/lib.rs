@@ -15,10 +15,12 @@ mod analysis;
 mod api;
 mod buffer;
 mod client;
+mod client_handle;
 pub mod env;
 mod executable;
 mod ffi_extension;
 mod hlo_text;
+mod named_values;
 mod plugin;
 mod sys;
 #[cfg(test)]
@@ -30,8 +32,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use analysis::MemoryStats;
 pub use buffer::Buffer;
-pub use client::{cpu_device_options, Client, CreateOptions, OptionValue};
+pub use client::Client;
 pub use executable::{executing_on_this_thread, CompileOptions, LoadedExecutable};
+pub use named_values::{cpu_device_options, CreateOptions, OptionValue};
 pub use plugin::{load_plugin, Plugin};
 pub use topology::{DeviceInfo, Topology, TopologyExecutable};
 

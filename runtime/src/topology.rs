@@ -8,8 +8,8 @@ use std::ptr;
 
 use super::analysis::{self, MemoryStats};
 use super::api::{copy_str, mlir_program, pjrt_call, Api, Args};
-use super::client::{named_values, OptionValue};
 use super::executable::{serialize_raw, CompileOptions};
+use super::named_values::{named_values, OptionValue};
 use super::plugin::Plugin;
 use super::{sys, PjrtError};
 
