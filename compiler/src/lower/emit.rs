@@ -3,6 +3,8 @@
 //! Ops are built generically (`OperationBuilder::new("stablehlo.add")`) with explicit result
 //! types: StableHLO is not registered in our MLIR context, so nothing would infer them.
 
+pub mod own_math;
+
 use super::{Device, LowerError};
 use melior::ir::attribute::{Attribute, AttributeLike, DenseI64ArrayAttribute};
 use melior::ir::block::BlockLike;
@@ -670,9 +672,9 @@ impl<'c, 'b> Emitter<'c, 'b> {
         if self.own_math.get()
             && operands
                 .first()
-                .is_some_and(|t| super::own_math::expands(name, t.dtype))
+                .is_some_and(|t| own_math::expands(name, t.dtype))
         {
-            return super::own_math::expand(self, name, operands);
+            return own_math::expand(self, name, operands);
         }
         let reshaping = REINDEXING.contains(&name);
         let elementwise = !reshaping && ELEMENTWISE.contains(&name);

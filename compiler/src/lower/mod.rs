@@ -3,13 +3,14 @@
 //! against the types FX recorded, so a wrong rule fails loudly instead of returning wrong numbers.
 
 mod emit;
+mod helpers;
 mod ops;
-pub mod own_math;
 pub mod registry;
 mod strided;
 #[cfg(test)]
 mod tests;
 
+pub use emit::own_math;
 pub use emit::{Emitter, Precision, ReduceKind, Scalar, T};
 
 use melior::ir::attribute::{StringAttribute, TypeAttribute};
@@ -179,6 +180,9 @@ pub struct NodeCx<'x, 'c, 'b> {
 type Folds = HashMap<ValueRef, (ValueRef, Vec<i64>)>;
 
 pub type R<X> = Result<X, LowerError>;
+
+/// A lowering rule: one ATen op's node to its results (the table is [`registry`]'s).
+pub type Rule = for<'x, 'c, 'b> fn(&NodeCx<'x, 'c, 'b>) -> R<Vec<T<'c, 'b>>>;
 
 impl<'c, 'b> NodeCx<'_, 'c, 'b> {
     pub fn err(&self, message: impl Into<String>) -> LowerError {

@@ -5,11 +5,9 @@ use super::ops::{
     attention, bag, bessel, complex, creation, elementwise, gamma, hash, histogram, linalg, matrix,
     nn, random, reduce, sample, shape, special,
 };
-use super::{NodeCx, R, T};
+use super::Rule;
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::OnceLock;
-
-pub type Rule = for<'x, 'c, 'b> fn(&NodeCx<'x, 'c, 'b>) -> R<Vec<T<'c, 'b>>>;
 
 fn table() -> &'static HashMap<&'static str, Rule> {
     static TABLE: OnceLock<HashMap<&'static str, Rule>> = OnceLock::new();

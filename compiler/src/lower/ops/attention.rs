@@ -3,9 +3,9 @@
 //! is the logsumexp).
 
 use crate::lower::emit::Emitter;
-use crate::lower::ops::linalg::host_matmul;
-use crate::lower::ops::reduce::acc_dtype;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::matmul::host_matmul;
+use crate::lower::helpers::widen::acc_dtype;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 

@@ -1,8 +1,9 @@
 //! Elementwise ops: arithmetic, comparisons, logic, activations, casts.
 
+use crate::lower::emit::own_math;
 use crate::lower::emit::Emitter;
-use crate::lower::own_math;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::widen::unary_f64;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 
@@ -771,17 +772,6 @@ fn identity<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 // ---------------------------------------------------------------------------------------------
 
 const F64: DType = DType::Float64;
-
-/// `f(self)` evaluated in f64 and rounded to the result dtype.
-pub fn unary_f64<'c, 'b>(
-    cx: &NodeCx<'_, 'c, 'b>,
-    f: impl FnOnce(&Emitter<'c, 'b>, &T<'c, 'b>) -> R<T<'c, 'b>>,
-) -> V<'c, 'b> {
-    let x = cx.tensor(0, "self")?;
-    let out = cx.out_dtype()?;
-    let r = f(cx.e, &cx.e.convert(&x, F64)?)?;
-    Ok(vec![cx.e.convert(&r, out)?])
-}
 
 /// `f(self, other)` (either may be a Python scalar) evaluated in f64, rounded to the result dtype.
 fn binary_f64<'c, 'b>(

@@ -2,9 +2,10 @@
 //! low-precision operands accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
 use crate::lower::emit::{array_i64, int_list, Emitter, NCHW_OF_NHWC};
-use crate::lower::ops::reduce::acc_dtype;
-use crate::lower::ops::window::{taps as window_taps, Window};
-use crate::lower::registry::Rule;
+use crate::lower::helpers::matmul::host_matmul;
+use crate::lower::helpers::widen::acc_dtype;
+use crate::lower::helpers::window::{taps as window_taps, Window};
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 use tpuc_hostkernels::host_conv;
@@ -97,50 +98,6 @@ fn host_gemm<'c, 'b>(
         return Ok(None);
     };
     host_matmul(cx.e, (a, ta), (b, tb), &shape)
-}
-
-/// Products with at most this many rows are vector-matrix products, whose time is reading the
-/// weights: the host BLAS takes them from an eighth of the usual size (a decoding step's
-/// 768 -> 256 key and value projections; XLA's dot reads the weights more slowly).
-const VECTOR_ROWS: i64 = 16;
-
-/// `a x b` (f32, `[batch,] m, n` = `shape`) through the host BLAS, operands stored as given or
-/// (`true`) transposed in their last two dims, where the session enables it and the product
-/// qualifies: f32 operands and result, each matrix product of at least `host_gemm_min_macs`
-/// multiply-adds (an eighth of that with at most [`VECTOR_ROWS`] rows), each matrix within the
-/// BLAS's 32-bit sizes. Whatever the row count, MKL
-/// (in the handler's blocks) was measured faster than XLA's dot: vector-matrix products 2-8x
-/// (1x768 @ 768x768: 165 vs 43 us), 128-row ones 1.1-1.8x (GPT-2 1x128 147 -> 127 ms),
-/// 1024-row ones 10-20%. None where XLA's dot should compute it.
-pub(crate) fn host_matmul<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    (a, ta): (&T<'c, 'b>, bool),
-    (b, tb): (&T<'c, 'b>, bool),
-    shape: &[i64],
-) -> R<Option<T<'c, 'b>>> {
-    let Some(min_macs) = e.host_gemm_min_macs else {
-        return Ok(None);
-    };
-    let r = shape.len();
-    if a.dtype != DType::Float32 || b.dtype != DType::Float32 || a.rank() != r || b.rank() != r {
-        return Ok(None);
-    }
-    let k = if ta { a.shape[r - 2] } else { a.shape[r - 1] };
-    let (m, n) = (shape[r - 2], shape[r - 1]);
-    if (m.max(0) as u64) * (n.max(0) as u64) * (k.max(0) as u64)
-        < if m <= VECTOR_ROWS {
-            min_macs / 8
-        } else {
-            min_macs
-        }
-        || [m * k, k * n, m * n]
-            .iter()
-            .any(|&x| x > i64::from(i32::MAX))
-    {
-        return Ok(None);
-    }
-    let target = tpuc_hostkernels::host_blas::target(ta, tb);
-    e.ffi_call_f32(target, &[a, b], shape).map(Some)
 }
 
 /// The 2-D product `a x b` (`[m, n]` = `shape`, operands transposed where `ta`/`tb`), through
@@ -1726,7 +1683,7 @@ fn pdist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let xf = e.convert(&x, acc)?;
     let rows = |idx: &[i64]| -> R<T<'c, 'b>> {
         let ix = e.constant_i64(idx, &[k], DType::Int64)?;
-        crate::lower::ops::shape::take_along(cx.e, &xf, 0, &ix, &[k, m])
+        crate::lower::helpers::gather::take_along(cx.e, &xf, 0, &ix, &[k, m])
     };
     let d = e.sub(&rows(&is)?, &rows(&js)?)?;
     Ok(vec![e.convert(&pnorm(e, &d, 1, p)?, out)?])

@@ -12,7 +12,7 @@
 //! eigenvalues of the Gram matrix computed in float64, so their error stays far below float32's.
 
 use crate::lower::emit::{array_i64, Emitter};
-use crate::lower::registry::Rule;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 

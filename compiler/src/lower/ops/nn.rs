@@ -1,10 +1,10 @@
 //! Neural-network ops that core ATen keeps whole: normalizations and pooling.
 
 use crate::lower::emit::{array_i64, to_physical, Emitter};
-use crate::lower::ops::reduce::acc_dtype;
-use crate::lower::ops::shape::{along_dim_coords, take_along};
-use crate::lower::ops::window::{taps as window_taps, Window};
-use crate::lower::registry::Rule;
+use crate::lower::helpers::gather::{along_dim_coords, take_along};
+use crate::lower::helpers::widen::acc_dtype;
+use crate::lower::helpers::window::{taps as window_taps, Window};
+use crate::lower::Rule;
 use crate::lower::{LowerError, NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
 
