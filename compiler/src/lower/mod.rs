@@ -20,7 +20,6 @@ use melior::ir::r#type::FunctionType;
 use melior::ir::{Block, Identifier, Location, Module, Region, RegionLike, Value};
 use melior::Context;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
-use std::collections::BTreeMap;
 use tpuc_frontend_fx::{Arg, DType, Graph, InputKind, Node, NodeId, Output, ValueRef};
 use tpuc_passes::sharding::ShardingPlan;
 use tpuc_passes::FusionGroup;
@@ -323,14 +322,6 @@ impl<'c, 'b> NodeCx<'_, 'c, 'b> {
             Some(Arg::Int(v)) => Ok(Scalar::Int(*v)),
             Some(Arg::Bool(b)) => Ok(Scalar::Bool(*b)),
             other => Err(self.err(format!("`{name}`: expected a number, got {other:?}"))),
-        }
-    }
-
-    pub fn dtype_or(&self, i: usize, name: &str) -> R<Option<DType>> {
-        match self.arg(i, name) {
-            None | Some(Arg::None) => Ok(None),
-            Some(Arg::DType(d)) => Ok(Some(*d)),
-            other => Err(self.err(format!("`{name}`: expected a dtype, got {other:?}"))),
         }
     }
 
@@ -1052,9 +1043,4 @@ fn check_results(cx: &NodeCx, results: &[T]) -> R<()> {
 /// Ops with a lowering rule, sorted: what Python asks before deciding what to run eagerly.
 pub fn supported_ops() -> Vec<&'static str> {
     registry::names()
-}
-
-/// Op counts of a graph, for dumps and pass reports.
-pub fn op_histogram(graph: &Graph) -> BTreeMap<String, usize> {
-    graph.op_counts()
 }

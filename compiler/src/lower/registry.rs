@@ -2,8 +2,8 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, bag, bessel, complex, creation, elementwise, gamma, hash, histogram, linalg, matrix,
-    nn, random, reduce, sample, shape, special,
+    attention, bag, bessel, complex, conv, creation, elementwise, gamma, hash, histogram, matrix,
+    nn, products, random, reduce, sample, shape, special,
 };
 use super::Rule;
 use rustc_hash::FxHashMap as HashMap;
@@ -17,7 +17,8 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .iter()
             .chain(shape::RULES)
             .chain(reduce::RULES)
-            .chain(linalg::RULES)
+            .chain(products::RULES)
+            .chain(conv::RULES)
             .chain(matrix::RULES)
             .chain(nn::RULES)
             .chain(creation::RULES)

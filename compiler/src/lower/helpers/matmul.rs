@@ -14,10 +14,8 @@ const VECTOR_ROWS: i64 = 16;
 /// (`true`) transposed in their last two dims, where the session enables it and the product
 /// qualifies: f32 operands and result, each matrix product of at least `host_gemm_min_macs`
 /// multiply-adds (an eighth of that with at most [`VECTOR_ROWS`] rows), each matrix within the
-/// BLAS's 32-bit sizes. Whatever the row count, MKL
-/// (in the handler's blocks) was measured faster than XLA's dot: vector-matrix products 2-8x
-/// (1x768 @ 768x768: 165 vs 43 us), 128-row ones 1.1-1.8x (GPT-2 1x128 147 -> 127 ms),
-/// 1024-row ones 10-20%. None where XLA's dot should compute it.
+/// BLAS's 32-bit sizes: MKL is faster than XLA's dot there whatever the row count
+/// (bench/results/lowering-choices.md). None where XLA's dot should compute it.
 pub(crate) fn host_matmul<'c, 'b>(
     e: &Emitter<'c, 'b>,
     (a, ta): (&T<'c, 'b>, bool),
@@ -47,4 +45,20 @@ pub(crate) fn host_matmul<'c, 'b>(
     }
     let target = tpuc_hostkernels::host_blas::target(ta, tb);
     e.ffi_call_f32(target, &[a, b], shape).map(Some)
+}
+
+/// The 2-D product `a x b` (`[m, n]` = `shape`, operands transposed where `ta`/`tb`), through
+/// the host BLAS where it qualifies, else XLA's dot, in `a`'s dtype.
+pub fn matmul_2d<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    (a, ta): (&T<'c, 'b>, bool),
+    (b, tb): (&T<'c, 'b>, bool),
+    shape: &[i64],
+) -> R<T<'c, 'b>> {
+    if let Some(r) = host_matmul(e, (a, ta), (b, tb), shape)? {
+        return Ok(r);
+    }
+    let ca: &[i64] = if ta { &[0] } else { &[1] };
+    let cb: &[i64] = if tb { &[1] } else { &[0] };
+    e.dot_general(a, b, (&[], &[]), (ca, cb), shape, a.dtype)
 }

@@ -7,7 +7,9 @@ use tpuc_frontend_fx::DType;
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
 
-/// Accumulation dtype: low-precision floats accumulate in f32, as PyTorch does.
+/// The dtype to compute in for a result of dtype `d`: low-precision floats accumulate (sums,
+/// products) and evaluate transcendental functions in f32, rounded once, as PyTorch's CPU
+/// kernels do.
 pub fn acc_dtype(d: DType) -> DType {
     match d {
         DType::Float16 | DType::Bfloat16 => DType::Float32,

@@ -193,8 +193,8 @@ fn repeat_heads<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, h: i64) -> R<T<'c, '
     e.reshape(&wide, &[b, h, s, d])
 }
 
-/// Scores per query block: blocks of 4M f32 scores (16 MiB) measured as fast as 2-8M ones and
-/// 1.8x faster than one 4096x4096x8-head block (UNet's attention at 64x64 latents).
+/// Scores per query block (16 MiB of f32): the fastest block size measured
+/// (bench/results/lowering-choices.md).
 const BLOCK_SCORES: i64 = 1 << 22;
 
 /// Query rows per block: all `l` when the whole score matrix fits [`BLOCK_SCORES`], else the
@@ -228,8 +228,8 @@ fn attend<'c, 'b>(
     let (b, h, l) = (q.shape[0], q.shape[1], q.shape[2]);
     let (s, dv) = (k.shape[2], v.shape[3]);
     // The scale applied to the queries (l x d), not to the scores (l x s): XLA fuses it into
-    // neither the product nor the max, so on the scores it is one more pass over them (UNet's
-    // 4096-token attention: 134 ms instead of 178).
+    // neither the product nor the max, so on the scores it is one more pass over them
+    // (bench/results/lowering-choices.md).
     let q = e.mul(q, &e.splat(Scalar::Float(scale), &[], acc)?)?;
     let mut scores = batched_product(e, (&q, false), (k, true), [b, h, l, s])?;
     let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &[], acc)?;

@@ -120,8 +120,8 @@ fn native_layer_norm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 }
 
 /// Layer norms of at least this many elements, over rows of at least [`HOST_LAYER_NORM_MIN_N`],
-/// go to the host row kernel where the session enables it: XLA's five passes took 1.65 ms on
-/// 1576x768 rows against the kernel's ~0.3 (see `tpuc_hostkernels::host_rows`).
+/// go to the host row kernel where the session enables it (`tpuc_hostkernels::host_rows`): one
+/// pass against XLA's five (bench/results/lowering-choices.md).
 const HOST_LAYER_NORM_MIN_ELEMENTS: i64 = 1 << 15;
 const HOST_LAYER_NORM_MIN_N: i64 = 64;
 
@@ -777,7 +777,7 @@ const MAX_POOL_GRAD_TAPS: usize = 16;
 /// Max-pooling gradient as a sum over the window's taps: at each tap, the output gradients whose
 /// index names that tap's input element, spread onto the input grid by a strided pad. XLA fuses
 /// the pads and sums into one pass over the input, where the scatter of every output gradient
-/// is a serial loop (ResNet-50 batch 8 stem: 42 ms against Inductor's 17).
+/// is a serial loop (bench/results/lowering-choices.md).
 fn max_pool_grad_by_taps<'c, 'b>(
     e: &Emitter<'c, 'b>,
     g: &T<'c, 'b>,

@@ -552,10 +552,9 @@ fn index_put<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// `x[..., i, ...] = values` for a single index `i` along one dim of a graph input (a static KV
 /// cache's `index_copy_` at a decode step), as one select over `x` instead of a scatter, or
 /// `None` where that does not apply. XLA never updates an input in place (inputs are PyTorch's
-/// memory, never donated), so a scatter into one starts with a copy that waits for nothing: a
-/// Llama decode step had 16 of them among 34 ready operations at its start, which XLA's executor
-/// splits over its pool, and the chain of host products that then ran on XLA's threads (in
-/// pieces) took 1-2 ms longer per step. The select reads and writes `x` once, as the copy did,
+/// memory, never donated), so a scatter into one starts with a copy that waits for nothing and
+/// delays what runs beside it (bench/results/lowering-choices.md). The select reads and writes `x`
+/// once, as the copy did,
 /// and waits for the values. An index out of range matches no position and leaves `x` as it
 /// is, as the scatter does.
 fn put_one_into_input<'c, 'b>(
