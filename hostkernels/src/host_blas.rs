@@ -201,8 +201,9 @@ fn check_schedule(api: *const FfiApi) -> Option<Schedule> {
     // SAFETY: `api` is XLA's table (from a call frame); the entry is read as an address, and
     // called only once it is known to be code of a loaded library.
     let f = unsafe { (*api).thread_pool_schedule };
-    // SAFETY: dladdr only looks the address up.
+    // SAFETY: `Dl_info` is plain pointers, valid all zero.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only looks the address up and fills `info`.
     if f.is_null() || unsafe { libc::dladdr(f, &mut info) } == 0 || info.dli_fbase.is_null() {
         return None;
     }
@@ -216,6 +217,8 @@ fn check_schedule(api: *const FfiApi) -> Option<Schedule> {
         task: noop_task,
         data: std::ptr::null_mut(),
     };
+    // SAFETY: as for the transmute: a zero-size struct, which XLA's size check refuses before
+    // it reads any field; `probe` outlives the call.
     let err = unsafe { schedule(&mut probe) };
     if err.is_null() {
         return None;
@@ -595,8 +598,8 @@ impl Product {
             };
             (lo, hi)
         };
-        // SAFETY (every offset below): inside entry `entry` of its buffer, by the checked
-        // shapes.
+        // SAFETY: this offset and every one below lie inside entry `entry` of its buffer, by
+        // the checked shapes.
         let (a, b, c) = unsafe {
             (
                 self.a.add((entry * m * k) as usize),
@@ -609,7 +612,9 @@ impl Product {
             let (lo, hi) = span(m, 8);
             Product {
                 m: hi - lo,
+                // SAFETY: rows lo..hi < m of this entry (see above).
                 a: unsafe { a.add((if self.ta { lo } else { lo * k }) as usize) },
+                // SAFETY: as for `a`.
                 c: unsafe { c.add((lo * n) as usize) },
                 b,
                 ..*self
@@ -620,7 +625,9 @@ impl Product {
             let (lo, hi) = span(n, COLUMN_BLOCK);
             Product {
                 n: hi - lo,
+                // SAFETY: columns lo..hi < n of this entry (see above).
                 b: unsafe { b.add((if self.tb { lo * k } else { lo }) as usize) },
+                // SAFETY: as for `b`.
                 c: unsafe { c.add(lo as usize) },
                 a,
                 ..*self

@@ -105,6 +105,7 @@ unsafe fn answer_metadata(frame: &CallFrame) -> bool {
     // SAFETY: type checked; the metadata struct is XLA's, its size checked below.
     let m = unsafe { &*(frame.extension_start as *const MetadataExtension) };
     if !m.metadata.is_null() {
+        // SAFETY: XLA's metadata struct, non-null; its size is checked before any field past it.
         let md = unsafe { &mut *m.metadata };
         if md.struct_size >= std::mem::offset_of!(Metadata, traits) + std::mem::size_of::<u32>() {
             md.api_version.major = 0;

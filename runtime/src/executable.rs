@@ -125,9 +125,9 @@ impl Drop for LoadedExecutable {
         let mut args = sys::PJRT_LoadedExecutable_Destroy_Args::new();
         args.executable = self.raw;
         // SAFETY: the executable is live and not used after this.
-        if let Err(e) =
-            unsafe { pjrt_call!(self.client.api(), PJRT_LoadedExecutable_Destroy, &mut args) }
-        {
+        let destroyed =
+            unsafe { pjrt_call!(self.client.api(), PJRT_LoadedExecutable_Destroy, &mut args) };
+        if let Err(e) = destroyed {
             tracing::warn!("{e}");
         }
     }
@@ -154,9 +154,9 @@ impl Drop for ExecutableView<'_> {
         let mut args = sys::PJRT_Executable_Destroy_Args::new();
         args.executable = self.raw;
         // SAFETY: the view is live and not used after this.
-        if let Err(e) =
-            unsafe { pjrt_call!(self.exe.client.api(), PJRT_Executable_Destroy, &mut args) }
-        {
+        let destroyed =
+            unsafe { pjrt_call!(self.exe.client.api(), PJRT_Executable_Destroy, &mut args) };
+        if let Err(e) = destroyed {
             tracing::warn!("{e}");
         }
     }
