@@ -45,7 +45,7 @@ done
 
 # graphviz: `dot` renders the graph.svg of debugging dumps (dump_dir); without it dumps hold graph.dot.
 # libdnnl2: oneDNN 2.x, which runs 2-D f32 convolutions inside compiled programs on the CPU plugin
-# (runtime/src/host_conv.rs, loaded at run time; without it convolutions stay in XLA).
+# (hostkernels/src/host_conv.rs, loaded at run time; without it convolutions stay in XLA).
 APT_PACKAGES=(llvm-22-dev libmlir-22-dev libpolly-22-dev libclang1-22 libclang-common-22-dev libzstd-dev zlib1g-dev graphviz libdnnl2)
 TORCH_VERSION=2.15.0
 PY=.venv/bin/python
@@ -92,7 +92,7 @@ for name in "${EXTRA_PLUGINS[@]}"; do
     fi
 done
 # oneDNN 3.x with GNU OpenMP (the runtime PyTorch's threads use) into .venv/lib: tpuc's host
-# convolutions prefer it to Debian's 2.x (faster gradient kernels; runtime/src/host_conv.rs).
+# convolutions prefer it to Debian's 2.x (faster gradient kernels; hostkernels/src/host_conv.rs).
 ONEDNN=onednn-cpu-gomp==2023.2.0
 if ! have "import importlib.metadata as m, sys; sys.exit(m.version('${ONEDNN%%==*}') != '${ONEDNN##*==}')"; then
     step "python: installing oneDNN 3.x ($ONEDNN)"

@@ -1,4 +1,4 @@
-"""tpuc's own host kernels (`tpuc_runtime::host_rows`, `host_attention`): large f32 layer norms
+"""tpuc's own host kernels (`tpuc_hostkernels::host_rows`, `host_attention`): large f32 layer norms
 and CPU flash attentions run as XLA FFI custom calls inside the compiled program (one pass over
 memory per row; attention scores kept in the cache per block of query rows). Checked against
 eager on the cases their code branches on: affine or not, several normalized dims, a large

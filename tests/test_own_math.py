@@ -1,4 +1,4 @@
-"""tpuc's own math expansions (compiler/src/lower/own_math.rs) against eager PyTorch, at sizes that
+"""tpuc's own math expansions (compiler/src/lower/emit/own_math.rs) against eager PyTorch, at sizes that
 reach the plugin's vector code, and their use for ops the known-answer check finds wrong."""
 
 from __future__ import annotations

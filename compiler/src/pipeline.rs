@@ -1,18 +1,18 @@
 //! The compile pipeline: symbolic IR -> specialize -> lower -> cache lookup -> PJRT compile, and
 //! running the result with host memory in and out.
 
+use crate::executable_store::ExecutableStore;
+pub use crate::executable_store::{CacheOutcome, DiskCacheOptions};
+use crate::host_kernels::HostKernels;
 use crate::lower::{self, LowerError, LowerOptions, Lowered, Precision};
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tpuc_cache::{
-    host_cpu_fingerprint, CacheError, CacheKey, DiskCache, ExecutableCache, KeyBuilder,
-};
+use tpuc_cache::{host_cpu_fingerprint, CacheError, CacheKey, DiskCache, KeyBuilder};
 use tpuc_frontend_fx::{DType, Graph};
 use tpuc_passes::sharding::{ShardingError, ShardingRequest};
 use tpuc_passes::SpecializeError;
@@ -71,8 +71,8 @@ fn arg_refs<'a>(args: &'a [RunArg<'a>], staged: &'a [Option<Buffer>]) -> Vec<&'a
 /// process.
 pub struct Engine {
     client: Client,
-    cache: ExecutableCache<LoadedExecutable>,
-    disks: DiskCaches,
+    /// Executables by cache key, in memory and in the disk caches.
+    executables: ExecutableStore,
     platform: String,
     /// Whether buffers may alias host memory (the CPU plugin): inputs are then never copied.
     host_zero_copy: bool,
@@ -91,14 +91,9 @@ pub struct Engine {
     /// `XLA_FLAGS` when the plugin was loaded: XLA reads them once per process, and they change
     /// the code it emits (fast math, library fusions), so they are part of every cache key.
     xla_flags: String,
-    /// f32 products of at least this many multiply-adds go to the host BLAS, once
-    /// [`Engine::enable_host_gemm`] registered it with the plugin (0: none).
-    host_gemm_min_macs: std::sync::atomic::AtomicU64,
-    /// 2-D f32 convolutions go to oneDNN, once [`Engine::enable_host_conv`] registered it.
-    host_conv: std::sync::atomic::AtomicBool,
-    /// Large f32 layer norms go to the host row kernels, once [`Engine::enable_host_rows`]
-    /// registered them.
-    host_rows: std::sync::atomic::AtomicBool,
+    /// Which ops go to the CPU host kernels (see [`Engine::enable_host_gemm`],
+    /// [`Engine::enable_host_conv`], [`Engine::enable_host_rows`]).
+    host_kernels: HostKernels,
     /// The device kind modules are lowered for: the platform's, unless
     /// [`Engine::lower_for_device`] chose another.
     lowering_device: lower::Device,
@@ -111,69 +106,6 @@ pub struct Engine {
 /// verified against: xla-cpu-pjrt 0.0.1 (1.13.3). Older plugins get text, which MLIR reads
 /// across versions where bytecode is versioned.
 const BYTECODE_TESTED_FROM: [i64; 3] = [1, 13, 0];
-
-/// Where a compile's executable came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CacheOutcome {
-    Miss,
-    Memory,
-    Disk,
-}
-
-/// Where and how compiled executables persist.
-#[derive(Clone, Debug, Default)]
-pub struct DiskCacheOptions {
-    pub dir: Option<PathBuf>,
-    pub max_bytes: Option<u64>,
-}
-
-/// Open disk caches by folder, each opened once per process.
-#[derive(Default)]
-pub(crate) struct DiskCaches(Mutex<HashMap<PathBuf, Arc<DiskCache>>>);
-
-impl DiskCaches {
-    /// The disk cache for `opts` (None without a folder), opened on first use.
-    pub(crate) fn open(
-        &self,
-        opts: &DiskCacheOptions,
-    ) -> Result<Option<Arc<DiskCache>>, CacheError> {
-        let Some(dir) = &opts.dir else {
-            return Ok(None);
-        };
-        let mut disks = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(d) = disks.get(dir) {
-            return Ok(Some(d.clone()));
-        }
-        let d = Arc::new(DiskCache::open(dir, opts.max_bytes)?);
-        disks.insert(dir.clone(), d.clone());
-        Ok(Some(d))
-    }
-}
-
-/// What a disk entry records beside the executable, checked again when it is loaded.
-#[derive(Serialize, Deserialize, Debug)]
-pub(crate) struct EntryMeta {
-    pub(crate) plugin_identity: [u8; 32],
-    /// blake3 of the StableHLO module: a well-formed entry for another module is refused.
-    pub(crate) module_hash: [u8; 32],
-    pub(crate) platform: String,
-    pub(crate) tpuc_version: String,
-    pub(crate) inputs: Vec<(Vec<i64>, DType)>,
-    pub(crate) outputs: Vec<(Vec<i64>, DType)>,
-}
-
-impl EntryMeta {
-    pub(crate) fn new(plugin: &Plugin, platform: &str, lowered: &Lowered) -> EntryMeta {
-        EntryMeta {
-            plugin_identity: plugin.identity(),
-            module_hash: *blake3::hash(&lowered.bytecode).as_bytes(),
-            platform: platform.to_string(),
-            tpuc_version: env!("CARGO_PKG_VERSION").to_string(),
-            inputs: lowered.inputs.clone(),
-            outputs: lowered.outputs.clone(),
-        }
-    }
-}
 
 /// What executables compiled here are specific to besides the plugin build: the host CPU's
 /// features for the CPU plugin (its code uses them), the devices' kind and count for any other
@@ -470,14 +402,11 @@ impl Engine {
                 "no_host_views",
             )),
             client,
-            cache: ExecutableCache::default(),
-            disks: DiskCaches::default(),
+            executables: ExecutableStore::default(),
             machine,
             device_ids: devices.iter().map(|d| i64::from(d.id)).collect(),
             xla_flags: std::env::var("XLA_FLAGS").unwrap_or_default(),
-            host_gemm_min_macs: std::sync::atomic::AtomicU64::new(0),
-            host_conv: std::sync::atomic::AtomicBool::new(false),
-            host_rows: std::sync::atomic::AtomicBool::new(false),
+            host_kernels: HostKernels::new(plugin, platform == "cpu"),
             lowering_device: lower::Device::of_platform(&platform),
             platform,
             own_math: Mutex::default(),
@@ -498,25 +427,13 @@ impl Engine {
     /// memory. Returns whether products can go there (false: no such symbol, or a plugin
     /// without the PJRT FFI extension).
     pub fn enable_host_gemm(&self, library: &Path, min_macs: u64) -> Result<bool, PjrtError> {
-        use std::sync::atomic::Ordering::Relaxed;
-        if min_macs == 0 || self.platform != "cpu" {
-            self.host_gemm_min_macs.store(0, Relaxed);
-            return Ok(min_macs == 0);
-        }
-        let ok = pjrt::host_blas::register(self.client.plugin(), library)?;
-        self.host_gemm_min_macs
-            .store(if ok { min_macs } else { 0 }, Relaxed);
-        Ok(ok)
+        self.host_kernels.enable_gemm(library, min_macs)
     }
 
     /// The fewest multiply-adds an f32 product has to go to the host BLAS; None when products
     /// stay in XLA (see [`Engine::enable_host_gemm`]).
     pub fn host_gemm_min_macs(&self) -> Option<u64> {
-        Some(
-            self.host_gemm_min_macs
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )
-        .filter(|&m| m > 0)
+        self.host_kernels.gemm_min_macs()
     }
 
     /// Lowers 2-D f32 convolutions to calls of oneDNN (`library`, loaded once per process) from
@@ -524,39 +441,25 @@ impl Engine {
     /// CPU plugin. Returns whether convolutions go there (false: no usable oneDNN, or a plugin
     /// without the PJRT FFI extension).
     pub fn enable_host_conv(&self, library: Option<&str>) -> Result<bool, PjrtError> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let ok = match library {
-            Some(lib) if self.platform == "cpu" => {
-                pjrt::host_conv::register(self.client.plugin(), lib)?
-            }
-            _ => false,
-        };
-        self.host_conv.store(ok, Relaxed);
-        Ok(ok)
+        self.host_kernels.enable_conv(library)
     }
 
     /// Whether 2-D f32 convolutions go to oneDNN (see [`Engine::enable_host_conv`]).
     pub fn host_conv(&self) -> bool {
-        self.host_conv.load(std::sync::atomic::Ordering::Relaxed)
+        self.host_kernels.conv()
     }
 
-    /// Lowers large f32 layer norms to the runtime's row kernels (`tpuc_runtime::host_rows`)
+    /// Lowers large f32 layer norms to the host row kernels (`tpuc_hostkernels::host_rows`)
     /// from now on, registering them with the plugin first; false turns it off. Only on the CPU
     /// plugin. Returns whether they go there (false: a plugin without the PJRT FFI extension).
     pub fn enable_host_rows(&self, on: bool) -> Result<bool, PjrtError> {
-        let ok = on
-            && self.platform == "cpu"
-            && pjrt::host_rows::register(self.client.plugin())?
-            && pjrt::host_attention::register(self.client.plugin())?;
-        self.host_rows
-            .store(ok, std::sync::atomic::Ordering::Relaxed);
-        Ok(ok)
+        self.host_kernels.enable_rows(on)
     }
 
     /// Whether large f32 layer norms go to the host row kernels (see
     /// [`Engine::enable_host_rows`]).
     pub fn host_rows(&self) -> bool {
-        self.host_rows.load(std::sync::atomic::Ordering::Relaxed)
+        self.host_kernels.rows()
     }
 
     /// What a compiled program's numbers depend on besides the module: the plugin's identity
@@ -669,7 +572,7 @@ impl Engine {
     }
 
     pub fn cached_executables(&self) -> usize {
-        self.cache.len()
+        self.executables.len()
     }
 
     /// The disk cache for `opts`, opened on first use.
@@ -677,7 +580,7 @@ impl Engine {
         &self,
         opts: &DiskCacheOptions,
     ) -> Result<Option<Arc<DiskCache>>, CacheError> {
-        self.disks.open(opts)
+        self.executables.disk(opts)
     }
 
     /// Specializes `graph` to the sizes in `bindings`, lowers it and compiles it, or finds the
@@ -726,33 +629,14 @@ impl Engine {
             &self.xla_flags,
         );
         let t1 = Instant::now();
-        let (exe, outcome) = match self.cache.get(&key) {
-            Some(exe) => {
-                // Compiled earlier in this process, perhaps with no disk cache or another one:
-                // written to this one too, so that a process that reads it (a saved model's
-                // loader, a precompiled deployment) finds it.
-                if let Some(d) = self.disk_cache(disk)? {
-                    if !d.is_read_only() && !d.entry_path(&key).exists() {
-                        self.store(&d, &key, &exe, &lowered);
-                    }
-                }
-                (exe, CacheOutcome::Memory)
-            }
-            None => {
-                let disk = self.disk_cache(disk)?;
-                let module_hash = *blake3::hash(&lowered.bytecode).as_bytes();
-                match disk.as_ref().and_then(|d| self.load(d, &key, &module_hash)) {
-                    Some(exe) => (self.cache.insert(key, exe), CacheOutcome::Disk),
-                    None => {
-                        let exe = self.compile_module(&lowered, &options, unpartitioned)?;
-                        if let Some(d) = &disk {
-                            self.store(d, &key, &exe, &lowered);
-                        }
-                        (self.cache.insert(key, exe), CacheOutcome::Miss)
-                    }
-                }
-            }
-        };
+        let (exe, outcome) = self.executables.get_or_compile(
+            &self.client,
+            &self.platform,
+            key,
+            &lowered,
+            disk,
+            || self.compile_module(&lowered, &options, unpartitioned),
+        )?;
         let compile_seconds = t1.elapsed().as_secs_f64();
         tracing::debug!(key = %key, ?outcome, lower_seconds, compile_seconds, unpartitioned, "compiled graph");
         Ok(Compiled {
@@ -815,78 +699,6 @@ impl Engine {
             .collect();
         bar.finish();
         out
-    }
-
-    /// A verified executable from the disk cache, or None (absent, or bad: then it is removed,
-    /// and a warning says why).
-    fn load(
-        &self,
-        disk: &DiskCache,
-        key: &CacheKey,
-        module_hash: &[u8; 32],
-    ) -> Option<LoadedExecutable> {
-        let entry = match disk.get(key) {
-            Ok(Some(e)) => e,
-            Ok(None) => return None,
-            Err(e) => {
-                tracing::warn!("{e}; recompiling");
-                return None;
-            }
-        };
-        let meta: EntryMeta = match bincode::deserialize(&entry.meta) {
-            Ok(m) => m,
-            Err(e) => {
-                self.reject(disk, key, &format!("unreadable metadata: {e}"));
-                return None;
-            }
-        };
-        // The key covers the plugin already; this catches a file placed under the wrong name.
-        if meta.plugin_identity != self.client.plugin().identity() {
-            self.reject(disk, key, "made by another PJRT plugin build");
-            return None;
-        }
-        if &meta.module_hash != module_hash {
-            self.reject(disk, key, "compiled from another module");
-            return None;
-        }
-        match self.client.deserialize(&entry.payload) {
-            Ok(exe) => Some(exe),
-            Err(e) => {
-                self.reject(disk, key, &format!("the plugin cannot load it: {e}"));
-                None
-            }
-        }
-    }
-
-    fn reject(&self, disk: &DiskCache, key: &CacheKey, why: &str) {
-        let path = disk.entry_path(key);
-        tracing::warn!(
-            "cache entry {} rejected: {why}; recompiling",
-            path.display()
-        );
-        if !disk.is_read_only() {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-
-    /// Writes a freshly compiled executable to the disk cache; failures only warn (the
-    /// executable still works from memory).
-    fn store(&self, disk: &DiskCache, key: &CacheKey, exe: &LoadedExecutable, lowered: &Lowered) {
-        let meta = EntryMeta::new(self.client.plugin(), &self.platform, lowered);
-        let result = exe
-            .serialize()
-            .map_err(|e| e.to_string())
-            .and_then(|bytes| {
-                let meta = bincode::serialize(&meta).map_err(|e| e.to_string())?;
-                disk.put(key, &meta, &bytes).map_err(|e| e.to_string())
-            });
-        if let Err(e) = result {
-            tracing::warn!(
-                "could not write cache entry {}: {e}{}",
-                key.hex(),
-                serialize_hint(&e)
-            );
-        }
     }
 
     /// Uploads host memory to device 0. On the CPU plugin the buffer aliases the memory, which
@@ -1215,18 +1027,4 @@ fn check_arity(sig: &Lowered, inputs: usize, outputs: usize) -> Result<(), Compi
         )));
     }
     Ok(())
-}
-
-/// What to do about a serialization failure whose cause is the user's XLA_FLAGS: XLA's CPU
-/// executables serialize only with one temporary allocation, and
-/// `--xla_multiheap_size_constraint_per_heap` splits temporaries above its size into several.
-fn serialize_hint(error: &str) -> &'static str {
-    let split = std::env::var("XLA_FLAGS")
-        .is_ok_and(|flags| flags.contains("xla_multiheap_size_constraint_per_heap"));
-    if split && error.contains("Multiple temp buffer allocations") {
-        " (XLA_FLAGS sets --xla_multiheap_size_constraint_per_heap, which splits this \
-         executable's temporaries; XLA serializes only unsplit ones: remove the flag to cache it)"
-    } else {
-        ""
-    }
 }

@@ -16,10 +16,11 @@ use tpuc_frontend_fx::Graph;
 use tpuc_passes::sharding::ShardingRequest;
 use tpuc_runtime::{self as pjrt, DeviceInfo, MemoryStats, PjrtError, Topology};
 
+use crate::executable_store::{DiskCaches, EntryMeta};
 use crate::lower::{self, LowerOptions, Lowered, Precision};
 use crate::pipeline::{
     executable_key, machine_key_part, prepare, CacheOutcome, CompileError, DiskCacheOptions,
-    DiskCaches, EntryMeta, Prepared,
+    Prepared,
 };
 
 /// One graph compiled for a target.
@@ -255,7 +256,7 @@ fn total_cost(cost: Vec<(String, f64)>) -> Vec<(String, f64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pipeline::EntryMeta;
+    use crate::executable_store::EntryMeta;
 
     fn meta() -> EntryMeta {
         EntryMeta {

@@ -49,13 +49,6 @@ impl DType {
         }
     }
 
-    pub fn is_signed_int(self) -> bool {
-        matches!(
-            self,
-            DType::Int64 | DType::Int32 | DType::Int16 | DType::Int8
-        )
-    }
-
     pub fn byte_size(self) -> usize {
         match self {
             DType::Complex128 => 16,

@@ -338,7 +338,7 @@ fn operand_values(n: &Node, positions: &[usize]) -> Vec<ValueRef> {
 fn attention(gr: &Grower, root: NodeId) -> Option<(&'static str, BTreeSet<NodeId>)> {
     let n = gr.g.node(root);
     // Selects, slices and splits too: a host kernel reads the heads of q, k and v where they lie in
-    // one projection's output (`tpuc_runtime::host_attention`), if the unit starts there.
+    // one projection's output (`tpuc_hostkernels::host_attention`), if the unit starts there.
     let layout = |n: &Node| {
         is(n, VIEWS)
             || is(

@@ -79,7 +79,7 @@ pub fn set_unpartitioned_max(elements: i64) -> i64 {
 /// of XLA's threads), from now on in this process.
 #[pyfunction]
 pub fn set_host_gemm_always_pieces(on: bool) {
-    tpuc_runtime::host_blas::set_always_pieces(on);
+    tpuc_hostkernels::host_blas::set_always_pieces(on);
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -559,14 +559,14 @@ impl Runtime {
     /// host BLAS products (and pieces) ran each way in this process.
     #[staticmethod]
     fn host_gemm_calls() -> (u64, u64, u64) {
-        tpuc_runtime::host_blas::calls()
+        tpuc_hostkernels::host_blas::calls()
     }
 
     /// Sets how long the host BLAS's helper threads poll for the next product after their last
-    /// one before they sleep (`tpuc_runtime::spin_helpers::SPIN`), for this process.
+    /// one before they sleep (`tpuc_hostkernels::spin_helpers::SPIN`), for this process.
     #[staticmethod]
     fn set_host_gemm_spin_us(us: u64) {
-        tpuc_runtime::spin_helpers::set_spin(std::time::Duration::from_micros(us));
+        tpuc_hostkernels::spin_helpers::set_spin(std::time::Duration::from_micros(us));
     }
 
     /// From now on, lowers 2-D f32 convolutions to calls of oneDNN loaded from `library` (None:
@@ -626,13 +626,13 @@ impl Runtime {
     /// process.
     #[staticmethod]
     fn host_conv_calls() -> (u64, u64, u64) {
-        tpuc_runtime::host_conv::calls()
+        tpuc_hostkernels::host_conv::calls()
     }
 
     /// `(major, minor, patch)` of the oneDNN that convolutions run in; None where none loaded.
     #[staticmethod]
     fn host_conv_version() -> Option<(i32, i32, i32)> {
-        tpuc_runtime::host_conv::version()
+        tpuc_hostkernels::host_conv::version()
     }
 
     /// The alignment host memory needs for the plugin to compute on it in place.

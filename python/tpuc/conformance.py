@@ -4,7 +4,7 @@ per plugin build and CPU (the result is kept beside the executable cache, keyed 
 
 Why: a plugin's code for a primitive can be wrong on one CPU while tpuc's StableHLO is right
 (lammps-jax-pjrt-cpu 0.11.2 returned garbage for `atan2(x, 1)` from 64 elements on). An op found
-wrong is lowered with tpuc's own expansions of its primitives (compiler/src/lower/own_math.rs)
+wrong is lowered with tpuc's own expansions of its primitives (compiler/src/lower/emit/own_math.rs)
 from then on, with one warning naming the op, the plugin and the CPU.
 
 The suite is one compiled program per dtype (all ops at all sizes), so the first use of a plugin

@@ -2,8 +2,8 @@
 //! (`PJRT_Executable_GetCompiledMemoryStats`) and cost analysis (`GetCostAnalysis`). Read from
 //! any `PJRT_Executable`: a loaded one's view, or one compiled for a topology.
 
-use super::api::{pjrt_call, read_named_values, Api, Args};
-use super::client::OptionValue;
+use super::api::{pjrt_call, Api, Args};
+use super::named_values::{read_named_values, OptionValue};
 use super::{sys, PjrtError};
 
 /// Device memory one program needs on each device it runs on, in bytes.

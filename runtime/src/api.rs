@@ -4,7 +4,6 @@
 use std::ffi::c_char;
 use std::ptr;
 
-use super::client::OptionValue;
 use super::sys;
 use super::PjrtError;
 
@@ -263,47 +262,6 @@ pub(crate) fn mlir_program(module: &[u8]) -> sys::PJRT_Program {
     program.format = FORMAT.as_ptr().cast::<c_char>();
     program.format_size = FORMAT.len();
     program
-}
-
-/// Copies `n` named values (attributes, cost properties) owned by the plugin; values of a type
-/// this header does not know are skipped.
-///
-/// # Safety
-/// `values` must be null or point to `n` live `PJRT_NamedValue`s, each string and list lying
-/// where its value points.
-pub(crate) unsafe fn read_named_values(
-    values: *const sys::PJRT_NamedValue,
-    n: usize,
-) -> Vec<(String, OptionValue)> {
-    if values.is_null() || n == 0 {
-        return Vec::new();
-    }
-    // SAFETY: guaranteed by the caller.
-    let values = unsafe { std::slice::from_raw_parts(values, n) };
-    values
-        .iter()
-        // SAFETY: each value's union member is the one its type names (the caller's contract).
-        .filter_map(|nv| unsafe {
-            let name = copy_str(nv.name, nv.name_size);
-            let value = match nv.type_ {
-                sys::PJRT_NamedValue_kString => {
-                    OptionValue::Str(copy_str(nv.__bindgen_anon_1.string_value, nv.value_size))
-                }
-                sys::PJRT_NamedValue_kInt64 => OptionValue::Int64(nv.__bindgen_anon_1.int64_value),
-                sys::PJRT_NamedValue_kInt64List => OptionValue::Int64List(
-                    std::slice::from_raw_parts(
-                        nv.__bindgen_anon_1.int64_array_value,
-                        nv.value_size,
-                    )
-                    .to_vec(),
-                ),
-                sys::PJRT_NamedValue_kFloat => OptionValue::Float(nv.__bindgen_anon_1.float_value),
-                sys::PJRT_NamedValue_kBool => OptionValue::Bool(nv.__bindgen_anon_1.bool_value),
-                _ => return None,
-            };
-            Some((name, value))
-        })
-        .collect()
 }
 
 /// An owned `PJRT_Event`; destroyed on drop.

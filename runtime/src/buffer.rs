@@ -4,7 +4,7 @@ use std::ptr;
 use std::sync::Arc;
 
 use super::api::{pjrt_call, Args, Event};
-use super::client::ClientInner;
+use super::client_handle::ClientInner;
 use super::{sys, ElementType, PjrtError};
 
 /// An array on a device.

@@ -4,9 +4,11 @@ use std::ffi::c_char;
 use std::ptr;
 use std::sync::Arc;
 
-use super::api::{copy_str, mlir_program, pjrt_call, Api, Args, Event};
+use super::api::{copy_str, mlir_program, pjrt_call, Args, Event};
 use super::buffer::Buffer;
+use super::client_handle::ClientInner;
 use super::executable::{CompileOptions, LoadedExecutable};
+use super::named_values::{named_values, OptionValue};
 use super::plugin::Plugin;
 use super::topology::{describe, DeviceInfo};
 use super::{sys, ElementType, HostBufferSemantics, PjrtError};
@@ -18,37 +20,6 @@ pub struct Client {
     pub(crate) inner: Arc<ClientInner>,
 }
 
-pub(crate) struct ClientInner {
-    pub(crate) plugin: &'static Plugin,
-    pub(crate) raw: *mut sys::PJRT_Client,
-    /// Addressable devices; owned by the client, fixed for its life.
-    devices: Vec<*mut sys::PJRT_Device>,
-}
-
-// SAFETY: PJRT clients are thread-safe (PjRtClient's contract), and the device
-// pointers are immutable handles owned by the client.
-unsafe impl Send for ClientInner {}
-// SAFETY: see `Send`.
-unsafe impl Sync for ClientInner {}
-
-impl ClientInner {
-    pub(crate) fn api(&self) -> &'static Api {
-        &self.plugin.api
-    }
-}
-
-impl Drop for ClientInner {
-    fn drop(&mut self) {
-        let mut args = sys::PJRT_Client_Destroy_Args::new();
-        args.client = self.raw;
-        // SAFETY: no executable or buffer of this client is left (they hold
-        // an Arc to it), and the pointer is not used again.
-        if let Err(e) = unsafe { pjrt_call!(self.api(), PJRT_Client_Destroy, &mut args) } {
-            tracing::warn!("{e}");
-        }
-    }
-}
-
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
@@ -56,70 +27,6 @@ impl std::fmt::Debug for Client {
             .field("devices", &self.inner.devices.len())
             .finish()
     }
-}
-
-/// The value of one `PJRT_Client_Create` option (`PJRT_NamedValue`). Which names and types a
-/// plugin accepts is the plugin's own (the CPU plugin: `cpu_device_count`; the CUDA/ROCm plugins:
-/// `preallocate`, `memory_fraction`, `allocator`, `visible_devices` ...); a plugin rejects names
-/// it does not know.
-#[derive(Clone, Debug, PartialEq)]
-pub enum OptionValue {
-    Str(String),
-    Int64(i64),
-    Int64List(Vec<i64>),
-    Float(f32),
-    Bool(bool),
-}
-
-/// `(name, value)` options of `PJRT_Client_Create`.
-pub type CreateOptions = Vec<(String, OptionValue)>;
-
-/// `options` as `PJRT_NamedValue`s. They point into `options`' strings and lists: keep
-/// `options` alive and unchanged while the plugin may read them.
-pub(crate) fn named_values(options: &[(String, OptionValue)]) -> Vec<sys::PJRT_NamedValue> {
-    options
-        .iter()
-        .map(|(name, value)| {
-            let mut nv = sys::PJRT_NamedValue::new();
-            nv.name = name.as_ptr().cast::<c_char>();
-            nv.name_size = name.len();
-            match value {
-                OptionValue::Str(v) => {
-                    nv.type_ = sys::PJRT_NamedValue_kString;
-                    nv.__bindgen_anon_1.string_value = v.as_ptr().cast::<c_char>();
-                    nv.value_size = v.len();
-                }
-                OptionValue::Int64(v) => {
-                    nv.type_ = sys::PJRT_NamedValue_kInt64;
-                    nv.__bindgen_anon_1.int64_value = *v;
-                    nv.value_size = 1;
-                }
-                OptionValue::Int64List(v) => {
-                    nv.type_ = sys::PJRT_NamedValue_kInt64List;
-                    nv.__bindgen_anon_1.int64_array_value = v.as_ptr();
-                    nv.value_size = v.len();
-                }
-                OptionValue::Float(v) => {
-                    nv.type_ = sys::PJRT_NamedValue_kFloat;
-                    nv.__bindgen_anon_1.float_value = *v;
-                    nv.value_size = 1;
-                }
-                OptionValue::Bool(v) => {
-                    nv.type_ = sys::PJRT_NamedValue_kBool;
-                    nv.__bindgen_anon_1.bool_value = *v;
-                    nv.value_size = 1;
-                }
-            }
-            nv
-        })
-        .collect()
-}
-
-/// The CPU plugin's option for its number of devices (its default is 4).
-pub fn cpu_device_options(count: Option<i64>) -> CreateOptions {
-    count
-        .map(|n| vec![("cpu_device_count".to_string(), OptionValue::Int64(n))])
-        .unwrap_or_default()
 }
 
 impl Client {

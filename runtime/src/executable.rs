@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 
 use super::api::{copy_str, pjrt_call, Api, Args, Event};
 use super::buffer::Buffer;
-use super::client::ClientInner;
+use super::client_handle::ClientInner;
 use super::{sys, PjrtError};
 
 /// XLA compile options: the few fields of `xla.CompileOptionsProto` we set.
@@ -125,9 +125,9 @@ impl Drop for LoadedExecutable {
         let mut args = sys::PJRT_LoadedExecutable_Destroy_Args::new();
         args.executable = self.raw;
         // SAFETY: the executable is live and not used after this.
-        if let Err(e) =
-            unsafe { pjrt_call!(self.client.api(), PJRT_LoadedExecutable_Destroy, &mut args) }
-        {
+        let destroyed =
+            unsafe { pjrt_call!(self.client.api(), PJRT_LoadedExecutable_Destroy, &mut args) };
+        if let Err(e) = destroyed {
             tracing::warn!("{e}");
         }
     }
@@ -154,9 +154,9 @@ impl Drop for ExecutableView<'_> {
         let mut args = sys::PJRT_Executable_Destroy_Args::new();
         args.executable = self.raw;
         // SAFETY: the view is live and not used after this.
-        if let Err(e) =
-            unsafe { pjrt_call!(self.exe.client.api(), PJRT_Executable_Destroy, &mut args) }
-        {
+        let destroyed =
+            unsafe { pjrt_call!(self.exe.client.api(), PJRT_Executable_Destroy, &mut args) };
+        if let Err(e) = destroyed {
             tracing::warn!("{e}");
         }
     }
@@ -306,7 +306,7 @@ impl LoadedExecutable {
         args.device_complete_events = events.as_mut_ptr();
         let api = self.client.api();
         let started = std::time::Instant::now();
-        let executing = super::host_blas::Executing::enter();
+        let executing = Executing::enter();
         // SAFETY: all arrays have the sizes PJRT expects ([num_devices][num_args]
         // inputs of this client, [num_devices][num_outputs] outputs,
         // [num_devices] events) and outlive the call.
@@ -491,4 +491,31 @@ pub(crate) unsafe fn serialize_raw(
         ));
     }
     Ok(bytes)
+}
+
+thread_local! {
+    /// Set while this thread is inside `PJRT_LoadedExecutable_Execute` (see [`Executing`]).
+    static EXECUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside [`LoadedExecutable::execute`]'s call into the plugin: the CPU
+/// plugin may run a program on the calling thread, so a host kernel called here runs on a
+/// thread of the caller's (PyTorch's products on it use MKL's own threads), not one of XLA's.
+pub fn executing_on_this_thread() -> bool {
+    EXECUTING.with(|e| e.get())
+}
+
+/// Marks this thread as calling execute while it lives (see [`executing_on_this_thread`]).
+struct Executing(bool);
+
+impl Executing {
+    fn enter() -> Executing {
+        Executing(EXECUTING.with(|e| e.replace(true)))
+    }
+}
+
+impl Drop for Executing {
+    fn drop(&mut self) {
+        EXECUTING.with(|e| e.set(self.0));
+    }
 }

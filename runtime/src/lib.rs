@@ -15,28 +15,26 @@ mod analysis;
 mod api;
 mod buffer;
 mod client;
+mod client_handle;
 pub mod env;
 mod executable;
+mod ffi_extension;
 mod hlo_text;
-pub mod host_attention;
-pub mod host_blas;
-pub mod host_conv;
-pub mod host_rows;
+mod named_values;
 mod plugin;
-pub mod spin_helpers;
 mod sys;
 #[cfg(test)]
 mod tests;
 mod topology;
-mod xla_ffi;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 pub use analysis::MemoryStats;
 pub use buffer::Buffer;
-pub use client::{cpu_device_options, Client, CreateOptions, OptionValue};
-pub use executable::{CompileOptions, LoadedExecutable};
+pub use client::Client;
+pub use executable::{executing_on_this_thread, CompileOptions, LoadedExecutable};
+pub use named_values::{cpu_device_options, CreateOptions, OptionValue};
 pub use plugin::{load_plugin, Plugin};
 pub use topology::{DeviceInfo, Topology, TopologyExecutable};
 

@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-use super::api::{pjrt_call, read_named_values, Api, Args};
-use super::client::OptionValue;
+use super::api::{pjrt_call, Api, Args};
+use super::named_values::{read_named_values, OptionValue};
 use super::{sys, PjrtError};
 
 /// A loaded PJRT plugin. Lives for the rest of the process: see [`load_plugin`].

@@ -5,7 +5,8 @@
     non_snake_case,
     non_upper_case_globals,
     dead_code,
-    clippy::all
+    clippy::all,
+    clippy::undocumented_unsafe_blocks
 )]
 
 include!(concat!(env!("OUT_DIR"), "/pjrt_c_api.rs"));

@@ -8,8 +8,8 @@ use std::ptr;
 
 use super::analysis::{self, MemoryStats};
 use super::api::{copy_str, mlir_program, pjrt_call, Api, Args};
-use super::client::{named_values, OptionValue};
 use super::executable::{serialize_raw, CompileOptions};
+use super::named_values::{named_values, OptionValue};
 use super::plugin::Plugin;
 use super::{sys, PjrtError};
 
@@ -39,9 +39,9 @@ impl Drop for Topology {
         let mut args = sys::PJRT_TopologyDescription_Destroy_Args::new();
         args.topology = self.raw;
         // SAFETY: the topology is live and not used after this.
-        if let Err(e) =
-            unsafe { pjrt_call!(self.api(), PJRT_TopologyDescription_Destroy, &mut args) }
-        {
+        let destroyed =
+            unsafe { pjrt_call!(self.api(), PJRT_TopologyDescription_Destroy, &mut args) };
+        if let Err(e) = destroyed {
             tracing::warn!("{e}");
         }
     }

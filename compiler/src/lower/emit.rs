@@ -3,6 +3,8 @@
 //! Ops are built generically (`OperationBuilder::new("stablehlo.add")`) with explicit result
 //! types: StableHLO is not registered in our MLIR context, so nothing would infer them.
 
+pub mod own_math;
+
 use super::{Device, LowerError};
 use melior::ir::attribute::{Attribute, AttributeLike, DenseI64ArrayAttribute};
 use melior::ir::block::BlockLike;
@@ -632,7 +634,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
     }
 
     /// A typed XLA FFI custom call (api_version 4) of a host handler the runtime registered with
-    /// the CPU plugin (`tpuc_runtime::host_blas`, `host_conv`, `host_rows`).
+    /// the CPU plugin (`tpuc_hostkernels::host_blas`, `host_conv`, `host_rows`).
     pub fn ffi_call(
         &self,
         target: &str,
@@ -670,9 +672,9 @@ impl<'c, 'b> Emitter<'c, 'b> {
         if self.own_math.get()
             && operands
                 .first()
-                .is_some_and(|t| super::own_math::expands(name, t.dtype))
+                .is_some_and(|t| own_math::expands(name, t.dtype))
         {
-            return super::own_math::expand(self, name, operands);
+            return own_math::expand(self, name, operands);
         }
         let reshaping = REINDEXING.contains(&name);
         let elementwise = !reshaping && ELEMENTWISE.contains(&name);

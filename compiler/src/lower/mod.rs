@@ -3,13 +3,14 @@
 //! against the types FX recorded, so a wrong rule fails loudly instead of returning wrong numbers.
 
 mod emit;
+mod helpers;
 mod ops;
-pub mod own_math;
 pub mod registry;
 mod strided;
 #[cfg(test)]
 mod tests;
 
+pub use emit::own_math;
 pub use emit::{Emitter, Precision, ReduceKind, Scalar, T};
 
 use melior::ir::attribute::{StringAttribute, TypeAttribute};
@@ -19,7 +20,6 @@ use melior::ir::r#type::FunctionType;
 use melior::ir::{Block, Identifier, Location, Module, Region, RegionLike, Value};
 use melior::Context;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
-use std::collections::BTreeMap;
 use tpuc_frontend_fx::{Arg, DType, Graph, InputKind, Node, NodeId, Output, ValueRef};
 use tpuc_passes::sharding::ShardingPlan;
 use tpuc_passes::FusionGroup;
@@ -87,13 +87,13 @@ pub struct LowerOptions {
     pub sharding: Option<ShardingPlan>,
     /// f32 matrix products of at least this many multiply-adds are lowered to a call of the
     /// host's BLAS (`tpuc_sgemm_*` custom calls, which the runtime registered with the CPU
-    /// plugin: `tpuc_runtime::host_blas`); `None` keeps every product in XLA.
+    /// plugin: `tpuc_hostkernels::host_blas`); `None` keeps every product in XLA.
     pub host_gemm_min_macs: Option<u64>,
     /// 2-D f32 convolutions (channels-last) are lowered to oneDNN calls (`tpuc_conv2d_*`
-    /// custom calls, registered with the CPU plugin by `tpuc_runtime::host_conv`).
+    /// custom calls, registered with the CPU plugin by `tpuc_hostkernels::host_conv`).
     pub host_conv: bool,
     /// Large f32 layer norms are lowered to the runtime's row kernels (`tpuc_layer_norm`
-    /// custom calls, registered with the CPU plugin by `tpuc_runtime::host_rows`).
+    /// custom calls, registered with the CPU plugin by `tpuc_hostkernels::host_rows`).
     pub host_rows: bool,
     /// ATen ops (`aten.exp.default`) whose math primitives (exp, log, atan2, tanh ...) are lowered
     /// to tpuc's own expansions ([`own_math`]) instead of the plugin's: the ones the known-answer
@@ -179,6 +179,9 @@ pub struct NodeCx<'x, 'c, 'b> {
 type Folds = HashMap<ValueRef, (ValueRef, Vec<i64>)>;
 
 pub type R<X> = Result<X, LowerError>;
+
+/// A lowering rule: one ATen op's node to its results (the table is [`registry`]'s).
+pub type Rule = for<'x, 'c, 'b> fn(&NodeCx<'x, 'c, 'b>) -> R<Vec<T<'c, 'b>>>;
 
 impl<'c, 'b> NodeCx<'_, 'c, 'b> {
     pub fn err(&self, message: impl Into<String>) -> LowerError {
@@ -319,14 +322,6 @@ impl<'c, 'b> NodeCx<'_, 'c, 'b> {
             Some(Arg::Int(v)) => Ok(Scalar::Int(*v)),
             Some(Arg::Bool(b)) => Ok(Scalar::Bool(*b)),
             other => Err(self.err(format!("`{name}`: expected a number, got {other:?}"))),
-        }
-    }
-
-    pub fn dtype_or(&self, i: usize, name: &str) -> R<Option<DType>> {
-        match self.arg(i, name) {
-            None | Some(Arg::None) => Ok(None),
-            Some(Arg::DType(d)) => Ok(Some(*d)),
-            other => Err(self.err(format!("`{name}`: expected a dtype, got {other:?}"))),
         }
     }
 
@@ -1048,9 +1043,4 @@ fn check_results(cx: &NodeCx, results: &[T]) -> R<()> {
 /// Ops with a lowering rule, sorted: what Python asks before deciding what to run eagerly.
 pub fn supported_ops() -> Vec<&'static str> {
     registry::names()
-}
-
-/// Op counts of a graph, for dumps and pass reports.
-pub fn op_histogram(graph: &Graph) -> BTreeMap<String, usize> {
-    graph.op_counts()
 }

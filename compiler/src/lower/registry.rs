@@ -2,14 +2,12 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, bag, bessel, complex, creation, elementwise, gamma, hash, histogram, linalg, matrix,
-    nn, random, reduce, sample, shape, special,
+    attention, bag, bessel, complex, conv, creation, elementwise, gamma, hash, histogram, matrix,
+    nn, products, random, reduce, sample, shape, special,
 };
-use super::{NodeCx, R, T};
+use super::Rule;
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::OnceLock;
-
-pub type Rule = for<'x, 'c, 'b> fn(&NodeCx<'x, 'c, 'b>) -> R<Vec<T<'c, 'b>>>;
 
 fn table() -> &'static HashMap<&'static str, Rule> {
     static TABLE: OnceLock<HashMap<&'static str, Rule>> = OnceLock::new();
@@ -19,7 +17,8 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .iter()
             .chain(shape::RULES)
             .chain(reduce::RULES)
-            .chain(linalg::RULES)
+            .chain(products::RULES)
+            .chain(conv::RULES)
             .chain(matrix::RULES)
             .chain(nn::RULES)
             .chain(creation::RULES)

@@ -1,7 +1,7 @@
 //! Strided views: where each element of a value lies in the row-major buffer of a value it was
 //! made from through layout ops only (`stablehlo.reshape`, `transpose`, `slice`), so that a
 //! host kernel can read that buffer in place instead of a copy XLA would make (attention's
-//! heads split out of one projection: `tpuc_runtime::host_attention`).
+//! heads split out of one projection: `tpuc_hostkernels::host_attention`).
 
 use melior::ir::attribute::DenseI64ArrayAttribute;
 use melior::ir::operation::{OperationLike, OperationResult};

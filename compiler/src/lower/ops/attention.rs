@@ -3,9 +3,9 @@
 //! is the logsumexp).
 
 use crate::lower::emit::Emitter;
-use crate::lower::ops::linalg::host_matmul;
-use crate::lower::ops::reduce::acc_dtype;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::matmul::host_matmul;
+use crate::lower::helpers::widen::acc_dtype;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 
@@ -97,7 +97,7 @@ fn flash_attention_cpu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 const HOST_MIN_SCORES: i64 = 1 << 12;
 
 /// The op's two results through the host kernel (`tpuc_attention`, see
-/// `tpuc_runtime::host_attention`), where the session enables it and everything is f32: q, k
+/// `tpuc_hostkernels::host_attention`), where the session enables it and everything is f32: q, k
 /// and v as they lie, the output written `[b, l, h, dv]` (the layout the heads are merged from)
 /// and returned as its transpose. None where XLA should compute it.
 fn host_attention<'c, 'b>(
@@ -164,12 +164,15 @@ fn host_attention<'c, 'b>(
     };
     // The output as [b, l, h, dv].
     geometry.extend([l * h * dv, dv, h * dv]);
-    debug_assert_eq!(geometry.len(), tpuc_runtime::host_attention::GEOMETRY_LEN);
+    debug_assert_eq!(
+        geometry.len(),
+        tpuc_hostkernels::host_attention::GEOMETRY_LEN
+    );
     operands.push(e.constant_i64(&geometry, &[geometry.len() as i64], DType::Int64)?);
     operands.push(e.splat(Scalar::Float(scale), &[1], f32)?);
     operands.extend(mask);
     let r = e.ffi_call(
-        tpuc_runtime::host_attention::ATTENTION,
+        tpuc_hostkernels::host_attention::ATTENTION,
         &operands.iter().collect::<Vec<_>>(),
         &[(vec![b, l, h, dv], f32), (vec![b, h, l], f32)],
     )?;
@@ -190,8 +193,8 @@ fn repeat_heads<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, h: i64) -> R<T<'c, '
     e.reshape(&wide, &[b, h, s, d])
 }
 
-/// Scores per query block: blocks of 4M f32 scores (16 MiB) measured as fast as 2-8M ones and
-/// 1.8x faster than one 4096x4096x8-head block (UNet's attention at 64x64 latents).
+/// Scores per query block (16 MiB of f32): the fastest block size measured
+/// (bench/results/lowering-choices.md).
 const BLOCK_SCORES: i64 = 1 << 22;
 
 /// Query rows per block: all `l` when the whole score matrix fits [`BLOCK_SCORES`], else the
@@ -225,8 +228,8 @@ fn attend<'c, 'b>(
     let (b, h, l) = (q.shape[0], q.shape[1], q.shape[2]);
     let (s, dv) = (k.shape[2], v.shape[3]);
     // The scale applied to the queries (l x d), not to the scores (l x s): XLA fuses it into
-    // neither the product nor the max, so on the scores it is one more pass over them (UNet's
-    // 4096-token attention: 134 ms instead of 178).
+    // neither the product nor the max, so on the scores it is one more pass over them
+    // (bench/results/lowering-choices.md).
     let q = e.mul(q, &e.splat(Scalar::Float(scale), &[], acc)?)?;
     let mut scores = batched_product(e, (&q, false), (k, true), [b, h, l, s])?;
     let ninf = e.splat(Scalar::Float(f64::NEG_INFINITY), &[], acc)?;

@@ -5,9 +5,9 @@
 //! Only the result is computed: the bookkeeping results (offset2bag, bag_size, max_indices)
 //! raise an error when something reads them.
 
-use super::reduce::running_sum;
-use super::shape::take_along;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::gather::take_along;
+use crate::lower::helpers::scan::running_sum;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 

@@ -9,9 +9,9 @@
 //!   (120 points, step min(1/4, 0.7/sqrt(x)), exponentially convergent: error ~1e-17 relative),
 //!   scaled by exp(x) inside so nothing underflows; leading terms of the series below x = 1e-9.
 
-use super::elementwise::unary_f64;
-use super::formula::F;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::formula::F;
+use crate::lower::helpers::widen::unary_f64;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, R, T};
 use tpuc_frontend_fx::DType;
 

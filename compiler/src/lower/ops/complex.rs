@@ -6,7 +6,7 @@
 //! PyTorch's own scaling.
 
 use crate::lower::emit::{array_i64, Emitter};
-use crate::lower::registry::Rule;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 

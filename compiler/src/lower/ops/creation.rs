@@ -1,6 +1,6 @@
 //! Ops that create tensors from sizes and values: full, arange, *_like.
 
-use crate::lower::registry::Rule;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::DType;
 

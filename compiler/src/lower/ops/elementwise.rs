@@ -1,8 +1,9 @@
 //! Elementwise ops: arithmetic, comparisons, logic, activations, casts.
 
+use crate::lower::emit::own_math;
 use crate::lower::emit::Emitter;
-use crate::lower::own_math;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::widen::{acc_dtype, unary_f64};
+use crate::lower::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 
@@ -152,15 +153,6 @@ fn operands<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> R<(T<'c, 'b>, T<'c, 'b>)> {
     Ok((a, b))
 }
 
-/// Low-precision floats are computed in f32 and rounded once, as PyTorch's CPU kernels do
-/// for transcendental functions.
-fn compute_dtype(d: DType) -> DType {
-    match d {
-        DType::Float16 | DType::Bfloat16 => DType::Float32,
-        d => d,
-    }
-}
-
 fn binary_arith<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
     let (a, b) = operands(cx)?;
     let out = cx.out_dtype()?;
@@ -303,7 +295,7 @@ fn pow<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let a = cx.e.convert(&a, out)?;
         return Ok(vec![cx.e.binary("stablehlo.multiply", &a, &a, out)?]);
     }
-    let c = compute_dtype(out);
+    let c = acc_dtype(out);
     let r = cx.e.binary("stablehlo.power", &a, &b, c)?;
     Ok(vec![cx.e.convert(&r, out)?])
 }
@@ -367,7 +359,7 @@ fn fmod<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 fn unary_float<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, name: &str) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let out = cx.out_dtype()?;
-    let x = cx.e.convert(&x, compute_dtype(out))?;
+    let x = cx.e.convert(&x, acc_dtype(out))?;
     let r = cx.e.unary(name, &x)?;
     Ok(vec![cx.e.convert(&r, out)?])
 }
@@ -449,7 +441,7 @@ fn log1p<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 fn log2<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let out = cx.out_dtype()?;
-    let c = compute_dtype(out);
+    let c = acc_dtype(out);
     let l = cx.e.unary("stablehlo.log", &cx.e.convert(&x, c)?)?;
     let ln2 = cx.e.splat(Scalar::Float(std::f64::consts::LN_2), &[], c)?;
     let r = cx.e.binary("stablehlo.divide", &l, &ln2, c)?;
@@ -527,7 +519,7 @@ pub fn erf_of<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
 fn erf<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let out = cx.out_dtype()?;
-    let r = erf_of(cx, &cx.e.convert(&x, compute_dtype(out))?)?;
+    let r = erf_of(cx, &cx.e.convert(&x, acc_dtype(out))?)?;
     Ok(vec![cx.e.convert(&r, out)?])
 }
 
@@ -547,7 +539,7 @@ fn relu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 fn gelu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x0 = cx.tensor(0, "self")?;
     let out = cx.out_dtype()?;
-    let c = compute_dtype(out);
+    let c = acc_dtype(out);
     let e = cx.e;
     let x = e.convert(&x0, c)?;
     let k = |v: f64| e.splat(Scalar::Float(v), &[], c);
@@ -597,7 +589,7 @@ fn gelu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 fn silu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x0 = cx.tensor(0, "self")?;
     let out = cx.out_dtype()?;
-    let c = compute_dtype(out);
+    let c = acc_dtype(out);
     let x = cx.e.convert(&x0, c)?;
     let s = cx.e.unary("stablehlo.logistic", &x)?;
     let r = cx.e.binary("stablehlo.multiply", &x, &s, c)?;
@@ -771,17 +763,6 @@ fn identity<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 // ---------------------------------------------------------------------------------------------
 
 const F64: DType = DType::Float64;
-
-/// `f(self)` evaluated in f64 and rounded to the result dtype.
-pub fn unary_f64<'c, 'b>(
-    cx: &NodeCx<'_, 'c, 'b>,
-    f: impl FnOnce(&Emitter<'c, 'b>, &T<'c, 'b>) -> R<T<'c, 'b>>,
-) -> V<'c, 'b> {
-    let x = cx.tensor(0, "self")?;
-    let out = cx.out_dtype()?;
-    let r = f(cx.e, &cx.e.convert(&x, F64)?)?;
-    Ok(vec![cx.e.convert(&r, out)?])
-}
 
 /// `f(self, other)` (either may be a Python scalar) evaluated in f64, rounded to the result dtype.
 fn binary_f64<'c, 'b>(
@@ -1157,7 +1138,7 @@ fn elu<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let alpha = cx.float_or(1, "alpha", 1.0)?;
     let scale = cx.float_or(2, "scale", 1.0)?;
     let input_scale = cx.float_or(3, "input_scale", 1.0)?;
-    let c = compute_dtype(out);
+    let c = acc_dtype(out);
     let e = cx.e;
     let x = e.convert(&x, c)?;
     let neg = e.unary(

@@ -8,8 +8,8 @@
 //! 1e-9. PyTorch's edge values: NaN for a < 0, x < 0, a = x = 0 and a = x = inf; P = 1 at
 //! a = 0 or x = inf, P = 0 at x = 0 or a = inf.
 
-use super::formula::F;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::formula::F;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
 

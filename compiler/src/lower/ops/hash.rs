@@ -3,7 +3,7 @@
 //! the recorded result shape); the result is uint64.
 
 use crate::lower::emit::array_i64;
-use crate::lower::registry::Rule;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::DType;
 

@@ -5,9 +5,9 @@
 //! last bin includes its right edge), elements outside the edges are dropped; counts (or
 //! weights) are added with a scatter. Memory stays linear in the number of values.
 
-use super::shape::take_along;
 use crate::lower::emit::Emitter;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::gather::take_along;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 

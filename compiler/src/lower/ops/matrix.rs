@@ -12,7 +12,7 @@
 //! eigenvalues of the Gram matrix computed in float64, so their error stays far below float32's.
 
 use crate::lower::emit::{array_i64, Emitter};
-use crate::lower::registry::Rule;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 
@@ -360,16 +360,30 @@ fn scatter_rows<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>, perm: &T<'c, 'b>) ->
     gather_rows(e, x, &inv)
 }
 
+/// Which system [`tri_solve`] solves with its triangular `a`.
+#[derive(Clone, Copy)]
+struct Triangular {
+    /// `op(a) X = b` (else `X op(a) = b`).
+    left: bool,
+    /// `a`'s lower triangle is read (else its upper one).
+    lower: bool,
+    /// `a`'s diagonal is taken as ones.
+    unit_diagonal: bool,
+    /// `op(a)` is `a` transposed.
+    transpose: bool,
+}
+
 /// `op(a) X = b` (left) or `X op(a) = b` with `a` triangular; batch dims must match.
-#[allow(clippy::too_many_arguments)]
 fn tri_solve<'c, 'b>(
     e: &Emitter<'c, 'b>,
     a: &T<'c, 'b>,
     b: &T<'c, 'b>,
-    left: bool,
-    lower: bool,
-    unit: bool,
-    transpose: bool,
+    Triangular {
+        left,
+        lower,
+        unit_diagonal,
+        transpose,
+    }: Triangular,
 ) -> R<T<'c, 'b>> {
     if is_empty(a) || is_empty(b) {
         return e.splat(Scalar::Int(0), &b.shape, b.dtype);
@@ -385,7 +399,7 @@ fn tri_solve<'c, 'b>(
         &[
             ("left_side", left.to_string()),
             ("lower", lower.to_string()),
-            ("unit_diagonal", unit.to_string()),
+            ("unit_diagonal", unit_diagonal.to_string()),
             ("transpose_a", format!("#stablehlo<transpose {ta}>")),
         ],
         &b.shape,
@@ -404,11 +418,51 @@ fn lu_solve_with<'c, 'b>(
 ) -> R<T<'c, 'b>> {
     if !adjoint {
         let y = gather_rows(e, rhs, perm)?;
-        let y = tri_solve(e, lu, &y, true, true, true, false)?;
-        tri_solve(e, lu, &y, true, false, false, false)
+        let y = tri_solve(
+            e,
+            lu,
+            &y,
+            Triangular {
+                left: true,
+                lower: true,
+                unit_diagonal: true,
+                transpose: false,
+            },
+        )?;
+        tri_solve(
+            e,
+            lu,
+            &y,
+            Triangular {
+                left: true,
+                lower: false,
+                unit_diagonal: false,
+                transpose: false,
+            },
+        )
     } else {
-        let y = tri_solve(e, lu, rhs, true, false, false, true)?;
-        let y = tri_solve(e, lu, &y, true, true, true, true)?;
+        let y = tri_solve(
+            e,
+            lu,
+            rhs,
+            Triangular {
+                left: true,
+                lower: false,
+                unit_diagonal: false,
+                transpose: true,
+            },
+        )?;
+        let y = tri_solve(
+            e,
+            lu,
+            &y,
+            Triangular {
+                left: true,
+                lower: true,
+                unit_diagonal: true,
+                transpose: true,
+            },
+        )?;
         scatter_rows(e, &y, perm)
     }
 }
@@ -654,8 +708,28 @@ fn cholesky_solve<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let upper = cx.bool_or(2, "upper", false)?;
     let (f, rhs) = common_batch(e, &f, &rhs)?;
     // A = L L^T: X = L^-T L^-1 B; A = U^T U: X = U^-1 U^-T B.
-    let y = tri_solve(e, &f, &rhs, true, !upper, false, upper)?;
-    let x = tri_solve(e, &f, &y, true, !upper, false, !upper)?;
+    let y = tri_solve(
+        e,
+        &f,
+        &rhs,
+        Triangular {
+            left: true,
+            lower: !upper,
+            unit_diagonal: false,
+            transpose: upper,
+        },
+    )?;
+    let x = tri_solve(
+        e,
+        &f,
+        &y,
+        Triangular {
+            left: true,
+            lower: !upper,
+            unit_diagonal: false,
+            transpose: !upper,
+        },
+    )?;
     Ok(vec![e.convert(&x, cx.out_dtype()?)?])
 }
 
@@ -665,8 +739,28 @@ fn cholesky_inverse<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let upper = cx.bool_or(1, "upper", false)?;
     let n = rows(&f);
     let id = eye(e, &batch(&f), n, n, f.dtype)?;
-    let y = tri_solve(e, &f, &id, true, !upper, false, upper)?;
-    let x = tri_solve(e, &f, &y, true, !upper, false, !upper)?;
+    let y = tri_solve(
+        e,
+        &f,
+        &id,
+        Triangular {
+            left: true,
+            lower: !upper,
+            unit_diagonal: false,
+            transpose: upper,
+        },
+    )?;
+    let x = tri_solve(
+        e,
+        &f,
+        &y,
+        Triangular {
+            left: true,
+            lower: !upper,
+            unit_diagonal: false,
+            transpose: !upper,
+        },
+    )?;
     Ok(vec![x])
 }
 
@@ -678,7 +772,17 @@ fn triangular_solve<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let transpose = cx.bool_or(3, "transpose", false)?;
     let unit = cx.bool_or(4, "unitriangular", false)?;
     let (a, rhs) = common_batch(e, &a, &rhs)?;
-    let x = tri_solve(e, &a, &rhs, true, !upper, unit, transpose)?;
+    let x = tri_solve(
+        e,
+        &a,
+        &rhs,
+        Triangular {
+            left: true,
+            lower: !upper,
+            unit_diagonal: unit,
+            transpose,
+        },
+    )?;
     let (cshape, _) = cx.out(1)?;
     Ok(vec![x, e.broadcast_to(&a, &cshape)?])
 }
@@ -694,7 +798,17 @@ fn solve_triangular<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let left = cx.bool_or(3, "left", true)?;
     let unit = cx.bool_or(4, "unitriangular", false)?;
     let (a, rhs) = common_batch(e, &a, &rhs)?;
-    Ok(vec![tri_solve(e, &a, &rhs, left, !upper, unit, false)?])
+    Ok(vec![tri_solve(
+        e,
+        &a,
+        &rhs,
+        Triangular {
+            left,
+            lower: !upper,
+            unit_diagonal: unit,
+            transpose: false,
+        },
+    )?])
 }
 
 // ---------------------------------------------------------------------------------------------

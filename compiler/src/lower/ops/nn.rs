@@ -1,10 +1,10 @@
 //! Neural-network ops that core ATen keeps whole: normalizations and pooling.
 
 use crate::lower::emit::{array_i64, to_physical, Emitter};
-use crate::lower::ops::reduce::acc_dtype;
-use crate::lower::ops::shape::{along_dim_coords, take_along};
-use crate::lower::ops::window::{taps as window_taps, Window};
-use crate::lower::registry::Rule;
+use crate::lower::helpers::gather::{along_dim_coords, take_along};
+use crate::lower::helpers::widen::acc_dtype;
+use crate::lower::helpers::window::{taps as window_taps, Window};
+use crate::lower::Rule;
 use crate::lower::{LowerError, NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
 
@@ -120,8 +120,8 @@ fn native_layer_norm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 }
 
 /// Layer norms of at least this many elements, over rows of at least [`HOST_LAYER_NORM_MIN_N`],
-/// go to the host row kernel where the session enables it: XLA's five passes took 1.65 ms on
-/// 1576x768 rows against the kernel's ~0.3 (see `tpuc_runtime::host_rows`).
+/// go to the host row kernel where the session enables it (`tpuc_hostkernels::host_rows`): one
+/// pass against XLA's five (bench/results/lowering-choices.md).
 const HOST_LAYER_NORM_MIN_ELEMENTS: i64 = 1 << 15;
 const HOST_LAYER_NORM_MIN_N: i64 = 64;
 
@@ -160,7 +160,7 @@ fn host_layer_norm<'c, 'b>(
         e.splat(Scalar::Float(eps), &[1], f32)?,
     ];
     let r = e.ffi_call(
-        tpuc_runtime::host_rows::LAYER_NORM,
+        tpuc_hostkernels::host_rows::LAYER_NORM,
         &operands.iter().collect::<Vec<_>>(),
         &[(vec![rows, n], f32), (vec![rows], f32), (vec![rows], f32)],
     )?;
@@ -777,7 +777,7 @@ const MAX_POOL_GRAD_TAPS: usize = 16;
 /// Max-pooling gradient as a sum over the window's taps: at each tap, the output gradients whose
 /// index names that tap's input element, spread onto the input grid by a strided pad. XLA fuses
 /// the pads and sums into one pass over the input, where the scatter of every output gradient
-/// is a serial loop (ResNet-50 batch 8 stem: 42 ms against Inductor's 17).
+/// is a serial loop (bench/results/lowering-choices.md).
 fn max_pool_grad_by_taps<'c, 'b>(
     e: &Emitter<'c, 'b>,
     g: &T<'c, 'b>,

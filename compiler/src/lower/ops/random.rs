@@ -3,7 +3,7 @@
 //! every step gets fresh numbers) and the node's own stream index; bits come from StableHLO's
 //! counter-based `rng_bit_generator` (Threefry), keyed by seed and stream.
 
-use crate::lower::registry::Rule;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::DType;
 

@@ -1,10 +1,11 @@
 //! Reductions and the normalizations built on them (softmax).
 
 use crate::lower::emit::{array_i64, int_list, Emitter};
-use crate::lower::ops::shape::along_dim_coords;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::gather::along_dim_coords;
+use crate::lower::helpers::scan::scan;
+use crate::lower::helpers::widen::acc_dtype;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
-use melior::ir::Region;
 use tpuc_frontend_fx::{Arg, DType};
 
 pub static RULES: &[(&str, Rule)] = &[
@@ -58,14 +59,6 @@ fn reduced_count(x: &T, dims: &[i64]) -> i64 {
     dims.iter()
         .filter_map(|&d| x.shape.get(d as usize))
         .product()
-}
-
-/// Accumulation dtype: low-precision floats accumulate in f32, as PyTorch does.
-pub fn acc_dtype(d: DType) -> DType {
-    match d {
-        DType::Float16 | DType::Bfloat16 => DType::Float32,
-        d => d,
-    }
 }
 
 /// The reduced dims: the `dim` argument (a list, one int, or absent = all dims).
@@ -337,84 +330,6 @@ fn log_softmax<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     )?;
     let r = cx.e.binary("stablehlo.subtract", &s, &z, s.dtype)?;
     Ok(vec![cx.e.convert(&r, cx.out_dtype()?)?])
-}
-
-/// An inclusive scan of `operands` along `d` (all of one shape): a reduce_window whose window
-/// covers everything up to each element (the window's length of low padding, filled with
-/// `inits`), combined by `region`.
-pub fn scan<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    operands: &[&T<'c, 'b>],
-    inits: &[&T<'c, 'b>],
-    d: usize,
-    region: Region<'c>,
-) -> R<Vec<T<'c, 'b>>> {
-    let n = operands[0].shape[d];
-    if operands.len() > 1 && n > 16 && !(n as u64).is_power_of_two() {
-        // XLA's CPU plugin miscompiles a scan over several operands whose length is not a power
-        // of two ("The shape doesn't match when replacing 'reduce-window'", a compile error):
-        // scan a power-of-two length instead. Elements after the n-th cannot change the first
-        // n results of a prefix scan, so the padding only needs the right types.
-        let full = (n as u64).next_power_of_two() as i64;
-        let padded: Vec<T<'c, 'b>> = operands
-            .iter()
-            .zip(inits)
-            .map(|(t, init)| e.pad_end(t, init, d, full))
-            .collect::<R<_>>()?;
-        let refs: Vec<&T<'c, 'b>> = padded.iter().collect();
-        let scanned = scan_window(e, &refs, inits, d, region)?;
-        let start = vec![0; operands[0].rank()];
-        let strides = vec![1; operands[0].rank()];
-        return scanned
-            .iter()
-            .zip(operands)
-            .map(|(t, o)| e.slice(t, &start, &o.shape, &strides))
-            .collect();
-    }
-    scan_window(e, operands, inits, d, region)
-}
-
-/// [`scan`] as one `reduce_window` whose window spans the whole dim.
-fn scan_window<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    operands: &[&T<'c, 'b>],
-    inits: &[&T<'c, 'b>],
-    d: usize,
-    region: Region<'c>,
-) -> R<Vec<T<'c, 'b>>> {
-    let x = operands[0];
-    let r = x.rank();
-    let n = x.shape[d];
-    let mut window = vec![1; r];
-    window[d] = n.max(1);
-    let pads: Vec<String> = (0..r)
-        .map(|k| {
-            if k == d {
-                format!("[{}, 0]", (n - 1).max(0))
-            } else {
-                "[0, 0]".into()
-            }
-        })
-        .collect();
-    let all: Vec<&T> = operands.iter().chain(inits).copied().collect();
-    let results: Vec<(Vec<i64>, DType)> = operands
-        .iter()
-        .map(|t| (t.shape.clone(), t.dtype))
-        .collect();
-    e.op_n(
-        "stablehlo.reduce_window",
-        &all,
-        &[
-            ("window_dimensions", array_i64(&window)),
-            ("window_strides", array_i64(&vec![1; r])),
-            (
-                "padding",
-                format!("dense<[{}]> : tensor<{r}x2xi64>", pads.join(", ")),
-            ),
-        ],
-        &results,
-        vec![region],
-    )
 }
 
 /// `cumsum(self, dim, dtype)` / `cumprod`: a scan in the accumulation dtype.
@@ -800,13 +715,6 @@ fn bucketize<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         right,
         cx.out_dtype()?,
     )?])
-}
-
-/// Inclusive running sum of an int64 tensor along `d`.
-pub fn running_sum<'c, 'b>(e: &Emitter<'c, 'b>, t: &T<'c, 'b>, d: usize) -> R<T<'c, 'b>> {
-    let init = e.splat(Scalar::Int(0), &[], t.dtype)?;
-    let region = e.scalar_region(ReduceKind::Sum, t.dtype)?;
-    Ok(scan(e, &[t], &[&init], d, region)?.remove(0))
 }
 
 /// `histc(self, bins=100, min=0, max=0)`: counts in `bins` equal bins over [min, max] (the data's

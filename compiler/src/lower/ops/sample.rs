@@ -3,9 +3,9 @@
 //! (`GridSampler.h`): each tap is a gather of all channels at one integer position, weighted
 //! and masked when it falls outside the input.
 
-use super::shape::take_along;
 use crate::lower::emit::{array_i64, int_list, Emitter};
-use crate::lower::registry::Rule;
+use crate::lower::helpers::gather::take_along;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 
@@ -165,7 +165,7 @@ fn grid_sampler<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             "unsupported interpolation mode {mode} / padding mode {padding}"
         )));
     }
-    let d = crate::lower::ops::reduce::acc_dtype(out_dtype);
+    let d = crate::lower::helpers::widen::acc_dtype(out_dtype);
     let g = G { e, d };
     let n = input.shape[0];
     let c = input.shape[1];
@@ -496,7 +496,7 @@ fn upsample_2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, filter: AaFilter) -> V<'c, 'b
     if out_shape.contains(&0) || x.shape.contains(&0) {
         return Ok(vec![e.splat(Scalar::Int(0), &out_shape, out_dtype)?]);
     }
-    let d = crate::lower::ops::reduce::acc_dtype(out_dtype);
+    let d = crate::lower::helpers::widen::acc_dtype(out_dtype);
     let xd = e.convert(&x, d)?;
     let (h, w) = (x.shape[2], x.shape[3]);
     let tw = aa_taps(w, size[1], area_scale(align, w, size[1], sw), filter);

@@ -1,7 +1,8 @@
 //! Shape and layout ops: views, permutations, slicing, concatenation, padding, indexing.
 
 use crate::lower::emit::{array_i64, broadcast_shapes, int_list, Emitter, NCHW_OF_NHWC};
-use crate::lower::registry::Rule;
+use crate::lower::helpers::gather::{along_dim_coords, stack_indices, take_along, wrap_index};
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
 
@@ -242,44 +243,6 @@ fn constant_pad_nd<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     )?])
 }
 
-/// Gathers whole slices of `x` along `dim` at `index` (1-D or N-D indices), like `x[index]`
-/// along that dim. Out-of-range indices are clamped by the gather, so they never read outside
-/// the tensor.
-pub fn take_along<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    x: &T<'c, 'b>,
-    dim: usize,
-    index: &T<'c, 'b>,
-    out_shape: &[i64],
-) -> R<T<'c, 'b>> {
-    let idx = e.convert(index, DType::Int64)?;
-    // Index tensor gets a trailing vector dim of size 1.
-    let mut idx_shape = idx.shape.clone();
-    idx_shape.push(1);
-    let idx = e.reshape(&idx, &idx_shape)?;
-    let ib = index.rank() as i64;
-    let offset_dims: Vec<i64> = (0..x.rank() as i64 - 1)
-        .map(|k| if k < dim as i64 { k } else { k + ib })
-        .collect();
-    let mut slice_sizes = x.shape.clone();
-    slice_sizes[dim] = 1;
-    let dnums = format!(
-        "#stablehlo.gather<offset_dims = [{}], collapsed_slice_dims = [{dim}], start_index_map = [{dim}], index_vector_dim = {ib}>",
-        int_list(&offset_dims)
-    );
-    e.op(
-        "stablehlo.gather",
-        &[x, &idx],
-        &[
-            ("dimension_numbers", dnums),
-            ("slice_sizes", array_i64(&slice_sizes)),
-            ("indices_are_sorted", "false".into()),
-        ],
-        out_shape,
-        x.dtype,
-    )
-}
-
 fn index_select<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let x = cx.tensor(0, "self")?;
     let d = cx.dim(cx.int(1, "dim")?, x.rank())? as usize;
@@ -313,41 +276,6 @@ fn embedding<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let index = cx.tensor(1, "indices")?;
     let shape = out_shape_for(&w.shape, 0, &index.shape);
     Ok(vec![take_along(cx.e, &w, 0, &index, &shape)?])
-}
-
-/// Indices as int64 with negative values counted from the end of a dim of `size`, as PyTorch
-/// reads them.
-pub fn wrap_index<'c, 'b>(e: &Emitter<'c, 'b>, index: &T<'c, 'b>, size: i64) -> R<T<'c, 'b>> {
-    let idx = e.convert(index, DType::Int64)?;
-    let zero = e.splat(Scalar::Int(0), &[], DType::Int64)?;
-    let neg = e.compare(&idx, &zero, "LT")?;
-    let n = e.splat(Scalar::Int(size), &[], DType::Int64)?;
-    let wrapped = e.binary("stablehlo.add", &idx, &n, DType::Int64)?;
-    e.select(&neg, &wrapped, &idx, DType::Int64)
-}
-
-/// Index tensors (already int64, of one shape `b`) stacked along a new last dim: the
-/// `start_indices` of a gather or scatter, with `index_vector_dim = b.len()`.
-pub fn stack_indices<'c, 'b>(e: &Emitter<'c, 'b>, parts: &[T<'c, 'b>], b: &[i64]) -> R<T<'c, 'b>> {
-    let mut col = b.to_vec();
-    col.push(1);
-    let cols: Vec<T> = parts
-        .iter()
-        .map(|p| e.reshape(&e.broadcast_to(p, b)?, &col))
-        .collect::<R<_>>()?;
-    if cols.len() == 1 {
-        return Ok(cols.into_iter().next().expect("one part"));
-    }
-    let mut shape = b.to_vec();
-    shape.push(cols.len() as i64);
-    let refs: Vec<&T> = cols.iter().collect();
-    e.op(
-        "stablehlo.concatenate",
-        &refs,
-        &[("dimension", format!("{} : i64", b.len()))],
-        &shape,
-        DType::Int64,
-    )
 }
 
 /// Where `x[indices]` puts things: the broadcast shape of the index tensors, the indexed dims,
@@ -446,27 +374,6 @@ fn index<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         &ix.out_shape,
         x.dtype,
     )?])
-}
-
-/// Full coordinates for an elementwise gather/scatter along `dim`: for each element of `index`,
-/// (i_0, ..., index[i], ..., i_{r-1}), stacked along a new last dim.
-pub fn along_dim_coords<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    index: &T<'c, 'b>,
-    dim: usize,
-    size: i64,
-) -> R<T<'c, 'b>> {
-    let idx = wrap_index(e, index, size)?;
-    let parts: Vec<T> = (0..index.rank())
-        .map(|k| {
-            if k == dim {
-                Ok(idx.clone())
-            } else {
-                e.iota(&index.shape, k as i64, DType::Int64)
-            }
-        })
-        .collect::<R<_>>()?;
-    stack_indices(e, &parts, &index.shape)
 }
 
 /// `gather(self, dim, index)`: `out[i][j] = self[i][index[i][j]]` (for dim 1).
@@ -645,10 +552,9 @@ fn index_put<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// `x[..., i, ...] = values` for a single index `i` along one dim of a graph input (a static KV
 /// cache's `index_copy_` at a decode step), as one select over `x` instead of a scatter, or
 /// `None` where that does not apply. XLA never updates an input in place (inputs are PyTorch's
-/// memory, never donated), so a scatter into one starts with a copy that waits for nothing: a
-/// Llama decode step had 16 of them among 34 ready operations at its start, which XLA's executor
-/// splits over its pool, and the chain of host products that then ran on XLA's threads (in
-/// pieces) took 1-2 ms longer per step. The select reads and writes `x` once, as the copy did,
+/// memory, never donated), so a scatter into one starts with a copy that waits for nothing and
+/// delays what runs beside it (bench/results/lowering-choices.md). The select reads and writes `x`
+/// once, as the copy did,
 /// and waits for the values. An index out of range matches no position and leaves `x` as it
 /// is, as the scatter does.
 fn put_one_into_input<'c, 'b>(
@@ -1206,7 +1112,7 @@ fn put<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// For a flat bool mask: each true element's rank among the true ones (0, 1, ...), int64.
 fn true_ranks<'c, 'b>(e: &Emitter<'c, 'b>, mask: &T<'c, 'b>) -> R<T<'c, 'b>> {
     let ones = e.convert(mask, DType::Int64)?;
-    let c = crate::lower::ops::reduce::running_sum(e, &ones, 0)?;
+    let c = crate::lower::helpers::scan::running_sum(e, &ones, 0)?;
     e.sub(&c, &e.splat(Scalar::Int(1), &[], DType::Int64)?)
 }
 
@@ -1316,7 +1222,7 @@ fn segment_reduce<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
                 return Err(cx.err("segment_reduce: only 1-D lengths are supported"));
             }
             let l = e.convert(&l, DType::Int64)?;
-            let ends = crate::lower::ops::reduce::running_sum(e, &l, 0)?;
+            let ends = crate::lower::helpers::scan::running_sum(e, &l, 0)?;
             let zero = e.splat(Scalar::Int(0), &[1], DType::Int64)?;
             e.op(
                 "stablehlo.concatenate",
@@ -1386,5 +1292,5 @@ fn segment_reduce<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 
 /// Float accumulation for low-precision floats; other dtypes as they are.
 fn acc_dtype_of(d: DType) -> DType {
-    crate::lower::ops::reduce::acc_dtype(d)
+    crate::lower::helpers::widen::acc_dtype(d)
 }

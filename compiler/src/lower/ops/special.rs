@@ -3,9 +3,9 @@
 //! dtype. Accuracy against the exact values (measured in f64): erfc/erfcx ~1.1e-7 relative,
 //! erfinv/ndtri ~1.3e-7, lgamma/digamma/polygamma and the Bessel functions ~1e-13 or better.
 
-use super::elementwise::unary_f64;
-use super::formula::F;
-use crate::lower::registry::Rule;
+use crate::lower::helpers::formula::F;
+use crate::lower::helpers::widen::unary_f64;
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::DType;
 

@@ -9,8 +9,8 @@
 //!
 //! [`LowerOptions::own_math`]: crate::lower::LowerOptions
 
-use super::emit::{Emitter, Scalar};
-use super::{R, T};
+use super::{Emitter, Scalar};
+use crate::lower::{R, T};
 use std::f64::consts::{FRAC_PI_2, FRAC_PI_4, PI};
 use tpuc_frontend_fx::DType;
 
@@ -57,7 +57,7 @@ pub fn expand<'c, 'b>(e: &Emitter<'c, 'b>, op: &str, operands: &[&T<'c, 'b>]) ->
         "stablehlo.rsqrt" => e.div(&e.k(1.0, F64)?, &e.unary("stablehlo.sqrt", x)?)?,
         "stablehlo.tanh" => tanh(e, x)?,
         other => {
-            return Err(super::LowerError::internal(format!(
+            return Err(crate::lower::LowerError::internal(format!(
                 "tpuc has no own expansion of {other}"
             )))
         }

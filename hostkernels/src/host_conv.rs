@@ -27,10 +27,10 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::plugin::Plugin;
 use super::xla_ffi::{arg, error, open_frame, register_targets, ret, CallFrame, FfiBuffer};
 use super::xla_ffi::{Handler, DTYPE_F32, DTYPE_S64};
-use super::PjrtError;
+use tpuc_runtime::PjrtError;
+use tpuc_runtime::Plugin;
 
 pub const FORWARD: &str = "tpuc_conv2d_fwd";
 pub const INPUT_GRAD: &str = "tpuc_conv2d_bwd_data";
@@ -358,6 +358,7 @@ fn load(library: &str) -> Option<Dnnl> {
     let mut user_scratchpad: Handle = std::ptr::null_mut();
     // SAFETY: a new attribute object, kept for the process.
     if unsafe { attr_create(&mut user_scratchpad) } != SUCCESS
+        // SAFETY: the attribute object just created.
         || unsafe { set_scratchpad_mode(user_scratchpad, SCRATCHPAD_MODE_USER) } != SUCCESS
     {
         return None;
@@ -810,8 +811,8 @@ fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
     let mut widest = 0;
     loop {
         let mut current: Handle = std::ptr::null_mut();
-        // SAFETY: a live primitive descriptor; the clone is owned by its primitive.
         check(
+            // SAFETY: a live primitive descriptor; the clone is owned by its primitive.
             unsafe { primitive_desc_clone(&mut current, pd) },
             "primitive_desc_clone",
         )?;
@@ -915,8 +916,8 @@ fn primitive_from(
             (user_kernel.ptr(), kernel)
         };
         let mut rpd: Handle = std::ptr::null_mut();
-        // SAFETY: initialized descriptors, the same CPU engine both sides.
         check(
+            // SAFETY: initialized descriptors, the same CPU engine both sides.
             unsafe {
                 (d.reorder_primitive_desc_create)(
                     &mut rpd,
@@ -939,8 +940,8 @@ fn primitive_from(
         Some(r)
     };
     let mut conv: Handle = std::ptr::null_mut();
-    // SAFETY: a live primitive descriptor.
     check(
+        // SAFETY: a live primitive descriptor.
         unsafe { (d.primitive_create)(&mut conv, pd) },
         "primitive_create",
     )?;
@@ -982,8 +983,8 @@ fn stream(d: &Dnnl) -> Result<Handle, String> {
     STREAM.with(|s| {
         if s.get().is_null() {
             let mut h: Handle = std::ptr::null_mut();
-            // SAFETY: the live CPU engine.
             check(
+                // SAFETY: the live CPU engine.
                 unsafe { (d.stream_create)(&mut h, d.engine, STREAM_DEFAULT) },
                 "stream_create",
             )?;
@@ -1002,8 +1003,8 @@ struct Memories<'a> {
 impl<'a> Memories<'a> {
     fn wrap(&mut self, md: *const MemoryDesc, data: *mut c_void) -> Result<Handle, String> {
         let mut m: Handle = std::ptr::null_mut();
-        // SAFETY: an initialized descriptor; `data` holds at least its size (checked shapes).
         check(
+            // SAFETY: an initialized descriptor; `data` holds at least its size (checked shapes).
             unsafe { (self.d.memory_create)(&mut m, md, self.d.engine, data) },
             "memory_create",
         )?;
@@ -1238,6 +1239,7 @@ unsafe fn handle(frame: *mut CallFrame, kind: Kind) -> *mut c_void {
         Ok(frame) => frame,
         Err(done) => return done,
     };
+    // SAFETY: the frame XLA passed, its size checked by `open_frame`.
     match unsafe { call(frame, kind) } {
         Ok(()) => {
             CALLS[kind as usize].fetch_add(1, Ordering::Relaxed);
@@ -1250,6 +1252,7 @@ unsafe fn handle(frame: *mut CallFrame, kind: Kind) -> *mut c_void {
 /// # Safety
 /// `frame` must be a live call frame whose size was checked.
 unsafe fn call(frame: &CallFrame, kind: Kind) -> Result<(), String> {
+    // SAFETY: the caller's frame; `arg`/`ret` check each index against the frame's counts.
     let (Some(a), Some(b), Some(geo), Some(out), None, None) = (unsafe {
         (
             arg(frame, 0),

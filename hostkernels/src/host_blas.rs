@@ -14,13 +14,13 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::plugin::Plugin;
 use super::spin_helpers::cpus;
 use super::xla_ffi::{
     arg, destroy, error, open_frame_of, register_targets, ret, CallFrame, ErrorGetMessageArgs,
     FfiApi, FfiBuffer, Handler, DTYPE_F32,
 };
-use super::PjrtError;
+use tpuc_runtime::PjrtError;
+use tpuc_runtime::Plugin;
 
 /// The custom-call targets, by whether A and B are stored transposed (`t`) or not (`n`):
 /// A is `[.., M, K]` (`n`) or `[.., K, M]` (`t`), B is `[.., K, N]` or `[.., N, K]`; the result
@@ -201,8 +201,9 @@ fn check_schedule(api: *const FfiApi) -> Option<Schedule> {
     // SAFETY: `api` is XLA's table (from a call frame); the entry is read as an address, and
     // called only once it is known to be code of a loaded library.
     let f = unsafe { (*api).thread_pool_schedule };
-    // SAFETY: dladdr only looks the address up.
+    // SAFETY: `Dl_info` is plain pointers, valid all zero.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only looks the address up and fills `info`.
     if f.is_null() || unsafe { libc::dladdr(f, &mut info) } == 0 || info.dli_fbase.is_null() {
         return None;
     }
@@ -216,6 +217,8 @@ fn check_schedule(api: *const FfiApi) -> Option<Schedule> {
         task: noop_task,
         data: std::ptr::null_mut(),
     };
+    // SAFETY: as for the transmute: a zero-size struct, which XLA's size check refuses before
+    // it reads any field; `probe` outlives the call.
     let err = unsafe { schedule(&mut probe) };
     if err.is_null() {
         return None;
@@ -306,7 +309,7 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
         b: bp,
         c: cp,
     };
-    if EXECUTING.with(|e| e.get()) && !always_pieces() {
+    if tpuc_runtime::executing_on_this_thread() && !always_pieces() {
         // The plugin runs the program on the thread that called execute: the BLAS's own
         // threading there is the one PyTorch's own products on this thread use.
         // SAFETY: the buffers hold `batch` products of the checked shapes.
@@ -452,8 +455,6 @@ impl super::spin_helpers::Work for Pieces {
 }
 
 thread_local! {
-    /// Set while this thread is inside `PJRT_LoadedExecutable_Execute` (see [`Executing`]).
-    static EXECUTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Whether MKL was told to use one thread on this (XLA) thread.
     static ONE_THREAD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Packed B of [`Product::run_packed_b`], kept for the thread's next product (MKL's packed
@@ -486,7 +487,7 @@ impl OneThreadBlas {
     }
 
     fn with(blas: &'static Blas) -> OneThreadBlas {
-        let restore = if EXECUTING.with(|e| e.get()) {
+        let restore = if tpuc_runtime::executing_on_this_thread() {
             // SAFETY: MKL's setting for the calling thread, restored on drop.
             Some(unsafe { (blas.set_local_threads)(1) })
         } else {
@@ -535,22 +536,6 @@ impl Drop for OneThreadBlas {
             // SAFETY: MKL's setting for the calling thread, as it was.
             unsafe { (self.blas.set_local_threads)(before) };
         }
-    }
-}
-
-/// Marks this thread as calling execute while it lives: the CPU plugin may run a program on it,
-/// and products met there use the BLAS's own threading, as PyTorch's calls on it do.
-pub(crate) struct Executing(bool);
-
-impl Executing {
-    pub(crate) fn enter() -> Executing {
-        Executing(EXECUTING.with(|e| e.replace(true)))
-    }
-}
-
-impl Drop for Executing {
-    fn drop(&mut self) {
-        EXECUTING.with(|e| e.set(self.0));
     }
 }
 
@@ -620,8 +605,8 @@ impl Product {
             };
             (lo, hi)
         };
-        // SAFETY (every offset below): inside entry `entry` of its buffer, by the checked
-        // shapes.
+        // SAFETY: this offset and every one below lie inside entry `entry` of its buffer, by
+        // the checked shapes.
         let (a, b, c) = unsafe {
             (
                 self.a.add((entry * m * k) as usize),
@@ -634,7 +619,9 @@ impl Product {
             let (lo, hi) = span(m, 8);
             Product {
                 m: hi - lo,
+                // SAFETY: rows lo..hi < m of this entry (see above).
                 a: unsafe { a.add((if self.ta { lo } else { lo * k }) as usize) },
+                // SAFETY: as for `a`.
                 c: unsafe { c.add((lo * n) as usize) },
                 b,
                 ..*self
@@ -645,7 +632,9 @@ impl Product {
             let (lo, hi) = span(n, COLUMN_BLOCK);
             Product {
                 n: hi - lo,
+                // SAFETY: columns lo..hi < n of this entry (see above).
                 b: unsafe { b.add((if self.tb { lo * k } else { lo }) as usize) },
+                // SAFETY: as for `b`.
                 c: unsafe { c.add(lo as usize) },
                 a,
                 ..*self

@@ -7,59 +7,59 @@ use tpuc_frontend_fx::DType;
 
 const F64: DType = DType::Float64;
 
-pub(super) struct F<'e, 'c, 'b> {
-    pub(super) e: &'e Emitter<'c, 'b>,
+pub struct F<'e, 'c, 'b> {
+    pub e: &'e Emitter<'c, 'b>,
 }
 
 impl<'c, 'b> F<'_, 'c, 'b> {
-    pub(super) fn k(&self, v: f64) -> R<T<'c, 'b>> {
+    pub(crate) fn k(&self, v: f64) -> R<T<'c, 'b>> {
         self.e.k(v, F64)
     }
-    pub(super) fn un(&self, name: &str, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn un(&self, name: &str, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
         self.e.unary(name, x)
     }
-    pub(super) fn abs(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn abs(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
         self.un("stablehlo.abs", x)
     }
     /// `v - x` for a constant `v`.
-    pub(super) fn rsub(&self, v: f64, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn rsub(&self, v: f64, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
         self.e.binary("stablehlo.subtract", &self.k(v)?, x, F64)
     }
     /// `v / x` for a constant `v`.
-    pub(super) fn rdiv(&self, v: f64, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn rdiv(&self, v: f64, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
         self.e.binary("stablehlo.divide", &self.k(v)?, x, F64)
     }
-    pub(super) fn addk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
+    pub(crate) fn addk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
         self.e.add(x, &self.k(v)?)
     }
-    pub(super) fn mulk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
+    pub(crate) fn mulk(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
         self.e.mul(x, &self.k(v)?)
     }
-    pub(super) fn cmpk(&self, x: &T<'c, 'b>, v: f64, dir: &str) -> R<T<'c, 'b>> {
+    pub(crate) fn cmpk(&self, x: &T<'c, 'b>, v: f64, dir: &str) -> R<T<'c, 'b>> {
         self.e.compare(x, &self.k(v)?, dir)
     }
-    pub(super) fn sel(&self, p: &T<'c, 'b>, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn sel(&self, p: &T<'c, 'b>, a: &T<'c, 'b>, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
         self.e.select(p, a, b, F64)
     }
     /// `p ? v : b` for a constant `v`.
-    pub(super) fn selk(&self, p: &T<'c, 'b>, v: f64, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn selk(&self, p: &T<'c, 'b>, v: f64, b: &T<'c, 'b>) -> R<T<'c, 'b>> {
         self.e.select(p, &self.k(v)?, b, F64)
     }
     /// `max(x, v)` for a constant `v`.
-    pub(super) fn max(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
+    pub(crate) fn max(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
         self.e.binary("stablehlo.maximum", x, &self.k(v)?, F64)
     }
     /// `min(x, v)` for a constant `v`.
-    pub(super) fn min(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
+    pub(crate) fn min(&self, x: &T<'c, 'b>, v: f64) -> R<T<'c, 'b>> {
         self.e.binary("stablehlo.minimum", x, &self.k(v)?, F64)
     }
     /// Keeps |x| >= tiny (sign kept; zero becomes +tiny).
-    pub(super) fn away_from_zero(&self, x: &T<'c, 'b>, tiny: f64) -> R<T<'c, 'b>> {
+    pub(crate) fn away_from_zero(&self, x: &T<'c, 'b>, tiny: f64) -> R<T<'c, 'b>> {
         let small = self.cmpk(&self.abs(x)?, tiny, "LT")?;
         self.selk(&small, tiny, x)
     }
     /// `c[0] x^(n-1) + ... + c[n-1]` by Horner's rule.
-    pub(super) fn poly(&self, x: &T<'c, 'b>, c: &[f64]) -> R<T<'c, 'b>> {
+    pub(crate) fn poly(&self, x: &T<'c, 'b>, c: &[f64]) -> R<T<'c, 'b>> {
         let mut acc = self.k(c[0])?;
         for &ci in &c[1..] {
             acc = self.addk(&self.e.mul(&acc, x)?, ci)?;
@@ -67,24 +67,24 @@ impl<'c, 'b> F<'_, 'c, 'b> {
         Ok(acc)
     }
     /// `x^n` by repeated multiplication (exact sign for negative x).
-    pub(super) fn powi(&self, x: &T<'c, 'b>, n: u32) -> R<T<'c, 'b>> {
+    pub(crate) fn powi(&self, x: &T<'c, 'b>, n: u32) -> R<T<'c, 'b>> {
         let mut acc = x.clone();
         for _ in 1..n {
             acc = self.e.mul(&acc, x)?;
         }
         Ok(acc)
     }
-    pub(super) fn is_inf(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn is_inf(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
         self.cmpk(&self.abs(x)?, f64::INFINITY, "EQ")
     }
     /// `x - round(x)`, in [-0.5, 0.5]: the argument reduction for sin(pi x) and tan(pi x).
-    pub(super) fn frac(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn frac(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
         self.e.sub(x, &self.un("stablehlo.round_nearest_even", x)?)
     }
 
     /// ln Gamma(z + 1) for z >= -1/2: the Lanczos approximation (g = 7, 9 terms; relative
     /// error ~1e-15 on Gamma).
-    pub(super) fn lanczos_lgamma1(&self, z: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn lanczos_lgamma1(&self, z: &T<'c, 'b>) -> R<T<'c, 'b>> {
         const G: f64 = 7.0;
         const C: [f64; 9] = [
             0.999_999_999_999_809_9,
@@ -117,7 +117,7 @@ impl<'c, 'b> F<'_, 'c, 'b> {
     /// For z >= 0: (t, p) with erfc(z) = t exp(p - z^2), erfcx(z) = t exp(p), t = 1 / (1 + z/2):
     /// the Chebyshev fit of Numerical Recipes' `erfcc` (relative error below 1.2e-7 for every
     /// z >= 0).
-    pub(super) fn erfc_parts(&self, z: &T<'c, 'b>) -> R<(T<'c, 'b>, T<'c, 'b>)> {
+    pub(crate) fn erfc_parts(&self, z: &T<'c, 'b>) -> R<(T<'c, 'b>, T<'c, 'b>)> {
         const C: [f64; 10] = [
             0.17087277,
             -0.82215223,
@@ -135,7 +135,7 @@ impl<'c, 'b> F<'_, 'c, 'b> {
         Ok((t, p))
     }
     /// erfc(x) for any real x (`erfc_parts`; 2 - erfc(-x) below 0).
-    pub(super) fn erfc(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    pub(crate) fn erfc(&self, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
         let e = self.e;
         let z = self.abs(x)?;
         let (t, p) = self.erfc_parts(&z)?;

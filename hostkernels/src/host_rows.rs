@@ -13,12 +13,12 @@
 
 use std::ffi::c_void;
 
-use super::plugin::Plugin;
 use super::spin_helpers::{cpus, run_units};
 use super::xla_ffi::{
     arg, error, open_frame_of, register_targets, ret, CallFrame, FfiBuffer, Handler, DTYPE_F32,
 };
-use super::PjrtError;
+use tpuc_runtime::PjrtError;
+use tpuc_runtime::Plugin;
 
 /// `tpuc_layer_norm(x [rows, n], weight [n], bias [n], eps [1]) -> (y [rows, n], mean [rows],
 /// rstd [rows])`, all f32: `y = (x - mean) * rstd * weight + bias` per row, with

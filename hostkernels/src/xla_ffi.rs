@@ -1,88 +1,23 @@
 //! The XLA FFI plumbing the host custom calls share (host BLAS products, host oneDNN
-//! convolutions): registering a typed handler with a CPU plugin through its PJRT FFI extension,
-//! and the handler side of a call (call frame, buffers, errors).
+//! convolutions): registering typed handlers with a CPU plugin, once per plugin (through the
+//! runtime's [`Plugin::register_ffi_handler`]), and the handler side of a call (call frame,
+//! buffers, errors).
 //!
-//! Layouts: the structs below mirror `xla/ffi/api/c_api.h` and `pjrt_c_api_ffi_extension.h`
-//! field for field (each struct carries its size, checked on read).
+//! Layouts: the structs below mirror `xla/ffi/api/c_api.h` field for field (each struct carries
+//! its size, checked on read).
 
 use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use super::plugin::Plugin;
-use super::{sys, PjrtError};
-
-/// XLA's name for the CPU platform.
-pub(crate) const PLATFORM: &str = "Host";
-
-pub(crate) fn ffi_extension(plugin: &Plugin) -> Option<&'static FfiExtension> {
-    let mut ext = plugin.api.extension_start();
-    while !ext.is_null() {
-        // SAFETY: the chain is the plugin's static data; every entry starts with the base.
-        let base = unsafe { &*ext };
-        if base.type_ == sys::PJRT_Extension_Type_FFI {
-            if base.struct_size < std::mem::size_of::<FfiExtension>() {
-                return None;
-            }
-            // SAFETY: type and size checked just above.
-            return Some(unsafe { &*(ext as *const FfiExtension) });
-        }
-        ext = base.next;
-    }
-    None
-}
-
-#[repr(C)]
-pub(crate) struct FfiExtension {
-    pub(crate) base: sys::PJRT_Extension_Base,
-    pub(crate) type_id_register: *const c_void,
-    pub(crate) user_data_add: *const c_void,
-    pub(crate) register_handler:
-        unsafe extern "C" fn(*mut RegisterHandlerArgs) -> *mut sys::PJRT_Error,
-}
-
-/// As both plugins from PyPI read it (PJRT API 0.81 and 0.115: typed FFI handlers only). An older
-/// layout had an `int api_version` before `handler` and a larger size, which such a plugin's
-/// size check refuses with an error rather than misreading.
-#[repr(C)]
-pub(crate) struct RegisterHandlerArgs {
-    pub(crate) struct_size: usize,
-    pub(crate) target_name: *const c_char,
-    pub(crate) target_name_size: usize,
-    pub(crate) handler: *mut c_void,
-    pub(crate) platform_name: *const c_char,
-    pub(crate) platform_name_size: usize,
-    pub(crate) traits: u32,
-}
-
-/// Registers `handler` as the typed FFI custom-call target `name` for the CPU platform with
-/// `plugin`'s XLA. Ok(false) where the plugin has no PJRT FFI extension.
-fn register_handler(plugin: &Plugin, name: &str, handler: Handler) -> Result<bool, PjrtError> {
-    let Some(ext) = ffi_extension(plugin) else {
-        return Ok(false);
-    };
-    let mut args = RegisterHandlerArgs {
-        struct_size: std::mem::offset_of!(RegisterHandlerArgs, traits) + std::mem::size_of::<u32>(),
-        target_name: name.as_ptr() as *const c_char,
-        target_name_size: name.len(),
-        handler: handler as *mut c_void,
-        platform_name: PLATFORM.as_ptr() as *const c_char,
-        platform_name_size: PLATFORM.len(),
-        traits: 0,
-    };
-    // SAFETY: `ext` is the plugin's FFI extension (type checked, size checked), and `args`
-    // outlives the call; the plugin copies the names.
-    let err = unsafe { (ext.register_handler)(&mut args) };
-    plugin.api.check(err, "PJRT_FFI_Register_Handler")?;
-    Ok(true)
-}
+use tpuc_runtime::{PjrtError, Plugin};
 
 /// `(plugin path, what)` of the target sets registered in this process.
 static REGISTERED: Mutex<Vec<(PathBuf, String)>> = Mutex::new(Vec::new());
 
-/// Registers every `(name, handler)` of `targets` with `plugin` (see [`register_handler`]),
-/// once per plugin: `what` names the set (and in the log). Ok(false) where the plugin has no
-/// PJRT FFI extension.
+/// Registers every `(name, handler)` of `targets` with `plugin` (see
+/// [`Plugin::register_ffi_handler`]), once per plugin: `what` names the set (and in the log).
+/// Ok(false) where the plugin has no PJRT FFI extension.
 pub(crate) fn register_targets(
     plugin: &Plugin,
     targets: &[(&str, Handler)],
@@ -93,7 +28,8 @@ pub(crate) fn register_targets(
         return Ok(true);
     }
     for &(name, handler) in targets {
-        if !register_handler(plugin, name, handler)? {
+        // SAFETY: every handler of the host kernels is an XLA FFI handler, a static function.
+        if !unsafe { plugin.register_ffi_handler(name, handler as *mut c_void) }? {
             tracing::debug!("plugin has no PJRT FFI extension: {what} not registered");
             return Ok(false);
         }
@@ -169,6 +105,7 @@ unsafe fn answer_metadata(frame: &CallFrame) -> bool {
     // SAFETY: type checked; the metadata struct is XLA's, its size checked below.
     let m = unsafe { &*(frame.extension_start as *const MetadataExtension) };
     if !m.metadata.is_null() {
+        // SAFETY: XLA's metadata struct, non-null; its size is checked before any field past it.
         let md = unsafe { &mut *m.metadata };
         if md.struct_size >= std::mem::offset_of!(Metadata, traits) + std::mem::size_of::<u32>() {
             md.api_version.major = 0;

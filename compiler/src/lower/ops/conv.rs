@@ -1,219 +1,23 @@
-//! Matrix products and convolution. Both honour the session precision (`precision_config`);
-//! low-precision operands accumulate in f32 and round once, as PyTorch's CPU kernels do.
+//! Convolutions (1-3 spatial dims) and their gradients: XLA's convolution, oneDNN's through the
+//! host kernels, or matrix products over taps, patches or pointwise kernels, whichever is faster
+//! for the shape. They honour the session precision (`precision_config`); low-precision
+//! operands accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
 use crate::lower::emit::{array_i64, int_list, Emitter, NCHW_OF_NHWC};
-use crate::lower::ops::reduce::acc_dtype;
-use crate::lower::ops::window::{taps as window_taps, Window};
-use crate::lower::registry::Rule;
+use crate::lower::helpers::matmul::matmul_2d;
+use crate::lower::helpers::widen::acc_dtype;
+use crate::lower::helpers::window::{taps as window_taps, Window};
+use crate::lower::Rule;
 use crate::lower::{NodeCx, ReduceKind, Scalar, R, T};
 use tpuc_frontend_fx::{Arg, DType};
-use tpuc_runtime::host_conv;
+use tpuc_hostkernels::host_conv;
 
 pub static RULES: &[(&str, Rule)] = &[
-    ("aten.mm.default", mm),
-    ("aten.addmm.default", addmm),
-    ("aten.bmm.default", bmm),
-    ("aten.baddbmm.default", baddbmm),
     ("aten.convolution.default", convolution),
     ("aten.convolution_backward.default", convolution_backward),
-    ("aten.addmv.default", addmv),
-    ("aten.addbmm.default", addbmm),
-    ("aten.dist.default", dist),
-    ("aten._cdist_forward.default", cdist),
-    ("aten._pdist_forward.default", pdist),
-    ("aten._trilinear.default", trilinear),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
-
-/// `a @ b` over the given batch/contracting dims, in the accumulation dtype (f32 for f16/bf16;
-/// the caller rounds to the output dtype once, after any bias is added).
-fn dot_acc<'c, 'b>(
-    cx: &NodeCx<'_, 'c, 'b>,
-    a: &T<'c, 'b>,
-    b: &T<'c, 'b>,
-    batch: (&[i64], &[i64]),
-    contract: (&[i64], &[i64]),
-) -> R<T<'c, 'b>> {
-    let (shape, out) = cx.out(0)?;
-    let acc = acc_dtype(out);
-    let a = cx.e.convert(a, out)?;
-    let b = cx.e.convert(b, out)?;
-    cx.e.dot_general(&a, &b, batch, contract, &shape, acc)
-}
-
-/// `a @ b` for `mm`/`bmm` operands read through their (folded) permutations `pa`, `pb`: the
-/// logical `[batch,] m, k` and `[batch,] k, n` dims are dims `pa[..]`, `pb[..]` of the tensors,
-/// so `dot_general` contracts those and no transpose is emitted. Its result dims (batch, the
-/// lhs's free dim, the rhs's free dim) are `[batch,] m, n` whatever the permutations.
-fn matmul_acc<'c, 'b>(
-    cx: &NodeCx<'_, 'c, 'b>,
-    (a, pa): &(T<'c, 'b>, Vec<i64>),
-    (b, pb): &(T<'c, 'b>, Vec<i64>),
-) -> R<T<'c, 'b>> {
-    if let Some(r) = host_gemm(cx, (a, pa), (b, pb))? {
-        return Ok(r);
-    }
-    if pa.len() == 3 {
-        dot_acc(cx, a, b, (&pa[..1], &pb[..1]), (&pa[2..], &pb[1..2]))
-    } else {
-        dot_acc(cx, a, b, (&[], &[]), (&pa[1..], &pb[..1]))
-    }
-}
-
-/// The product through the host BLAS (`tpuc_sgemm_<a><b>`, see `tpuc_runtime::host_blas`) where
-/// the session enables it and [`host_matmul`] takes it, operands stored as given or transposed
-/// in their last two dims (a batch dim first). None where XLA's dot computes it.
-fn host_gemm<'c, 'b>(
-    cx: &NodeCx<'_, 'c, 'b>,
-    (a, pa): (&T<'c, 'b>, &[i64]),
-    (b, pb): (&T<'c, 'b>, &[i64]),
-) -> R<Option<T<'c, 'b>>> {
-    if cx.e.host_gemm_min_macs.is_none() {
-        return Ok(None);
-    }
-    // Operand dtypes are checked by host_matmul.
-    let (shape, out) = cx.out(0)?;
-    if out != DType::Float32 {
-        return Ok(None);
-    }
-    let r = pa.len();
-    if !(2..=3).contains(&r) || pb.len() != r {
-        return Ok(None);
-    }
-    let lead: Vec<i64> = (0..r as i64 - 2).collect();
-    // Stored as given ([.., rows, cols] = logical) or with the last two dims swapped.
-    let transposed = |p: &[i64]| -> Option<bool> {
-        if p[..r - 2] != lead[..] {
-            return None;
-        }
-        match (p[r - 2] - lead.len() as i64, p[r - 1] - lead.len() as i64) {
-            (0, 1) => Some(false),
-            (1, 0) => Some(true),
-            _ => None,
-        }
-    };
-    let (Some(ta), Some(tb)) = (transposed(pa), transposed(pb)) else {
-        return Ok(None);
-    };
-    host_matmul(cx.e, (a, ta), (b, tb), &shape)
-}
-
-/// Products with at most this many rows are vector-matrix products, whose time is reading the
-/// weights: the host BLAS takes them from an eighth of the usual size (a decoding step's
-/// 768 -> 256 key and value projections; XLA's dot reads the weights more slowly).
-const VECTOR_ROWS: i64 = 16;
-
-/// `a x b` (f32, `[batch,] m, n` = `shape`) through the host BLAS, operands stored as given or
-/// (`true`) transposed in their last two dims, where the session enables it and the product
-/// qualifies: f32 operands and result, each matrix product of at least `host_gemm_min_macs`
-/// multiply-adds (an eighth of that with at most [`VECTOR_ROWS`] rows), each matrix within the
-/// BLAS's 32-bit sizes. Whatever the row count, MKL
-/// (in the handler's blocks) was measured faster than XLA's dot: vector-matrix products 2-8x
-/// (1x768 @ 768x768: 165 vs 43 us), 128-row ones 1.1-1.8x (GPT-2 1x128 147 -> 127 ms),
-/// 1024-row ones 10-20%. None where XLA's dot should compute it.
-pub(crate) fn host_matmul<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    (a, ta): (&T<'c, 'b>, bool),
-    (b, tb): (&T<'c, 'b>, bool),
-    shape: &[i64],
-) -> R<Option<T<'c, 'b>>> {
-    let Some(min_macs) = e.host_gemm_min_macs else {
-        return Ok(None);
-    };
-    let r = shape.len();
-    if a.dtype != DType::Float32 || b.dtype != DType::Float32 || a.rank() != r || b.rank() != r {
-        return Ok(None);
-    }
-    let k = if ta { a.shape[r - 2] } else { a.shape[r - 1] };
-    let (m, n) = (shape[r - 2], shape[r - 1]);
-    if (m.max(0) as u64) * (n.max(0) as u64) * (k.max(0) as u64)
-        < if m <= VECTOR_ROWS {
-            min_macs / 8
-        } else {
-            min_macs
-        }
-        || [m * k, k * n, m * n]
-            .iter()
-            .any(|&x| x > i64::from(i32::MAX))
-    {
-        return Ok(None);
-    }
-    let target = tpuc_runtime::host_blas::target(ta, tb);
-    e.ffi_call_f32(target, &[a, b], shape).map(Some)
-}
-
-/// The 2-D product `a x b` (`[m, n]` = `shape`, operands transposed where `ta`/`tb`), through
-/// the host BLAS where it qualifies, else XLA's dot, in `a`'s dtype.
-fn matmul_2d<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    (a, ta): (&T<'c, 'b>, bool),
-    (b, tb): (&T<'c, 'b>, bool),
-    shape: &[i64],
-) -> R<T<'c, 'b>> {
-    if let Some(r) = host_matmul(e, (a, ta), (b, tb), shape)? {
-        return Ok(r);
-    }
-    let ca: &[i64] = if ta { &[0] } else { &[1] };
-    let cb: &[i64] = if tb { &[1] } else { &[0] };
-    e.dot_general(a, b, (&[], &[]), (ca, cb), shape, a.dtype)
-}
-
-fn mm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let a = cx.matrix(0, "self")?;
-    let b = cx.matrix(1, "mat2")?;
-    let r = matmul_acc(cx, &a, &b)?;
-    Ok(vec![cx.e.convert(&r, cx.out_dtype()?)?])
-}
-
-fn bmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    mm(cx)
-}
-
-/// `beta * input + alpha * product` in the accumulation dtype, rounded once to the output
-/// dtype (as PyTorch's fused CPU kernels do), skipping multiplications by 1.
-fn scaled_sum<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, input: &T<'c, 'b>, prod: T<'c, 'b>) -> R<T<'c, 'b>> {
-    let final_dtype = cx.out_dtype()?;
-    let out = prod.dtype;
-    let scale = |t: T<'c, 'b>, i: usize, name: &str| -> R<T<'c, 'b>> {
-        match cx.arg(i, name) {
-            None | Some(Arg::None) => Ok(t),
-            _ => {
-                let s = cx.scalar(i, name)?;
-                if s.as_f64() == 1.0 {
-                    return Ok(t);
-                }
-                let k = cx.e.splat(s, &[], out)?;
-                cx.e.binary("stablehlo.multiply", &t, &k, out)
-            }
-        }
-    };
-    let beta_is_zero = matches!(cx.arg(3, "beta"), Some(Arg::Int(0)) | Some(Arg::Float(0.0)));
-    let prod = scale(prod, 4, "alpha")?;
-    if beta_is_zero {
-        // beta = 0 ignores `input` entirely, NaNs included.
-        return cx.e.convert(&prod, final_dtype);
-    }
-    let input = scale(cx.e.convert(input, out)?, 3, "beta")?;
-    let sum = cx.e.binary("stablehlo.add", &input, &prod, out)?;
-    cx.e.convert(&sum, final_dtype)
-}
-
-fn addmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let input = cx.tensor(0, "self")?;
-    let a = cx.matrix(1, "mat1")?;
-    let b = cx.matrix(2, "mat2")?;
-    let p = matmul_acc(cx, &a, &b)?;
-    Ok(vec![scaled_sum(cx, &input, p)?])
-}
-
-fn baddbmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let input = cx.tensor(0, "self")?;
-    let a = cx.matrix(1, "batch1")?;
-    let b = cx.matrix(2, "batch2")?;
-    let p = matmul_acc(cx, &a, &b)?;
-    Ok(vec![scaled_sum(cx, &input, p)?])
-}
 
 /// `convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
 /// groups)` for 1-3 spatial dims. The result is NCHW; forward 2-D convolutions lowered as
@@ -244,8 +48,8 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let cpu = !cx.e.accelerator();
     let pointwise = cpu && is_pointwise(&w.shape, &padding, groups);
     // Depthwise convolutions are tap sums (channels-last for 2-D ones): XLA's CPU plugin runs
-    // a grouped convolution through Eigen, group by group (MobileNet-v2 at 224, batch 1: 39 ms
-    // as XLA's grouped convolution, 10.2 as channels-last taps; batch 8 251 vs 55).
+    // a grouped convolution through Eigen, group by group (about 4x slower:
+    // bench/results/lowering-choices.md).
     let depthwise = cpu && is_depthwise(&x.shape, &w.shape, groups);
     // Every other 2-D one goes to oneDNN where the session enables it (measured faster than
     // each of the XLA lowerings here, at every size: see [`host_conv`]). Without it, small 2-D
@@ -297,8 +101,7 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             )?
         } else if groups == 1 && small_patches(&x.shape, &w.shape, &shape) {
             // XLA's CPU convolution (Eigen's) of a few channels costs several times the work
-            // (3 -> 8 channels, 3x3 over 8x16x16: 155 us through tpuc vs 101 as patches;
-            // the small convnet 0.25 -> 0.18 ms alone, 0.36 -> 0.28 interleaved).
+            // (bench/results/lowering-choices.md).
             nhwc_patch_product(
                 e,
                 &e.convert(&xl, acc)?,
@@ -333,7 +136,7 @@ fn convolution<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let r = e.convert(&r, out)?;
         // A depthwise convolution's result (bias included) through a barrier, one buffer: its
         // readers (ConvNeXt's layer norm: mean, variance, normalize) would otherwise each
-        // recompute every tap (the zoo's ConvNeXt ran 2.6 ms against Inductor's 0.75).
+        // recompute every tap (bench/results/lowering-choices.md).
         let r = if depthwise { e.barrier(&r)? } else { r };
         return Ok(vec![e.layout_transpose(&r, &NCHW_OF_NHWC)?]);
     }
@@ -429,7 +232,7 @@ fn channels_last(nsp: usize) -> bool {
 }
 
 /// Whether oneDNN computes a 2-D convolution, or its gradients, of `operands` giving `out`
-/// (shape, dtype): the session enables it (`tpuc_runtime::host_conv`), everything is f32 and no
+/// (shape, dtype): the session enables it (`tpuc_hostkernels::host_conv`), everything is f32 and no
 /// dim is empty.
 fn onednn_conv(
     e: &Emitter<'_, '_>,
@@ -447,10 +250,10 @@ fn onednn_conv(
 }
 
 /// A 2-D f32 convolution through oneDNN (see [`onednn_conv`]). XLA's CPU convolutions are
-/// Eigen's; oneDNN's JIT kernels (PyTorch's) ran ResNet-50's at batch 8 in 187 ms against
-/// Eigen's ~260 on 2 cores, and small ones faster than their patch products (the small convnet
-/// 0.33 -> 0.19 ms). `target` names the kind, which decides what `a`, `b` and the result `out`
-/// are (see that module): channels-last activations, the kernel as PyTorch holds it.
+/// Eigen's; oneDNN's JIT kernels (PyTorch's) are faster at every size measured
+/// (bench/results/lowering-choices.md). `target` names the kind, which decides what `a`, `b`
+/// and the result `out` are (see that module): channels-last activations, the kernel as
+/// PyTorch holds it.
 fn host_conv<'c, 'b>(
     e: &Emitter<'c, 'b>,
     target: &str,
@@ -477,8 +280,7 @@ fn host_conv<'c, 'b>(
 /// ([`Emitter::materialize_physical`]): the buffer the convolution reads is then also what the
 /// value's other readers (a residual add) read. Without it XLA fuses the elementwise chain that
 /// made the value into each reader, and along a ResNet stage each block's fusion recomputes
-/// every earlier block's batch norms and adds (ResNet-50 at batch 8: 222 ms without the barrier,
-/// 206 with it).
+/// every earlier block's batch norms and adds (bench/results/lowering-choices.md).
 fn nhwc<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
     match e.physical(x) {
         Some((_, perm)) if perm == NCHW_OF_NHWC => e.materialize_physical(x),
@@ -558,9 +360,8 @@ fn is_pointwise(w: &[i64], padding: &[i64], groups: i64) -> bool {
 /// A pointwise convolution as one matrix product of the `[O, C]` weights (the kernel as it
 /// lies, a reshape) with the `[N, C, positions]` input (strided slice first), in NCHW
 /// throughout. XLA's CPU backend runs a convolution in NHWC with an HWIO kernel, so it
-/// transposes the input, the output and the whole kernel on every call: ResNet-50 at batch 1
-/// took 96 ms that way and 70 ms with its 1x1 convolutions lowered as this product (measured
-/// side by side on the CPU plugin; the same at batch 8). Operands in the accumulation dtype.
+/// transposes the input, the output and the whole kernel on every call (ResNet-50 a quarter
+/// faster as this product: bench/results/lowering-choices.md). Operands in the accumulation dtype.
 fn pointwise_dot<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
     x: &T<'c, 'b>,
@@ -720,10 +521,8 @@ const TAP_DOTS_MAX_POSITIONS: i64 = 4;
 /// be lowered as matrix products over its taps ([`tap_dots`]): at most
 /// [`TAP_DOTS_MAX_POSITIONS`], or at most twice as many positions over the batch as output
 /// channels. Then the window slices side by side (the patches) are no bigger than about twice
-/// the kernel, which XLA's CPU convolution would copy to HWIO on every call. Measured on the
-/// CPU plugin, 3x3 convolutions: 512 channels at 7x7, 1.9 ms as products vs 3.7 as
-/// XLA's convolution at batch 1, 7.0 vs 10.6 at batch 8; 256 at 14x14 batch 1, 1.1 vs 1.4; but
-/// 128 at 28x28 (784 positions) batch 1, 1.2 vs 1.1, and 256 at 14x14 batch 8, 7.8 vs 5.9.
+/// the kernel, which XLA's CPU convolution would copy to HWIO on every call (the bound is
+/// where products stop winning: bench/results/lowering-choices.md).
 fn few_positions(shape: &[i64]) -> bool {
     let positions: i64 = shape[2..].iter().product();
     positions <= TAP_DOTS_MAX_POSITIONS || shape[0] * positions <= 2 * shape[1]
@@ -959,8 +758,8 @@ fn depthwise_taps<'c, 'b>(
 /// there are fewer positions than live taps), one over one slice per tap (every tap live), or
 /// the sum of one product per live tap. XLA's CPU backend
 /// swaps the operands of such convolutions and runs them through its naive loop emitter, after
-/// copying the whole kernel each call: 4.5 ms for a 3x3, 512-channel convolution of a 1x1 map,
-/// where this is one 512x512 product. `w` in the window's dtype.
+/// copying the whole kernel each call (bench/results/lowering-choices.md). `w` in the window's
+/// dtype.
 fn tap_dots<'c, 'b>(
     cx: &NodeCx<'_, 'c, 'b>,
     window: &TapWindow<'c, 'b>,
@@ -1019,9 +818,8 @@ fn tap_dots<'c, 'b>(
         // reshape) times the patches `[C x tap, batch x positions]`, both with the contracted
         // dim where XLA's CPU matmul wants it. The patches are sliced from the input with its
         // channels first, so they come out in that order with no transpose of their own
-        // (9x the input for a 3x3 kernel): 512 channels at 7x7, batch 8, took 18 ms with the
-        // patches contracted in the middle (`[batch, C x tap, positions]`), 12 with them
-        // transposed after slicing, and XNNPACK's 7 with this order.
+        // (9x the input for a 3x3 kernel); the fastest order measured
+        // (bench/results/lowering-choices.md).
         let (b, c, t) = (out[0], w.shape[1], taps.len() as i64);
         let (o, p) = (w.shape[0], out[2..].iter().product::<i64>());
         let patches = channels_first_patches(cx, window, &taps)?;
@@ -1087,9 +885,7 @@ fn channels_first_patches<'c, 'b>(
 
 /// Whether a convolution's weight gradient is computed as the output gradient times the
 /// input's patches ([`patch_weight_grad`]): no groups, and batch x output positions at most 8x
-/// the output channels. 3x3 convolutions at batch 8, measured on the CPU plugin against XLA's
-/// convolution: 512 channels at 7x7, 5.6 ms vs 11.2; 256 at 14x14, 6.5 vs 11.9; but 128 at
-/// 28x28, 19.9 vs 10.9.
+/// the output channels: where it beats XLA's convolution (bench/results/lowering-choices.md).
 fn weight_grad_by_patches(g_shape: &[i64], groups: i64) -> bool {
     groups == 1 && g_shape[0] * g_shape[2..].iter().product::<i64>() <= 8 * g_shape[1]
 }
@@ -1112,9 +908,8 @@ fn patch_weight_grad<'c, 'b>(
     let patches = channels_first_patches(cx, &window, &taps)?;
     let flat_g = swap_leading_into(e, &e.reshape(g, &[n, o, p])?, &[o, n * p])?;
     let ct = patches.shape[0];
-    // Positions-major patches: XLA's CPU matmul ran `[O, NP] x [C x tap, NP]^T` at half the
-    // speed of the prototype's `[O, NP] x [NP, C x tap]` (12 vs 6.5 ms, 256 channels at 14x14,
-    // batch 8).
+    // Positions-major patches: XLA's CPU matmul runs `[O, NP] x [C x tap, NP]^T` at half the
+    // speed of `[O, NP] x [NP, C x tap]` (bench/results/lowering-choices.md).
     let patches = e.transpose(&patches, &[1, 0])?;
     let product = e.dot_general(
         &flat_g,
@@ -1502,8 +1297,8 @@ fn convolution_backward_nhwc<'c, 'b>(
             // [N x positions, O] x [O, C], spread back to the strided positions.
             let flat_g = e.reshape(&gp, &[n * oh * ow, o])?;
             let flat_w = e.reshape(&e.convert(w, acc)?, &[o, c])?;
-            // XLA's dot: MKL on row blocks measured 1.6-2.9x slower for these short products
-            // (inner dim O: 64-2048) at ResNet-50's sizes.
+            // XLA's dot: MKL is slower for these short products
+            // (bench/results/lowering-choices.md).
             let product = e.dot_general(
                 &flat_g,
                 &flat_w,
@@ -1619,162 +1414,4 @@ fn convolution_backward_nhwc<'c, 'b>(
         results.push(placeholder()?);
     }
     Ok(results)
-}
-
-/// `addmv(self, mat, vec, beta=1, alpha=1)`.
-fn addmv<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let input = cx.tensor(0, "self")?;
-    let a = cx.tensor(1, "mat")?;
-    let v = cx.tensor(2, "vec")?;
-    let p = dot_acc(cx, &a, &v, (&[], &[]), (&[1], &[0]))?;
-    Ok(vec![scaled_sum(cx, &input, p)?])
-}
-
-/// `addbmm(self, batch1, batch2, beta=1, alpha=1)`: the batched products summed over the batch.
-fn addbmm<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let input = cx.tensor(0, "self")?;
-    let a = cx.tensor(1, "batch1")?;
-    let b = cx.tensor(2, "batch2")?;
-    let p = dot_acc(cx, &a, &b, (&[], &[]), (&[0, 2], &[0, 1]))?;
-    Ok(vec![scaled_sum(cx, &input, p)?])
-}
-
-/// The p-norm of `d` over `dim` (p = 0 counts non-zeros, p = inf is the largest magnitude).
-fn pnorm<'c, 'b>(e: &Emitter<'c, 'b>, d: &T<'c, 'b>, dim: i64, p: f64) -> R<T<'c, 'b>> {
-    let dt = d.dtype;
-    let a = e.unary("stablehlo.abs", d)?;
-    if p == 0.0 {
-        let nz = e.convert(&e.compare(&a, &e.k(0.0, dt)?, "NE")?, dt)?;
-        return e.reduce(&nz, &[dim], ReduceKind::Sum, false);
-    }
-    if p.is_infinite() {
-        let kind = if p > 0.0 {
-            ReduceKind::Max
-        } else {
-            ReduceKind::Min
-        };
-        return e.reduce_nan(&a, &[dim], kind, false);
-    }
-    if p == 1.0 {
-        return e.reduce(&a, &[dim], ReduceKind::Sum, false);
-    }
-    if p == 2.0 {
-        let s = e.reduce(&e.mul(d, d)?, &[dim], ReduceKind::Sum, false)?;
-        return e.unary("stablehlo.sqrt", &s);
-    }
-    let pw = e.binary("stablehlo.power", &a, &e.k(p, dt)?, dt)?;
-    let s = e.reduce(&pw, &[dim], ReduceKind::Sum, false)?;
-    e.binary("stablehlo.power", &s, &e.k(1.0 / p, dt)?, dt)
-}
-
-/// `dist(self, other, p=2)`: the p-norm of the (broadcast) difference.
-fn dist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let a = cx.tensor(0, "self")?;
-    let b = cx.tensor(1, "other")?;
-    let p = cx.float_or(2, "p", 2.0)?;
-    let out = cx.out_dtype()?;
-    let acc = acc_dtype(out);
-    let e = cx.e;
-    let d = e.binary("stablehlo.subtract", &a, &b, acc)?;
-    let flat = e.reshape(&d, &[d.numel()])?;
-    Ok(vec![e.convert(&pnorm(e, &flat, 0, p)?, out)?])
-}
-
-/// `_cdist_forward(x1 [.., P, M], x2 [.., R, M], p, compute_mode) -> [.., P, R]`: every pairwise
-/// difference, then its p-norm (exact, not the matmul expansion).
-fn cdist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let x1 = cx.tensor(0, "x1")?;
-    let x2 = cx.tensor(1, "x2")?;
-    let p = cx.float_or(2, "p", 2.0)?;
-    let (shape, out) = cx.out(0)?;
-    let acc = acc_dtype(out);
-    let e = cx.e;
-    let m = *x1.shape.last().unwrap_or(&1);
-    let nb = shape.len() - 2;
-    let mut full = shape.clone();
-    full.push(m);
-    let place = |t: &T<'c, 'b>, row_dim: i64| -> R<T<'c, 'b>> {
-        let tb = t.rank() - 2;
-        let mut dims: Vec<i64> = (0..tb as i64).map(|k| k + (nb - tb) as i64).collect();
-        dims.push(row_dim);
-        dims.push(nb as i64 + 2);
-        e.broadcast_in_dim(&e.convert(t, acc)?, &full, &dims)
-    };
-    let a = place(&x1, nb as i64)?;
-    let b = place(&x2, nb as i64 + 1)?;
-    let d = e.sub(&a, &b)?;
-    Ok(vec![e.convert(&pnorm(e, &d, nb as i64 + 2, p)?, out)?])
-}
-
-/// `_pdist_forward(self [N, M], p)`: the p-norm distances of rows i < j, in row-major order.
-fn pdist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let x = cx.tensor(0, "self")?;
-    let p = cx.float_or(1, "p", 2.0)?;
-    let (shape, out) = cx.out(0)?;
-    let acc = acc_dtype(out);
-    let e = cx.e;
-    let n = x.shape[0];
-    let m = x.shape[1];
-    let (mut is, mut js) = (Vec::new(), Vec::new());
-    for i in 0..n {
-        for j in i + 1..n {
-            is.push(i);
-            js.push(j);
-        }
-    }
-    let k = is.len() as i64;
-    if k == 0 || m == 0 {
-        return Ok(vec![e.splat(Scalar::Int(0), &shape, out)?]);
-    }
-    let xf = e.convert(&x, acc)?;
-    let rows = |idx: &[i64]| -> R<T<'c, 'b>> {
-        let ix = e.constant_i64(idx, &[k], DType::Int64)?;
-        crate::lower::ops::shape::take_along(cx.e, &xf, 0, &ix, &[k, m])
-    };
-    let d = e.sub(&rows(&is)?, &rows(&js)?)?;
-    Ok(vec![e.convert(&pnorm(e, &d, 1, p)?, out)?])
-}
-
-/// `_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)` (what `bilinear`
-/// becomes): each input with size-1 dims inserted at its `expand` positions, multiplied with
-/// broadcasting, summed over `sumdim`.
-fn trilinear<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
-    let (shape, out) = cx.out(0)?;
-    let acc = acc_dtype(out);
-    let e = cx.e;
-    let mut prod: Option<T> = None;
-    for k in 0..3 {
-        let t = cx.tensor(k, &format!("i{}", k + 1))?;
-        let mut expand = cx.ints_or(k + 3, &format!("expand{}", k + 1), &[])?;
-        expand.sort();
-        let mut s = t.shape.clone();
-        for &d in &expand {
-            let d = d as usize;
-            if d > s.len() {
-                return Err(cx.err("_trilinear: expand dim out of range"));
-            }
-            s.insert(d, 1);
-        }
-        let t = e.reshape(&e.convert(&t, acc)?, &s)?;
-        prod = Some(match prod {
-            None => t,
-            Some(p) => {
-                let full = crate::lower::emit::broadcast_shapes(&p.shape, &t.shape)
-                    .ok_or_else(|| cx.err("_trilinear operands do not broadcast"))?;
-                e.mul(&e.broadcast_to(&p, &full)?, &e.broadcast_to(&t, &full)?)?
-            }
-        });
-    }
-    let prod = prod.ok_or_else(|| cx.err("_trilinear without operands"))?;
-    let sumdim = cx.ints_or(6, "sumdim", &[])?;
-    let dims = sumdim
-        .iter()
-        .map(|&d| cx.dim(d, prod.rank()))
-        .collect::<R<Vec<_>>>()?;
-    let r = if dims.is_empty() {
-        prod
-    } else {
-        e.reduce(&prod, &dims, ReduceKind::Sum, false)?
-    };
-    Ok(vec![e.convert(&e.reshape(&r, &shape)?, out)?])
 }

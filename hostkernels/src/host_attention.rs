@@ -16,13 +16,13 @@ use std::ffi::c_void;
 
 use super::host_blas::OneThreadBlas;
 use super::host_rows::vector;
-use super::plugin::Plugin;
 use super::spin_helpers::{cpus, run_units};
 use super::xla_ffi::{
     arg, error, open_frame, register_targets, ret, CallFrame, FfiBuffer, Handler, DTYPE_F32,
     DTYPE_S64,
 };
-use super::PjrtError;
+use tpuc_runtime::PjrtError;
+use tpuc_runtime::Plugin;
 
 /// `tpuc_attention(q, k, v, geometry i64 [GEOMETRY_LEN], scale f32 [1][, mask f32])
 /// -> (out f32, logsumexp f32 [b, h, l])`. q, k, v and out are buffers of any shape read and
@@ -161,6 +161,7 @@ unsafe extern "C" fn attention(frame: *mut CallFrame) -> *mut c_void {
         Ok(frame) => frame,
         Err(done) => return done,
     };
+    // SAFETY: the frame XLA passed, its size checked by `open_frame`.
     match unsafe { geometry(frame) } {
         Ok(Some(g)) => {
             let blocks = (g.l + g.block - 1) / g.block;
@@ -351,8 +352,8 @@ impl Geometry {
                 scores.resize((rows * ld) as usize, 0.0);
             }
             let sp = scores.as_mut_ptr();
-            // SAFETY (each block below): rows of the checked views; the scores buffer holds
-            // rows x ld.
+            // SAFETY: each product below reads rows of the checked views and writes rows of the
+            // scores buffer, which holds rows x ld.
             unsafe {
                 if keys > 0 && self.d > 0 {
                     blas.product(
