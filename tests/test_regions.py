@@ -12,6 +12,7 @@ from models import PreLNBlock
 from torch import nn
 
 import tpuc
+from tpuc import runtime
 
 
 class MarkedBlock(PreLNBlock):
@@ -129,3 +130,72 @@ def test_dynamic_sequence_length(n):
         y = torch.randn(2, n, 64)
         torch.testing.assert_close(compiled(y), model(y), rtol=1e-5, atol=1e-5)
     assert tpuc.stats()["fallback_ops"] == {}
+
+
+_V5E = "tpu:v5e:2x2"
+_needs_libtpu = pytest.mark.skipif(
+    runtime._installed_plugin("tpu") is None, reason="libtpu is not installed (scripts/setup.sh installs it)"
+)
+
+
+@_needs_libtpu
+def test_a_region_is_one_executable_for_a_tpu_target_whatever_the_depth(tmp_path):
+    """On the target path (options={"target": ...}) each distinct region is one XLA:TPU
+    executable: 8 marked blocks compile what 4 do (the region and the graph around it), forward
+    and backward. (With 2 blocks PyTorch inlines the regions of a training graph.)"""
+    seen = {}
+    for depth in (4, 8):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        tpuc.reset_stats()
+        model = Stack(depth)
+        x = torch.randn(2, 24, 64)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="invoke_subgraph traced multiple backward graphs")
+            report = tpuc.precompile(
+                model, [x], training=True, options={"target": _V5E, "cache_dir": str(tmp_path / str(depth))}
+            )
+        seen[depth] = sorted(g["name"].split(".", 1)[-1] for g in report["per_graph"])
+        assert report["compiled"] == report["executables"] == tpuc.stats()["xla_compiles"]
+        assert 2 <= tpuc.stats()["regions_compiled"] <= 4  # forward and backward region(s)
+        # Every executable is a TPU one: nothing of the model runs in PyTorch between them but
+        # the launches.
+        assert all(g["devices"] == 1 and g["flops"] > 0 for g in report["per_graph"])
+    assert seen[4] == seen[8], seen
+    assert any("subgraph" in name for name in seen[8]), seen
+
+
+@_needs_libtpu
+def test_on_a_device_the_target_path_runs_regions_and_matches_eager():
+    """What a host with the target's devices runs (the CPU plugin standing in for the TPU): the
+    same split graphs, forward and backward, equal to eager."""
+    from tpuc import backend, targets
+
+    opts = tpuc.options.parse({"target": _V5E, "cache_dir": None})
+
+    def on_cpu(gm, example_inputs):
+        return targets.compile_for_target(
+            gm,
+            example_inputs,
+            opts,
+            0,
+            backend._decompositions(False),
+            backend._unsupported_nodes,
+            backend.CompiledGraph,
+            run_on="cpu",
+        )
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Stack(3)
+    x = torch.randn(2, 17, 64)
+    tpuc.reset_stats()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="invoke_subgraph traced multiple backward graphs")
+        out, grads = _train_step(model, on_cpu, x)
+    assert 2 <= tpuc.stats()["regions_compiled"] <= 4
+    assert tpuc.stats()["fallback_ops"] == {}
+    ref_out, ref_grads = _train_step(model, None, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)

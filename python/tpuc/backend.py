@@ -1191,7 +1191,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     buckets.check_declared(gm, example_inputs, declared)
     # Otherwise the graphs go into AOTAutograd's cache (autograd_cache.py), where PyTorch allows
     # (not yet for bucketed graphs, whose declared maxima the loader would not know).
-    caching = not saving and not maxima and autograd_cache.enabled(mesh)
+    caching = not saving and not maxima and autograd_cache.enabled(opts, mesh)
 
     shard_ctx = None
     if mesh is not None:

@@ -79,3 +79,52 @@ def compile_regions(gm: torch.fx.GraphModule, compile_region) -> set[torch.fx.No
     gm.graph.lint()
     gm.recompile()
     return outside
+
+
+class _Piece(torch.nn.Module):
+    """A compiled piece of a graph split around its region call sites (see `compile_split`)."""
+
+    def __init__(self, compiled, single_output: bool):
+        super().__init__()
+        self.compiled = compiled
+        self.single_output = single_output
+
+    def forward(self, *args):
+        outs = self.compiled(list(args))
+        return outs[0] if self.single_output else tuple(outs)
+
+
+def compile_split(gm: torch.fx.GraphModule, name: str, compile_piece):
+    """A boxed callable for a graph that must lower entirely (a target's: no PyTorch pieces):
+    each distinct region compiled once (by this function: regions may nest), the rest of `gm`
+    in pieces between the call sites, each compiled by `compile_piece(piece, piece_name)` (a
+    boxed callable). What runs on the host is the graph of launches and `getitem`s around them.
+    A graph without regions is `compile_piece(gm, name)` itself."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import OperatorSupport
+
+    outside = compile_regions(
+        gm, lambda sub, _ins, sub_name: compile_split(sub, f"{name}.{sub_name}", compile_piece)
+    )
+    if not outside:
+        return compile_piece(gm, name)
+
+    class Between(OperatorSupport):
+        def is_node_supported(self, submodules, node):
+            return node.op == "call_function" and node not in outside
+
+    partitioner = CapabilityBasedPartitioner(gm, Between(), allows_single_node_partition=True)
+    fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    for node in list(fused.graph.nodes):
+        if node.op != "call_module":
+            continue
+        sub = getattr(fused, node.target)
+        out = next(n for n in sub.graph.nodes if n.op == "output")
+        single = not isinstance(out.args[0], list | tuple)
+        if single:  # compiled graphs return a list
+            out.args = ((out.args[0],),)
+            sub.recompile()
+        setattr(fused, node.target, _Piece(compile_piece(sub, f"{name}.{node.target}"), single))
+    fused.recompile()
+    return make_boxed_func(fused.forward)
