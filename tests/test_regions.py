@@ -1,5 +1,6 @@
 """Blocks marked with `@torch.compiler.nested_compile_region` (regions.py): compiled by tpuc,
-once per distinct region, and equal to eager and aot_eager, forward and backward."""
+once per distinct region (option `regions="executables"`) or inlined into one executable (the CPU
+plugin's default), and equal to eager and aot_eager, forward and backward."""
 
 from __future__ import annotations
 
@@ -33,18 +34,20 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def _train_step(model, backend, x):
+def _train_step(model, backend, x, options=None):
     model = copy.deepcopy(model)
-    fn = model if backend is None else torch.compile(model, backend=backend, options=_OPTS.get(backend))
+    fn = model if backend is None else torch.compile(model, backend=backend, options=options)
     out = fn(x)
     out.square().mean().backward()
     return out.detach(), [p.grad for p in model.parameters()]
 
 
-_OPTS = {"tpu": {"cache_dir": None}}
+_EXECUTABLES = {"cache_dir": None, "regions": "executables"}
+_MODES = ("executables", "inline")
 
 
-def test_marked_blocks_train_like_eager_and_aot_eager():
+@pytest.mark.parametrize("mode", _MODES)
+def test_marked_blocks_train_like_eager_and_aot_eager(mode):
     torch.manual_seed(0)
     model = Stack(4)
     x = torch.randn(2, 33, 64)
@@ -52,12 +55,14 @@ def test_marked_blocks_train_like_eager_and_aot_eager():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a fallback warns
         warnings.filterwarnings("ignore", message="invoke_subgraph traced multiple backward graphs")
-        out, grads = _train_step(model, "tpu", x)
+        out, grads = _train_step(model, "tpu", x, {"cache_dir": None, "regions": mode})
     stats = tpuc.stats()
     assert stats["fallback_ops"] == {}
     # One forward and one backward region (PyTorch may trace a second backward region for a
     # call site whose incoming gradient has another layout).
-    assert 2 <= stats["regions_compiled"] <= 4
+    assert 2 <= stats[f"regions_{'compiled' if mode == 'executables' else 'inlined'}"] <= 4
+    if mode == "inline":
+        assert stats["regions_compiled"] == 0 and stats["xla_compiles"] == 2  # forward, backward
     torch._dynamo.reset()
     for backend in (None, "aot_eager"):
         ref_out, ref_grads = _train_step(model, backend, x)
@@ -66,14 +71,14 @@ def test_marked_blocks_train_like_eager_and_aot_eager():
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
-def _inference_compiles(depth: int) -> dict:
+def _inference_compiles(depth: int, options=None) -> dict:
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = Stack(depth)
     x = torch.randn(1, 40, 64)
     tpuc.reset_stats()
     with torch.no_grad():
-        out = torch.compile(model, backend="tpu", options={"cache_dir": None})(x)
+        out = torch.compile(model, backend="tpu", options=options or _EXECUTABLES)(x)
         torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
     return tpuc.stats()
 
@@ -91,6 +96,15 @@ def test_region_compiled_once_whatever_the_depth():
     assert eight["executions"] - two["executions"] == 6
 
 
+def test_on_the_cpu_plugin_regions_are_inlined_into_one_executable():
+    """The CPU plugin's default (`regions="auto"`): one executable, as for the unmarked model (its
+    steady calls), the blocks traced once by Dynamo and AOTAutograd."""
+    stats = _inference_compiles(3, {"cache_dir": None})
+    assert stats["regions_inlined"] == 1 and stats["regions_compiled"] == 0
+    assert stats["xla_compiles"] == stats["executions"] == 1
+    assert stats["fallback_ops"] == {}
+
+
 def test_unmarked_blocks_have_no_regions():
     torch.manual_seed(0)
     model = Stack(2, block=PreLNBlock)
@@ -101,12 +115,13 @@ def test_unmarked_blocks_have_no_regions():
     assert tpuc.stats()["regions_compiled"] == 0
 
 
-def test_a_write_to_one_blocks_weight_is_seen():
+@pytest.mark.parametrize("mode", _MODES)
+def test_a_write_to_one_blocks_weight_is_seen(mode):
     """The region's executable serves every block: each call site reads its own block's
     parameters, and their current values."""
     torch.manual_seed(0)
     model = Stack(3)
-    compiled = torch.compile(model, backend="tpu", options={"cache_dir": None})
+    compiled = torch.compile(model, backend="tpu", options={"cache_dir": None, "regions": mode})
     x = torch.randn(1, 17, 64)
     with torch.no_grad():
         for _ in range(3):  # parameters become resident on the CPU plugin after the second call
@@ -123,7 +138,7 @@ def test_dynamic_sequence_length(n):
     model = Stack(3)
     x = torch.randn(2, 40, 64)
     torch._dynamo.mark_dynamic(x, 1, min=1, max=64)
-    compiled = torch.compile(model, backend="tpu", options={"cache_dir": None})
+    compiled = torch.compile(model, backend="tpu", options=_EXECUTABLES)
     tpuc.reset_stats()
     with torch.no_grad():
         compiled(x)

@@ -1077,6 +1077,8 @@ def _compile_hook(
 ):
     traces = traces or {}
     part_shard = (shard[0], "partition") if shard is not None else None
+    if regions.inlined(opts, runtime.plugin_family(runtime.resolve_plugin(opts.plugin), opts.plugin)):
+        regions.inline_regions(gm)
     in_regions = regions.compile_regions(
         gm,
         lambda sub, ins, sub_name: compile_graph(

@@ -350,7 +350,10 @@ def compile_for_target(
             flex.inline_flex_attention(g, decompositions)
             shard = (shard_ctx, kind) if shard_ctx is not None else None
             name = f"t{gid}_{kind}"
-            # Marked regions (regions.py) are one executable each, launched per call site.
+            # Marked regions (regions.py) are one executable each, launched per call site (on a
+            # host with the devices too: the same executables).
+            if regions.inlined(opts, "target"):
+                regions.inline_regions(g)
             in_regions = set(regions.call_sites(g))
             _check_lowerable([n for n in unsupported_nodes(g) if n not in in_regions], name, spec)
             piece_shard = (shard_ctx, "partition") if shard_ctx is not None and in_regions else shard
