@@ -214,3 +214,33 @@ def test_on_a_device_the_target_path_runs_regions_and_matches_eager():
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+class _Pair(nn.Module):
+    """A region of two regions."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.a, self.b = MarkedBlock(d), MarkedBlock(d)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_regions_in_regions_match_eager(mode):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = nn.Sequential(_Pair(), _Pair(), nn.Linear(64, 5))
+    x = torch.randn(2, 17, 64)
+    tpuc.reset_stats()
+    with torch.no_grad():
+        out = torch.compile(model, backend="tpu", options={"cache_dir": None, "regions": mode})(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {}
+    if mode == "inline":
+        assert stats["regions_inlined"] >= 1 and stats["xla_compiles"] == 1
+    else:
+        assert stats["regions_compiled"] >= 1

@@ -18,8 +18,9 @@ Two ways to compile them (option `regions`, chosen by measurement: bench/results
 * "inline" (the default on the CPU plugin): every call site gets the region's nodes, and the graph
   compiles as one executable. Dynamo and AOTAutograd have still traced the block once (most of a
   CPU first call); XLA's CPU compile of the whole graph costs about what the split one does
-  (GPT-2 124M: 1.3 vs 1.2 s), and steady calls are the unmarked model's (separate executables
-  were 9% slower in wall time on a loaded host, one execution's thread wake-ups per block).
+  (GPT-2 124M: 1.0 vs 1.1 s), and steady calls are the unmarked model's (separate executables
+  were 6-7% slower per call on a quiet host, 12-23% under load: one execution per block, each
+  starting XLA's threads).
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def inline_regions(gm: torch.fx.GraphModule) -> int:
         attr, _identifier, *operands = n.args
         sub = getattr(gm, attr.target) if isinstance(attr, torch.fx.Node) else attr
         seen.add(id(sub))
-        body = torch.fx.GraphModule(sub, copy.deepcopy(sub.graph))
-        inline_regions(body)
+        body = sub
+        if call_sites(sub):  # regions in the region: inlined in a copy (PyTorch may run `sub`)
+            body = torch.fx.GraphModule(sub, copy.deepcopy(sub.graph))
+            inline_regions(body)
         env: dict = dict(zip((p for p in body.graph.nodes if p.op == "placeholder"), operands, strict=True))
         with gm.graph.inserting_before(n):
             for m in body.graph.nodes:
