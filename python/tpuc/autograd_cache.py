@@ -46,10 +46,10 @@ def enabled(opts, mesh) -> bool:
     allow it, tpuc's own cache is on (`cache_dir`), and there is no mesh (sharded graphs are not
     saved yet).
 
-    Why not with `cache_dir=None`: the first cache key of a process costs 1.5-4 s (PyTorch's
-    `autograd_cache_key` imports and hashes much of Inductor and torch's sources; later keys of
-    the process 0.04-0.14 s, GPT-2 124M, bench/results/regions.md), and an entry would carry no
-    executables; a compile that asked for no cache does not pay for one."""
+    Why not with `cache_dir=None`: the first cache key of a process costs 2.6-5.8 s on a loaded
+    2-core host (PyTorch's `autograd_cache_key` imports and hashes much of Inductor and torch's
+    sources; later keys of the process 0.04-0.14 s; GPT-2 124M, docs/pytorch-caches.md), and an
+    entry would carry no executables; a compile that asked for no cache does not pay for one."""
     from torch._functorch._aot_autograd.autograd_cache import should_use_local_autograd_cache
 
     return mesh is None and opts.cache_dir is not None and should_use_local_autograd_cache()
