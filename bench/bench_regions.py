@@ -28,7 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("unmarked", "marked")
+# marked: the blocks marked, the CPU plugin's default (regions inlined into one executable);
+# marked-exe: marked, each region an executable of its own (`regions="executables"`, what TPU, GPU
+# and targets get by default). The XLA:TPU compile's "marked" is a target's default (executables).
+VARIANTS = ("unmarked", "marked", "marked-exe")
+TPU_VARIANTS = ("unmarked", "marked")
 
 
 def build(name: str):
@@ -86,24 +90,42 @@ def mark_blocks(model, block_cls) -> int:
 def _compiled(model, block, variant: str):
     import torch
 
-    if variant == "marked":
+    options = {"cache_dir": None}
+    if variant.startswith("marked"):
         mark_blocks(model, block)
-    return torch.compile(model, backend="tpu", options={"cache_dir": None})
+    if variant == "marked-exe":
+        options["regions"] = "executables"
+    return torch.compile(model, backend="tpu", options=options)
 
 
 def first_call(name: str, variant: str) -> dict:
     """One fresh process's first call, split into phases (seconds)."""
     import torch
+    from torch._functorch._aot_autograd import autograd_cache as aot_cache
 
     import tpuc
-    from tpuc import backend
+    from tpuc import backend, runtime
 
     model, inputs, block = build(name)
     with torch.no_grad():
         model(*inputs)  # warm PyTorch itself (allocator, kernels) out of the measurement
-    spent = {"backend": 0.0, "tpuc": 0.0, "start": None, "end": None}
+    # The plugin's start (client, the known-answer check of its math, kept per plugin build in the
+    # cache folder, which is empty here) is paid once per process whatever the model: measured
+    # apart, out of the first call.
+    t0 = time.perf_counter()
+    runtime.get_runtime(None)
+    plugin_start = time.perf_counter() - t0
+    spent = {"backend": 0.0, "tpuc": 0.0, "start": None, "end": None, "key": 0.0}
     depth = [0]
     original_backend, original_compile = backend._compile, backend.compile_graph
+    original_key = aot_cache.autograd_cache_key
+
+    def timed_key(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original_key(*args, **kwargs)
+        finally:
+            spent["key"] += time.perf_counter() - t0
 
     def timed_backend(*args, **kwargs):
         t0 = time.perf_counter()
@@ -125,6 +147,7 @@ def first_call(name: str, variant: str) -> dict:
                 spent["tpuc"] += time.perf_counter() - t0
 
     backend._compile, backend.compile_graph = timed_backend, timed_compile
+    aot_cache.autograd_cache_key = timed_key
     compiled = _compiled(model, block, variant)
     tpuc.reset_stats()
     with torch.no_grad():
@@ -143,10 +166,13 @@ def first_call(name: str, variant: str) -> dict:
         # Dynamo's trace before the backend; after it, Dynamo's guards and the first execution
         "dynamo": spent["start"] - t_first,
         "aot": spent["backend"] - spent["tpuc"],
+        "aot_key": spent["key"],
+        "plugin_start": plugin_start,
         "tpuc": spent["tpuc"] - s["compile_seconds"],
         "xla": s["compile_seconds"],
         "run": t_first + first - spent["end"],
         "steady": run,
+        "load": os.getloadavg()[0],
         "xla_compiles": s["xla_compiles"],
         "regions": s["regions_compiled"],
         "fallback_ops": s["fallback_ops"],
@@ -154,15 +180,18 @@ def first_call(name: str, variant: str) -> dict:
 
 
 def steady(name: str, calls: int) -> dict:
-    """Median and minimum per-call seconds of both variants, calls alternating (on a loaded host
+    """Median and minimum per-call seconds of the variants, calls alternating (on a loaded host
     the minimum is the steadier figure), and their largest difference from eager."""
     import torch
 
     model, inputs, block = build(name)
-    marked, _, _ = build(name)
-    marked.load_state_dict(model.state_dict())
-    fns = {"unmarked": _compiled(model, block, "unmarked"), "marked": _compiled(marked, block, "marked")}
+    fns = {}
+    for v in VARIANTS:
+        copy, _, _ = build(name)
+        copy.load_state_dict(model.state_dict())
+        fns[v] = _compiled(copy, block, v)
     times = {v: [] for v in VARIANTS}
+    cpu = {v: [] for v in VARIANTS}
     with torch.no_grad():
         ref = model(*inputs).logits
         err = {v: float((fns[v](*inputs).logits - ref).abs().max()) for v in VARIANTS}
@@ -171,18 +200,49 @@ def steady(name: str, calls: int) -> dict:
                 fns[v](*inputs)
         for _ in range(calls):
             for v in VARIANTS:
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 fns[v](*inputs)
                 times[v].append(time.perf_counter() - t0)
+                cpu[v].append(time.process_time() - c0)
     return {
-        v: {"median": statistics.median(times[v]), "min": min(times[v]), "max_abs_err": err[v]}
+        v: {
+            "median": statistics.median(times[v]),
+            "min": min(times[v]),
+            # CPU seconds of all the process's threads: what other jobs on the host disturb least
+            "cpu_median": statistics.median(cpu[v]),
+            "max_abs_err": err[v],
+        }
         for v in VARIANTS
+    }
+
+
+def tpu_compile(name: str, variant: str, target: str) -> dict:
+    """XLA:TPU compile seconds of the model's inference graph(s) for `target` (libtpu's
+    compile-only topology, no TPU needed), nothing cached."""
+    import torch
+
+    import tpuc
+
+    model, inputs, block = build(name)
+    if variant == "marked":
+        mark_blocks(model, block)
+    t0 = time.perf_counter()
+    report = tpuc.precompile(model, list(inputs), options={"target": target, "cache_dir": None})
+    return {
+        "seconds": time.perf_counter() - t0,
+        "xla": report["compile_seconds"],
+        "executables": report["executables"],
+        "per_graph": {g["name"]: round(g["compile_seconds"], 2) for g in report["per_graph"]},
+        "regions": tpuc.stats()["regions_compiled"],
+        "torch": torch.__version__,
     }
 
 
 def _child(args) -> None:
     if args.child == "first":
         out = first_call(args.model, args.variant)
+    elif args.child == "tpu":
+        out = tpu_compile(args.model, args.variant, args.target)
     else:
         out = steady(args.model, args.calls)
     print("RESULT " + json.dumps(out))
@@ -206,20 +266,46 @@ def _run_child(*argv) -> dict:
 
 def _table(results: dict) -> str:
     lines = [
-        "| model | variant | first call s | Dynamo | AOTAutograd | tpuc (import, passes, lower) "
-        "| XLA compile | first run | XLA compiles | steady ms (median / min) | max abs err vs eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | variant | first call s | vs unmarked | Dynamo | AOTAutograd | tpuc (import, passes, lower) "
+        "| XLA compile | first run | XLA compiles | steady ms (median / min) | steady CPU ms (median) "
+        "| XLA:TPU compile s (executables) | vs unmarked | max abs err vs eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         for v in VARIANTS:
-            f, s = r["first"][v], r["steady"][v]
+            f, s, t = r["first"][v], r["steady"][v], r["tpu"].get(v)
+            base, tbase = r["first"]["unmarked"], r["tpu"].get("unmarked")
+            tpu = f"{t['xla']:.1f} ({t['executables']})" if t else "-"
+            tratio = f"{t['xla'] / tbase['xla']:.2f}x" if t and tbase else "-"
             lines.append(
-                f"| {name} | {v} | {f['first']:.2f} | {f['dynamo']:.2f} | {f['aot']:.2f} | {f['tpuc']:.2f} "
-                f"| {f['xla']:.2f} | {f['run']:.2f} | {f['xla_compiles']} "
-                f"| {s['median'] * 1e3:.1f} / {s['min'] * 1e3:.1f} "
-                f"| {s['max_abs_err']:.1e} |"
+                f"| {name} | {v} | {f['first']:.2f} | {f['first'] / base['first']:.2f}x | {f['dynamo']:.2f} "
+                f"| {f['aot']:.2f} | {f['tpuc']:.2f} | {f['xla']:.2f} | {f['run']:.2f} | {f['xla_compiles']} "
+                f"| {s['median'] * 1e3:.1f} / {s['min'] * 1e3:.1f} | {s['cpu_median'] * 1e3:.1f} "
+                f"| {tpu} | {tratio} | {s['max_abs_err']:.1e} |"
             )
     return "\n".join(lines)
+
+
+def _header(args, results: dict, started: str) -> str:
+    loads = [f["load"] for r in results.values() for fs in r["firsts"].values() for f in fs]
+    plugin = [f["plugin_start"] for r in results.values() for fs in r["firsts"].values() for f in fs]
+    return (
+        "# Compile regions (issue 41): first call, steady calls and XLA:TPU compile, marked vs unmarked blocks\n\n"
+        f"`.venv/bin/python bench/bench_regions.py --models {' '.join(args.models)} --reps {args.reps} "
+        f"--calls {args.calls} --target {args.target}`, {started} to {time.strftime('%H:%M UTC', time.gmtime())}, "
+        f"CPU plugin, 2-core host shared with other jobs (1-minute load average {min(loads):.1f}-{max(loads):.1f} "
+        "at the end of the first-call runs). Inference, 1x128 tokens, random weights, `use_cache=False`; "
+        "`options={'cache_dir': None}` (no tpuc cache, hence no AOTAutograd cache either). Variants: unmarked; "
+        "marked (the blocks marked `nested_compile_region`, the CPU plugin's default `regions='auto'`: "
+        "inlined, one executable); marked-exe (marked, `regions='executables'`: one executable per region, "
+        "launched at each call site; what TPU, GPU and targets get by default). First call: a fresh "
+        f"process each (best of {args.reps}, variants alternating), after the plugin's start "
+        f"({min(plugin):.1f}-{max(plugin):.1f} s here: the client and the known-answer check of its math, "
+        "once per process whatever the model). Steady: both variants in one process, calls alternating "
+        f"({args.calls} each); CPU ms = process CPU seconds per call (all threads), which the other jobs "
+        "disturb less than wall time. XLA:TPU: `tpuc.precompile` for the target in a fresh process, the "
+        "sum of its executables' compile seconds.\n\n"
+    )
 
 
 def main() -> None:
@@ -228,7 +314,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--out", type=Path)
-    p.add_argument("--child", choices=["first", "steady"], help=argparse.SUPPRESS)
+    p.add_argument("--target", default="tpu:v5e:2x2", help="TPU target of the XLA:TPU compile ('' skips it)")
+    p.add_argument("--child", choices=["first", "steady", "tpu"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -236,6 +323,7 @@ def main() -> None:
         _child(args)
         return
     results = {}
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     for name in args.models:
         firsts: dict = {v: [] for v in VARIANTS}
         for _ in range(args.reps):
@@ -245,13 +333,19 @@ def main() -> None:
         best = {v: min(firsts[v], key=lambda r: r["first"]) for v in VARIANTS}
         results[name] = {
             "first": best,
+            "firsts": firsts,
             "steady": _run_child("--child", "steady", "--model", name, "--calls", str(args.calls)),
+            "tpu": {},
         }
         print(name, "steady", json.dumps(results[name]["steady"]), flush=True)
-    table = _table(results)
-    print(table)
-    if args.out:
-        args.out.write_text(table + "\n")
+        for v in TPU_VARIANTS if args.target else ():
+            tpu = _run_child("--child", "tpu", "--model", name, "--variant", v, "--target", args.target)
+            results[name]["tpu"][v] = tpu
+            print(name, v, "tpu", json.dumps(tpu), flush=True)
+        if args.out:  # after each model: a run cut short keeps what it measured
+            args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+            args.out.write_text(_header(args, results, started) + _table(results) + "\n")
+    print(_table(results))
 
 
 if __name__ == "__main__":

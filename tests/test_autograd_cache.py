@@ -51,3 +51,28 @@ def test_cache_artifacts_round_trip_compiles_nothing(tmp_path, regions):
     assert loaded["stats"]["cache_hits_disk"] == saved["stats"]["xla_compiles"]
     assert loaded["max_abs_err"] < 1e-4
     assert loaded["out_sum"] == saved["out_sum"]
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["no_cache_dir", "cache_dir"])
+def test_the_autograd_cache_key_is_computed_only_with_a_cache(tmp_path, monkeypatch, cache):
+    """AOTAutograd's cache key (2.6-5.8 s for the first in a process, loaded host) is paid only
+    when tpuc's cache is on: options={"cache_dir": None} asks for no cache."""
+    import torch
+    from torch._functorch._aot_autograd import autograd_cache as aot_cache
+
+    keys = []
+    real = aot_cache.autograd_cache_key
+
+    def counted(*args, **kwargs):
+        keys.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(aot_cache, "autograd_cache_key", counted)
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(17, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
+    x = torch.randn(4, 17)
+    options = {"cache_dir": str(tmp_path / "tpuc") if cache else None}
+    with torch.no_grad():
+        out = torch.compile(model, backend="tpu", options=options)(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    assert len(keys) == (1 if cache else 0)

@@ -40,13 +40,19 @@ def live_options():
     return _live.get()
 
 
-def enabled(mesh) -> bool:
+def enabled(opts, mesh) -> bool:
     """Whether this compile goes through AOTAutograd's cache: PyTorch's switches
     (`torch._functorch.config.enable_autograd_cache`, `torch.compiler.config.force_disable_caches`)
-    allow it, and there is no mesh (sharded graphs are not saved yet)."""
+    allow it, tpuc's own cache is on (`cache_dir`), and there is no mesh (sharded graphs are not
+    saved yet).
+
+    Why not with `cache_dir=None`: the first cache key of a process costs 2.6-5.8 s on a loaded
+    2-core host (PyTorch's `autograd_cache_key` imports and hashes much of Inductor and torch's
+    sources; later keys of the process 0.04-0.14 s; GPT-2 124M, docs/pytorch-caches.md), and an
+    entry would carry no executables; a compile that asked for no cache does not pay for one."""
     from torch._functorch._aot_autograd.autograd_cache import should_use_local_autograd_cache
 
-    return mesh is None and should_use_local_autograd_cache()
+    return mesh is None and opts.cache_dir is not None and should_use_local_autograd_cache()
 
 
 @contextlib.contextmanager

@@ -1077,6 +1077,8 @@ def _compile_hook(
 ):
     traces = traces or {}
     part_shard = (shard[0], "partition") if shard is not None else None
+    if regions.inlined(opts, runtime.plugin_family(runtime.resolve_plugin(opts.plugin), opts.plugin)):
+        regions.inline_regions(gm)
     in_regions = regions.compile_regions(
         gm,
         lambda sub, ins, sub_name: compile_graph(
@@ -1191,7 +1193,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     buckets.check_declared(gm, example_inputs, declared)
     # Otherwise the graphs go into AOTAutograd's cache (autograd_cache.py), where PyTorch allows
     # (not yet for bucketed graphs, whose declared maxima the loader would not know).
-    caching = not saving and not maxima and autograd_cache.enabled(mesh)
+    caching = not saving and not maxima and autograd_cache.enabled(opts, mesh)
 
     shard_ctx = None
     if mesh is not None:

@@ -34,6 +34,8 @@ def reset_stats() -> None:
             torch_kernels=Counter(),
             # distinct nested_compile_region subgraphs compiled (regions.py)
             regions_compiled=0,
+            # distinct regions whose nodes were copied into each call site's graph (regions.py)
+            regions_inlined=0,
             # saved activations a forward graph handed to its backward channels-last (handoff.py)
             saved_channels_last=0,
             # per IR pass: {"runs", "ops_before", "ops_after", "ops_removed", "changes", "seconds"}

@@ -24,8 +24,11 @@ VALID_KEYS = (
     "plugin_options",
     "residency",
     "target",
+    "regions",
 )
 RESIDENCIES = ("auto", "versioned", "off")
+#: How blocks marked `@torch.compiler.nested_compile_region` compile (regions.py).
+REGIONS = ("auto", "executables", "inline")
 PRECISIONS = ("highest", "high", "default")
 FALLBACKS = ("eager", "error")
 SHARDINGS = ("replicated", "data_parallel", "fsdp", "tensor_parallel")
@@ -67,6 +70,7 @@ class Options:
     residency: str = "auto"
     #: Devices to compile for instead of running here, e.g. "tpu:v5e:2x2" (targets.py).
     target: str | None = None
+    regions: str = "auto"
 
     def pass_enabled(self, name: str) -> bool:
         """Whether pass or group `name` runs: a pass's own entry wins over its group's."""
@@ -134,6 +138,10 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
     residency = options.get("residency", os.environ.get("TPUC_RESIDENCY") or "auto")
     if residency not in RESIDENCIES:
         raise _bad("residency", residency, " or ".join(repr(r) for r in RESIDENCIES))
+
+    regions = options.get("regions", "auto")
+    if regions not in REGIONS:
+        raise _bad("regions", regions, " or ".join(repr(r) for r in REGIONS))
 
     if "precision" in options:
         precision = options["precision"]
@@ -211,6 +219,7 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
         sharding=sharding,
         passes=dict(passes),
         residency=residency,
+        regions=regions,
         plugin_options={k: list(v) if isinstance(v, list | tuple) else v for k, v in plugin_options.items()},
         cache_max_bytes=parse_size(os.environ.get("TPUC_CACHE_MAX_SIZE") or DEFAULT_CACHE_MAX_SIZE),
     )

@@ -5,12 +5,22 @@ marked block as a subgraph (a GraphModule attribute of the graph) called through
 `invoke_subgraph` higher-order op, `invoke_subgraph(subgraph, identifier, *operands)`, once per
 call site, in the forward graph and (with its own backward subgraph) in the backward graph.
 
-tpuc compiles each distinct subgraph once, as a graph of its own (`compile_graph`: the region's
-executable, its call plan), and every call site of it launches that executable: a model of N
-identical blocks lowers and XLA-compiles one block instead of N (bench/bench_regions.py), at the
-cost of one launch per block and no fusion across block boundaries. The rest of the graph is
-split around the call sites with the fallback partitioner (as for torch_kernels.py); the call
-sites are not fallbacks (nothing is warned or counted in `fallback_ops`).
+Two ways to compile them (option `regions`, chosen by measurement: bench/results/regions.md):
+
+* "executables" (the default on TPU, GPU and for targets): tpuc compiles each distinct subgraph
+  once, as a graph of its own (`compile_graph`: the region's executable, its call plan), and every
+  call site of it launches that executable: a model of N identical blocks lowers and XLA-compiles
+  one block instead of N, at the cost of one launch per block and no fusion across block
+  boundaries. The rest of the graph is split around the call sites with the fallback partitioner
+  (as for torch_kernels.py); the call sites are not fallbacks (nothing is warned or counted in
+  `fallback_ops`). XLA:TPU compiles a GPT-2 block in tens of seconds: compiling it once is the
+  gain there.
+* "inline" (the default on the CPU plugin): every call site gets the region's nodes, and the graph
+  compiles as one executable. Dynamo and AOTAutograd have still traced the block once (most of a
+  CPU first call); XLA's CPU compile of the whole graph costs about what the split one does
+  (GPT-2 124M: 1.0 vs 1.1 s), and steady calls are the unmarked model's (separate executables
+  were 6-7% slower per call on a quiet host, 12-23% under load: one execution per block, each
+  starting XLA's threads).
 """
 
 from __future__ import annotations
@@ -39,6 +49,54 @@ class RegionCall:
 
     def __repr__(self) -> str:
         return f"tpuc.region({self.name})"
+
+
+def inlined(opts, plugin_family: str) -> bool:
+    """Whether regions are inlined (see the module's docstring) for these options on a plugin of
+    `plugin_family` ("cpu", "tpu", ...; "target" for a target's compile)."""
+    if opts.regions == "auto":
+        return plugin_family == "cpu"
+    return opts.regions == "inline"
+
+
+def inline_regions(gm: torch.fx.GraphModule) -> int:
+    """Replaces every `invoke_subgraph` call of `gm` by a copy of its region's nodes (regions in
+    regions too). Returns how many distinct regions were inlined."""
+    sites = call_sites(gm)
+    seen: set[int] = set()
+    for n in sites:
+        attr, _identifier, *operands = n.args
+        sub = getattr(gm, attr.target) if isinstance(attr, torch.fx.Node) else attr
+        seen.add(id(sub))
+        body = sub
+        if call_sites(sub):  # regions in the region: inlined in a copy (PyTorch may run `sub`)
+            body = torch.fx.GraphModule(sub, copy.deepcopy(sub.graph))
+            inline_regions(body)
+        env: dict = dict(zip((p for p in body.graph.nodes if p.op == "placeholder"), operands, strict=True))
+        with gm.graph.inserting_before(n):
+            for m in body.graph.nodes:
+                if m.op == "get_attr":  # the region's own constants, under a name of the caller's
+                    name = f"_region_{attr.target if isinstance(attr, torch.fx.Node) else 'attr'}_{m.target}"
+                    name = name.replace(".", "_")
+                    setattr(gm, name, getattr(body, m.target))
+                    env[m] = gm.graph.get_attr(name)
+            out = gm.graph.graph_copy(body.graph, env)
+        outs = out if isinstance(out, list | tuple) else (out,)
+        for user in list(n.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                gm.graph.erase_node(user)
+        if n.users:
+            raise RuntimeError(f"tpuc: a use of region call `{n.name}` other than taking its outputs apart")
+        gm.graph.erase_node(n)
+    if sites:
+        for n in list(gm.graph.nodes):
+            if n.op == "get_attr" and not n.users:
+                gm.graph.erase_node(n)
+        gm.graph.lint()
+        gm.recompile()
+        counters.add(regions_inlined=len(seen))
+    return len(seen)
 
 
 def call_sites(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -79,3 +137,52 @@ def compile_regions(gm: torch.fx.GraphModule, compile_region) -> set[torch.fx.No
     gm.graph.lint()
     gm.recompile()
     return outside
+
+
+class _Piece(torch.nn.Module):
+    """A compiled piece of a graph split around its region call sites (see `compile_split`)."""
+
+    def __init__(self, compiled, single_output: bool):
+        super().__init__()
+        self.compiled = compiled
+        self.single_output = single_output
+
+    def forward(self, *args):
+        outs = self.compiled(list(args))
+        return outs[0] if self.single_output else tuple(outs)
+
+
+def compile_split(gm: torch.fx.GraphModule, name: str, compile_piece):
+    """A boxed callable for a graph that must lower entirely (a target's: no PyTorch pieces):
+    each distinct region compiled once (by this function: regions may nest), the rest of `gm`
+    in pieces between the call sites, each compiled by `compile_piece(piece, piece_name)` (a
+    boxed callable). What runs on the host is the graph of launches and `getitem`s around them.
+    A graph without regions is `compile_piece(gm, name)` itself."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import OperatorSupport
+
+    outside = compile_regions(
+        gm, lambda sub, _ins, sub_name: compile_split(sub, f"{name}.{sub_name}", compile_piece)
+    )
+    if not outside:
+        return compile_piece(gm, name)
+
+    class Between(OperatorSupport):
+        def is_node_supported(self, submodules, node):
+            return node.op == "call_function" and node not in outside
+
+    partitioner = CapabilityBasedPartitioner(gm, Between(), allows_single_node_partition=True)
+    fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    for node in list(fused.graph.nodes):
+        if node.op != "call_module":
+            continue
+        sub = getattr(fused, node.target)
+        out = next(n for n in sub.graph.nodes if n.op == "output")
+        single = not isinstance(out.args[0], list | tuple)
+        if single:  # compiled graphs return a list
+            out.args = ((out.args[0],),)
+            sub.recompile()
+        setattr(fused, node.target, _Piece(compile_piece(sub, f"{name}.{node.target}"), single))
+    fused.recompile()
+    return make_boxed_func(fused.forward)

@@ -24,7 +24,7 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, counters, dump, flex, fx_export, runtime
+from . import _native, counters, dump, flex, fx_export, regions, runtime
 from . import sharding as sharding_mod
 
 #: HBM per chip, bytes, by the generation names libtpu's topologies use.
@@ -332,6 +332,10 @@ def compile_for_target(
         run_on = spec.family
     if run_on is None:
         get_target(spec)  # a missing libtpu or a bad topology fails here, before tracing
+    else:
+        # Started before tracing, as the backend does: the CPU plugin's known-answer check cannot
+        # run inside AOTAutograd's compile (fake tensors).
+        runtime.get_runtime(run_on, None, opts.plugin_options)
     mesh = sharding_mod.parse_mesh(opts)
     if mesh is not None and mesh.size > spec.chips:
         raise ValueError(
@@ -346,10 +350,17 @@ def compile_for_target(
             flex.inline_flex_attention(g, decompositions)
             shard = (shard_ctx, kind) if shard_ctx is not None else None
             name = f"t{gid}_{kind}"
-            _check_lowerable(unsupported_nodes(g), name, spec)
+            # Marked regions (regions.py) are one executable each, launched per call site (on a
+            # host with the devices too: the same executables).
+            if regions.inlined(opts, "target"):
+                regions.inline_regions(g)
+            in_regions = set(regions.call_sites(g))
+            _check_lowerable([n for n in unsupported_nodes(g) if n not in in_regions], name, spec)
+            piece_shard = (shard_ctx, "partition") if shard_ctx is not None and in_regions else shard
             if run_on is not None:
-                return device_graph(g, dataclasses.replace(opts, plugin=run_on), name, shard=shard)
-            return TargetGraph(g, opts, spec, name, shard)
+                on = dataclasses.replace(opts, plugin=run_on)
+                return regions.compile_split(g, name, lambda p, n: device_graph(p, on, n, shard=piece_shard))
+            return regions.compile_split(g, name, lambda p, n: TargetGraph(p, opts, spec, n, piece_shard))
 
         return compile_one
 

@@ -5,7 +5,8 @@ a JSON report as its last line.
 
     python cache_artifacts.py save|load --path FILE [--regions]
 
-`--regions`: the model's blocks are marked as compile regions (tpuc compiles each region once).
+`--regions`: the model's blocks are marked as compile regions, each compiled once as an executable
+of its own (option `regions="executables"`; the CPU plugin's default inlines them).
 The caller sets TPUC_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (AOTAutograd's cache) per process.
 """
 
@@ -48,7 +49,8 @@ def main() -> None:
     model = torch.nn.Sequential(*(block() for _ in range(4)), torch.nn.Linear(64, 5))
     x = torch.randn(2, 17, 64)
     tpuc.reset_stats()
-    out = torch.compile(model, backend="tpu")(x)
+    options = {"regions": "executables"} if args.regions else None
+    out = torch.compile(model, backend="tpu", options=options)(x)
     out.square().mean().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     stats = tpuc.stats()
