@@ -64,6 +64,7 @@ def main():
     split = None
     if a.split:
         split = {"seconds": 0.0, "flops": 0.0, "bytes accessed": 0.0, "transcendentals": 0.0, "graphs": 0}
+        split["per_graph_bytes"] = []
         for f, f_args in twin.build_split(SingleDeviceSharding(dev)):
             t = time.time()
             if a.precision:
@@ -75,6 +76,7 @@ def main():
             for k, v in cs.cost_analysis().items():
                 if k in split:
                     split[k] += v
+            split["per_graph_bytes"].append(cs.cost_analysis().get("bytes accessed"))
             split["graphs"] += 1
     got = {"seconds": 0.0, "flops": 0.0, "bytes accessed": 0.0, "transcendentals": 0.0, "graphs": 0}
     client = dev.client
