@@ -44,7 +44,7 @@ TARGET = "tpu:v5e:2x2"
 CASES = {
     "gpt2": ("gpt2", [], "GPT-2 124M forward, 1x128"),
     "resnet18_infer": ("resnet18", [], "ResNet-18 inference, 2x3x64x64"),
-    "resnet18_train": ("resnet18", ["--train"], "ResNet-18 training (forward + backward graphs)"),
+    "resnet18_train": ("resnet18", ["--train", "--split"], "ResNet-18 training (forward + backward graphs)"),
 }
 
 
@@ -177,6 +177,30 @@ def table(rows: dict, before: dict | None) -> list[str]:
     return lines
 
 
+def split_lines(rows: dict) -> list[str]:
+    """The training twin as two programs, as tpuc's step is (compare.py --split): what the split
+    into forward and backward executables costs XLA:TPU by itself."""
+    lines = []
+    for case, r in rows.items():
+        s = r.get("jax_split")
+        if not s:
+            continue
+        j, t = r["jax"]["bytes accessed"], r["tpuc"]["bytes accessed"]
+        if not lines:
+            lines = [
+                "The training twin split into two programs as tpuc's step is (`compare.py --split`: a forward "
+                "returning `jax.vjp`'s residuals, the inputs among them left out, and a backward from them):",
+                "",
+                "| graph | bytes accessed: twin, one program | twin, two programs | tpuc, two graphs | tpuc / twin two programs |",
+                "|---|---|---|---|---|",
+            ]
+        lines.append(
+            f"| {CASES[case][2]} | {j / 1e6:.0f} MB | {s['bytes accessed'] / 1e6:.0f} MB ({ratio(s['bytes accessed'], j):.2f}x) "
+            f"| {t / 1e6:.0f} MB ({ratio(t, j):.2f}x) | {ratio(t, s['bytes accessed']):.2f}x |"
+        )
+    return [*lines, ""] if lines else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jax-python", default="../jaxtpu/bin/python")
@@ -208,6 +232,7 @@ def main() -> None:
         for run in runs:
             for k in ("cases", "tpuc_target", "stablehlo_ops"):
                 data[k].update(run[k])
+        data["meta"] = {**data["meta"], "merged": [{"cases": list(r["cases"]), **r["meta"]} for r in runs]}
         before = json.loads(Path(a.before).read_text())["cases"] if a.before else None
         write(Path(a.out), "tpu-twins" + (f"-{a.tag}" if a.tag else ""), data, before)
         return
@@ -274,12 +299,26 @@ def write(out: Path, stem: str, data: dict, before: dict | None) -> None:
         "",
         *table(rows, before),
         "",
+        *(
+            [
+                "Rows from: "
+                + "; ".join(
+                    f"{', '.join(m['cases'])}: {m['date']}, tpuc {m['git']}, load {m['load'][0]:.1f}"
+                    for m in meta["merged"]
+                )
+                + " (a case's latest run wins).",
+                "",
+            ]
+            if meta.get("merged")
+            else []
+        ),
         "StableHLO ops in tpuc's modules (all graphs of a case):",
         "",
         "| graph | " + " | ".join(next(iter(ops.values()))) + " |",
         "|---|" + "---|" * len(next(iter(ops.values()))),
         *(f"| {case} | " + " | ".join(str(v) for v in c.values()) + " |" for case, c in ops.items()),
         "",
+        *split_lines(rows),
         "tpuc's own target compile (the project's libtpu, `precompile`'s `per_graph` report):",
         "",
         "| graph | graphs | lower s | compile s | flops | bytes accessed | largest footprint per chip |",

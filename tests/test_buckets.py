@@ -312,3 +312,35 @@ def test_walk_finds_the_size_derived_floats_itself():
     walked, _, _ = fx_export.export(gm)
     assert f"%{found[0].name}: float64[] = input()" in str(walked), str(walked)
     assert "aten.mul.Tensor" in str(walked), str(walked)
+
+
+def test_saved_input_of_a_bucketed_training_graph_is_the_callers_tensor():
+    """The forward returns its (padded) input unchanged for the backward: what it saves is the
+    caller's tensor at its real size, never the padded one, and the gradients are eager's."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(6, 3))
+
+    def f(x):
+        return (x @ w).tanh().sum()
+
+    compiled = _compile(f, buckets=[4, 8])
+    first = torch.randn(5, 6)
+    torch._dynamo.mark_dynamic(first, 0, min=2, max=8)
+    compiled(first).backward()
+    for n in (2, 3, 5, 7):
+        x = torch.randn(n, 6)
+        w.grad = None
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = compiled(x)
+        assert any(t is x for t in saved), [tuple(t.shape) for t in saved]
+        loss.backward()
+        got = w.grad.clone()
+        w.grad = None
+        f(x).backward()
+        torch.testing.assert_close(got, w.grad, rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ and what eager aliases stays aliased."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -47,11 +48,128 @@ def test_saved_weights_and_their_views_match_eager(tmp_path, monkeypatch):
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-5)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
-    # The compiled forward returns no parameter (primals_*) and no view of one: they left its
-    # outputs and are made from the inputs at call time.
-    (fx,) = [d / "fx_graph.txt" for d in tmp_path.iterdir() if d.name.endswith("forward_static")]
-    ret = next(line for line in fx.read_text().splitlines() if line.strip().startswith("return ("))
-    assert "primals" not in ret and "permute" not in ret, ret
+    # The compiled forward returns no view of a parameter (they left its outputs and are made
+    # from the inputs at call time), and its executable has no output for a parameter it
+    # returns as it came (the caller's tensor is the result).
+    (folder,) = [d for d in tmp_path.iterdir() if d.name.endswith("forward_static")]
+    ret = _returned(folder)
+    assert not any("permute" in r for r in ret), ret
+    unchanged = [r for r in ret if r.startswith("primals")]
+    assert unchanged, ret
+    assert len(_executable_outputs(folder)) == len(ret) - len(unchanged)
+
+
+def _returned(folder) -> list[str]:
+    """The names a dumped graph's FX `return` lists."""
+    fx = (folder / "fx_graph.txt").read_text()
+    ret = next(line for line in fx.splitlines() if line.strip().startswith("return ("))
+    return [r.strip() for r in ret.strip()[len("return (") : -1].split(",") if r.strip()]
+
+
+def _executable_outputs(folder) -> list:
+    return json.loads((folder / "meta.json").read_text())["outputs"]
+
+
+class SmallConvNet(nn.Module):
+    """Convolutions, batch norm, ReLU, max pooling and a classifier: the forward saves every
+    weight as it came (no view of it) for the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.fc = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv1(x)))
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+def _saved_by(fn, *args) -> tuple:
+    """`fn(*args)` and the tensors autograd saved for its backward, as they were saved."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, saved
+
+
+def test_saved_parameters_are_the_parameters_themselves(tmp_path, monkeypatch):
+    """A training forward that returns parameters for its backward: the saved tensors are the
+    parameter objects, where aot_eager's are (Inductor's code returns its inputs too), and the
+    executable has no output for them (nothing copies them)."""
+    torch.manual_seed(0)
+    model, x = SmallConvNet(), torch.randn(2, 3, 8, 8)
+    # Saved as they came by both (the classifier's weight is saved transposed by tpuc: a view,
+    # test_saved_weights_and_their_views_match_eager).
+    weights = [model.conv1.weight, model.bn.weight, model.conv2.weight]
+    same = {}
+    for backend in ("aot_eager", "tpu"):
+        torch._dynamo.reset()
+        if backend == "tpu":
+            monkeypatch.setenv("TPUC_DUMP_DIR", str(tmp_path))
+        fn = torch.compile(model, backend=backend)
+        _out, saved = _saved_by(fn, x)
+        same[backend] = [any(t is w for t in saved) for w in weights]
+    monkeypatch.delenv("TPUC_DUMP_DIR")
+    assert same["tpu"] == same["aot_eager"] == [True] * 3, same
+    (folder,) = [d for d in tmp_path.iterdir() if d.name.endswith("forward_static")]
+    ret = _returned(folder)
+    unchanged = [r for r in ret if r.startswith("primals")]
+    assert len(unchanged) >= 3, ret
+    assert len(_executable_outputs(folder)) == len(ret) - len(unchanged)
+
+
+def test_conv_net_training_steps_match_eager():
+    """Three SGD steps (momentum, weight decay) of a conv net: losses and every parameter and
+    running statistic as eager's."""
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    reference = copy.deepcopy(model)
+    xs = [torch.randn(4, 3, 8, 8) for _ in range(3)]
+    ys = [torch.randint(0, 5, (4,)) for _ in range(3)]
+    torch._dynamo.reset()
+    runs = []
+    for m, fn in ((model, torch.compile(model, backend="tpu")), (reference, reference)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        losses = []
+        for x, y in zip(xs, ys, strict=True):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(fn(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        runs.append((losses, m.state_dict()))
+    (got_losses, got), (want_losses, want) = runs
+    torch.testing.assert_close(got_losses, want_losses, rtol=1e-5, atol=1e-5)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_saved_conv_weight_changed_in_place_raises_as_in_eager():
+    """A weight the forward saved as it came, changed in place before the backward: the
+    compiled step raises eager's error (the saved tensor is the parameter, whose version
+    moved), never a backward from the old values."""
+    torch.manual_seed(0)
+    model, x = SmallConvNet(), torch.randn(2, 3, 8, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="tpu")
+    compiled(x).sum().backward()  # compiled and working
+    errors = []
+    for fn in (model, compiled):
+        loss = fn(x).sum()
+        with torch.no_grad():
+            model.conv2.weight.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as e:
+            loss.backward()
+        errors.append(str(e.value).split(" is at version")[0])  # the same tensor, named alike
+    assert errors[0] == errors[1], errors
 
 
 def test_input_returned_and_viewed():

@@ -10,7 +10,8 @@ measuring tool, not a dependency):
         [--precision highest]
 DIR: a tpuc dump folder (or one graph folder) holding stablehlo.mlir files (`options={"dump_dir": ...}`);
 every graph found is compiled, and the sums are compared with the twin (resnet18: `--train` for the
-training twin, against the forward + backward graphs).
+training twin, against the forward + backward graphs; `--split`: also the training twin as two
+programs, forward and backward, as tpuc's are).
 """
 
 import argparse
@@ -34,6 +35,9 @@ def main():
     # "default", ...); unset: JAX's default (one bf16 pass on a TPU). tpuc's modules carry their
     # own (PyTorch's float32 matmul precision, "highest" unless set).
     ap.add_argument("--precision", default=None)
+    # Also the training twin as two programs (forward with its residuals, backward), as tpuc's
+    # training step is: what splitting one gradient into two executables costs by itself.
+    ap.add_argument("--split", action="store_true")
     a = ap.parse_args()
     import jax
     import numpy as np
@@ -57,6 +61,23 @@ def main():
         lowered = jax.jit(fn).lower(*args)
     c = lowered.compile()
     ref = {"seconds": time.time() - t, **{k: v for k, v in c.cost_analysis().items() if "{" not in k}}
+    split = None
+    if a.split:
+        split = {"seconds": 0.0, "flops": 0.0, "bytes accessed": 0.0, "transcendentals": 0.0, "graphs": 0}
+        split["per_graph_bytes"] = []
+        for f, f_args in twin.build_split(SingleDeviceSharding(dev)):
+            t = time.time()
+            if a.precision:
+                with jax.default_matmul_precision(a.precision):
+                    cs = jax.jit(f).lower(*f_args).compile()
+            else:
+                cs = jax.jit(f).lower(*f_args).compile()
+            split["seconds"] += time.time() - t
+            for k, v in cs.cost_analysis().items():
+                if k in split:
+                    split[k] += v
+            split["per_graph_bytes"].append(cs.cost_analysis().get("bytes accessed"))
+            split["graphs"] += 1
     got = {"seconds": 0.0, "flops": 0.0, "bytes accessed": 0.0, "transcendentals": 0.0, "graphs": 0}
     client = dev.client
     for path in sorted(glob.glob(os.path.join(a.dump, "**", "stablehlo.mlir"), recursive=True)):
@@ -84,7 +105,12 @@ def main():
     for k in ("seconds", "flops", "bytes accessed", "transcendentals"):
         r = got[k] / ref[k] if ref.get(k) else float("nan")
         print(f"{k:18s} {got[k]:14.4g} {ref.get(k, float('nan')):14.4g} {r:7.2f}")
-    print("RESULT " + json.dumps({"tpuc": got, "jax": ref}))
+    if split is not None:
+        r = split["bytes accessed"] / ref["bytes accessed"]
+        print(
+            f"{'split twin bytes':18s} {split['bytes accessed']:14.4g} {ref['bytes accessed']:14.4g} {r:7.2f}"
+        )
+    print("RESULT " + json.dumps({"tpuc": got, "jax": ref, **({"jax_split": split} if split else {})}))
 
 
 if __name__ == "__main__":

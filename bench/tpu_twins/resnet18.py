@@ -1,7 +1,8 @@
 """ResNet-18 (torchvision layout, 10 classes) in JAX at batch 2, 3x64x64, NCHW: the twin of tpuc's
 graphs for `torchvision.models.resnet18(num_classes=10)`. `build(sharding, train)` returns
 (function, abstract arguments): inference uses the running statistics (eval), training returns the
-gradient of the summed logits with batch statistics (train mode)."""
+gradient of the summed logits with batch statistics (train mode). `build_split(sharding)`: the
+same gradient as two programs, as AOTAutograd splits tpuc's training step (see its docs)."""
 
 import jax
 import jax.numpy as jnp
@@ -58,3 +59,38 @@ def build(sharding, train=False):
     if train:
         return jax.grad(lambda p, x: forward(p, x, True).sum()), (params, x)
     return (lambda p, x: forward(p, x, False)), (params, x)
+
+
+def build_split(sharding):
+    """The training twin as two programs, the way tpuc's step is two executables: a forward
+    returning the logits and the residuals `jax.vjp` saves (without the inputs among them: those
+    the backward takes again, as tpuc's backward takes the weights), and a backward from them.
+    Returns [(forward, args), (backward, args)]: what the split itself costs XLA:TPU, against
+    `build(train=True)`'s one program."""
+    grad, (params, x) = build(sharding, train=True)
+    del grad
+    found = {}
+
+    def f(p, x):
+        return forward(p, x, True)
+
+    def fwd(p, x):
+        out, vjp_fn = jax.vjp(f, p, x)
+        leaves, tree = jax.tree_util.tree_flatten(vjp_fn)
+        inputs = jax.tree_util.tree_leaves((p, x))
+        found["tree"] = tree
+        found["at"] = [next((i for i, a in enumerate(inputs) if a is leaf), None) for leaf in leaves]
+        return out, [leaf for leaf, i in zip(leaves, found["at"], strict=True) if i is None]
+
+    def bwd(p, x, saved, ct):
+        inputs, rest = jax.tree_util.tree_leaves((p, x)), iter(saved)
+        leaves = [inputs[i] if i is not None else next(rest) for i in found["at"]]
+        return jax.tree_util.tree_unflatten(found["tree"], leaves)(ct)
+
+    out, saved = jax.eval_shape(fwd, params, x)
+
+    def place(s):
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+
+    saved = jax.tree_util.tree_map(place, saved)
+    return [(fwd, (params, x)), (bwd, (params, x, saved, place(out)))]

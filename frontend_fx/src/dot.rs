@@ -6,7 +6,7 @@
 //! drawn as one cluster (a "region": an elementwise chain is what a fusion would merge). A legend
 //! lists the kinds present with their op counts.
 
-use crate::{Arg, DType, Dim, Graph, Node, NodeId, Output, TensorType};
+use crate::{Arg, DType, Dim, Graph, Node, NodeId, Output, TensorType, ValueRef};
 use petgraph::unionfind::UnionFind;
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use std::collections::BTreeMap;
@@ -483,6 +483,11 @@ pub fn to_dot(g: &Graph, opts: &DotOptions) -> String {
                 let t = g.value_type(*v).map_or("_".into(), short_type);
                 outs.push((k, Some(*v)));
                 format!("output {k}\\n{}", esc(&t))
+            }
+            Output::Input(i) => {
+                let node = g.inputs[*i].node;
+                outs.push((k, node.map(|node| ValueRef { node, result: 0 })));
+                format!("output {k}\\ninput {i}, unchanged")
             }
             Output::Sym(e) => {
                 outs.push((k, None));

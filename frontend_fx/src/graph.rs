@@ -122,6 +122,11 @@ impl Node {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Output {
     Value(ValueRef),
+    /// The graph input at this position in `inputs`, returned unchanged (an FX placeholder
+    /// that is itself an output, as AOTAutograd's forward returns the parameters its backward
+    /// needs). Not an output of the executable: the caller's own tensor is the result, as
+    /// Inductor returns it, so nothing copies it and autograd's version checks see it.
+    Input(usize),
     Sym(SymExpr),
     Int(i64),
     None,
@@ -235,6 +240,7 @@ impl fmt::Display for Graph {
             .iter()
             .map(|o| match o {
                 Output::Value(v) => fmt_value(self, *v),
+                Output::Input(k) => format!("%{}", self.inputs[*k].name),
                 Output::Sym(s) => s.to_string(),
                 Output::Int(i) => i.to_string(),
                 Output::None => "None".into(),

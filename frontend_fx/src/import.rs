@@ -106,7 +106,10 @@ pub fn import(fx: &FxGraph) -> Result<Graph, ImportError> {
                 };
                 for item in &items {
                     let out = match convert_arg(&g, &env, n, item)? {
-                        Arg::Value(v) => Output::Value(v),
+                        Arg::Value(v) => match g.inputs.iter().position(|i| i.node == Some(v.node)) {
+                            Some(k) => Output::Input(k),
+                            None => Output::Value(v),
+                        },
                         Arg::Sym(s) => Output::Sym(s),
                         Arg::Int(i) => Output::Int(i),
                         Arg::None => Output::None,

@@ -278,6 +278,9 @@ const LEND_COPY: u8 = 2;
 
 enum ResultItem {
     Output(usize),
+    /// A graph input returned unchanged: the caller's tensor itself (index into the args, then
+    /// `extra`), never copied.
+    Input(usize),
     Value(Py<PyAny>),
 }
 
@@ -434,7 +437,8 @@ type CallTimes = (f64, f64, f64, f64);
 impl CallPlan {
     /// `inputs`: per tensor input `(position, shape, dtype, slot, complex)`; `outputs`: per
     /// output `(shape, strides, dtype)` (torch values, in the executable's order); `result`:
-    /// the graph's outputs, each an int index into the outputs or `("value", v)`.
+    /// the graph's outputs, each an int index into the outputs, `("input", i)` (the caller's
+    /// arg i itself, or `extra`'s after the args) or `("value", v)`.
     #[new]
     #[pyo3(signature = (exe, inputs, outputs, result, extra, seed, device_arg, alloc, from_dlpack, fallback=None))]
     #[allow(clippy::too_many_arguments)]
@@ -484,8 +488,11 @@ impl CallPlan {
             .map(|r| match r.extract::<usize>() {
                 Ok(k) => Ok(ResultItem::Output(k)),
                 Err(_) => {
-                    let (_, v): (String, Py<PyAny>) = r.extract()?;
-                    Ok(ResultItem::Value(v))
+                    let (kind, v): (String, Bound<'_, PyAny>) = r.extract()?;
+                    Ok(match kind.as_str() {
+                        "input" => ResultItem::Input(v.extract()?),
+                        _ => ResultItem::Value(v.unbind()),
+                    })
                 }
             })
             .collect::<PyResult<_>>()?;
@@ -724,13 +731,21 @@ impl CallPlan {
         let result = if self.identity {
             PyList::new(py, outs)?
         } else {
-            PyList::new(
-                py,
-                self.result.iter().map(|r| match r {
-                    ResultItem::Output(k) => outs[*k].clone(),
-                    ResultItem::Value(v) => v.bind(py).clone(),
-                }),
-            )?
+            let items = self
+                .result
+                .iter()
+                .map(|r| match r {
+                    ResultItem::Output(k) => Ok(outs[*k].clone()),
+                    ResultItem::Input(i) if *i < n_args => args.get_item(*i),
+                    ResultItem::Input(i) => self
+                        .extra
+                        .get(i - n_args)
+                        .map(|e| e.bind(py).clone())
+                        .ok_or_else(|| PyValueError::new_err(format!("call plan: no input {i}"))),
+                    ResultItem::Value(v) => Ok(v.bind(py).clone()),
+                })
+                .collect::<PyResult<SmallVec<[_; 8]>>>()?;
+            PyList::new(py, items)?
         };
         if let (Some(t), Some(t2), Some(run)) = (timings, t2, run_t) {
             t.run = run;

@@ -410,8 +410,9 @@ fn graph_dot(
     tpuc_frontend_fx::dot::to_dot(g, &opts)
 }
 
-/// One entry per graph output: `("tensor", k)` (the k-th executable output), `("sym", expr)`,
-/// `("int", v)` or `("none", None)`.
+/// One entry per graph output: `("tensor", k)` (the k-th executable output), `("input", i)`
+/// (graph input i returned unchanged: the caller's tensor itself), `("sym", expr)`, `("int", v)`
+/// or `("none", None)`.
 fn output_plan(g: &Graph) -> Vec<(String, Option<String>)> {
     let mut k = 0;
     g.outputs
@@ -421,6 +422,7 @@ fn output_plan(g: &Graph) -> Vec<(String, Option<String>)> {
                 k += 1;
                 ("tensor".into(), Some((k - 1).to_string()))
             }
+            Output::Input(i) => ("input".into(), Some(i.to_string())),
             Output::Sym(e) => ("sym".into(), Some(e.to_string())),
             Output::Int(i) => ("int".into(), Some(i.to_string())),
             Output::None => ("none".into(), None),

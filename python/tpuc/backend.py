@@ -265,7 +265,12 @@ def _call_plan(graph: CompiledGraph, exe, out_types, plan, floats, fallback=None
     ]
     outputs = [(s, _contiguous_strides(s), d) for s, d in out_types]
     result = [
-        int(v) if kind == "tensor" else ("value", int(v) if kind == "int" else None) for kind, v in plan
+        int(v)
+        if kind == "tensor"
+        else ("input", int(v))
+        if kind == "input"
+        else ("value", int(v) if kind == "int" else None)
+        for kind, v in plan
     ]
     return _native.CallPlan(
         exe,
@@ -553,8 +558,8 @@ class CompiledGraph:
         scalars = [torch.tensor(v, dtype=torch.int64) for v in bg.scalar_values(bindings)]
         results = []
         for kind, value in self.output_kinds:
-            if kind == "tensor":
-                results.append(("tensor", int(value)))
+            if kind in ("tensor", "input"):
+                results.append((kind, int(value)))
             elif kind == "sym":
                 results.append(("value", _native.eval_sym(value, bindings)))
             elif kind == "int":
@@ -576,6 +581,8 @@ class CompiledGraph:
                 spec = plan.unpads[value]
                 o = outs[value]
                 result.append(o if spec is None else buckets.unpad(o, spec))
+            elif kind == "input":
+                result.append(args[value])  # the caller's tensor at its real size, never padded
             else:
                 result.append(value)
         return result
@@ -669,6 +676,8 @@ class CompiledGraph:
         for kind, value in plan:
             if kind == "tensor":
                 result.append(outs[int(value)])
+            elif kind == "input":
+                result.append(args[int(value)])
             elif kind == "int":
                 result.append(int(value))
             else:
@@ -1050,8 +1059,8 @@ def compile_graph(
     flex.inline_flex_attention(gm, _decompositions(bool(maxima)))
     # Writes into inputs AOTAutograd left in the graph become outputs, written back after the call.
     writes = mutations.split(gm, rows_allowed=not maxima and shard is None)
-    # Outputs that are inputs or views of them are made from the inputs at call time (not on
-    # a mesh, whose plan places every output).
+    # Outputs that are views of inputs are made from the inputs at call time (not on a mesh,
+    # whose plan places every output); an output that is an input is the caller's tensor (IR).
     taken = input_views.split(gm) if shard is None else {}
     if taken and free_layouts is not None:
         positions, back = input_views.remap_positions(taken, free_layouts[0])

@@ -184,6 +184,6 @@ class Plan:
         self.pads = pads  # per graph input: None or the atoms to pad it to
         self.scalars = scalars  # 0-d int64 tensors, kept alive while the plan is
         self.scalar_arrays = [(s.data_ptr(), s.nbytes, "int64", []) for s in scalars]
-        self.results = results  # per graph output: ("tensor", k) | ("value", v)
+        self.results = results  # per graph output: ("tensor", k) | ("input", i) | ("value", v)
         self.unpads = unpads  # per executable output: None or the atoms to slice it by
         self.symfloats = symfloats  # size-derived float inputs (0-d float64 tensors)

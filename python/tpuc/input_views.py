@@ -1,14 +1,17 @@
 """Inputs and outputs that are views: returned and taken as PyTorch holds them.
 
-Outputs that are inputs, or views of inputs (`split`, `WithInputViews`):
+Outputs that are inputs, or views of inputs (the IR's `Output::Input`; `split`, `WithInputViews`):
 
 AOTAutograd's training forward graphs return, among the activations saved for the backward,
 the parameters themselves and views of them (GPT-2: every weight matrix, and the transposed
 [768, 50257] embedding its LM head reads: 680 MB of outputs per step). Returned by the compiled
 program, each would be a fresh copy written on every call. Eager PyTorch and Inductor save the
 parameter or the view itself, so here these outputs leave the compiled graph and are made at
-call time from the inputs: the input tensor, or the same chain of view ops replayed on it (no
-data moves). Same values, and the same aliasing as eager.
+call time from the inputs: the input tensor (the compiled graph itself returns the caller's
+tensor for an output that is an input: no output of the executable, no wrapper), or the same
+chain of view ops replayed on it (`split`; no data moves). Same values, and the same aliasing as
+eager and Inductor (autograd's saved-tensor version checks see in-place writes between forward
+and backward).
 
 Inputs that arrive as a permutation of a dense tensor (`declare_storage_order`,
 `storage_order_inputs`, `PermutedArgs`): the transposed embedding GPT-2's backward reads (a
@@ -89,10 +92,11 @@ def _view_chains(gm: torch.fx.GraphModule) -> dict[int, tuple[int, list]]:
 
 
 def split(gm: torch.fx.GraphModule) -> dict[int, tuple[int, list]]:
-    """Takes the outputs of `gm` that are inputs or views of inputs out of its output tuple.
-    Returns {original output position: (input index, view ops)}; `gm` is left untouched when
-    there are none."""
-    taken = _view_chains(gm)
+    """Takes the outputs of `gm` that are views of inputs out of its output tuple. Returns
+    {original output position: (input index, view ops)}; `gm` is left untouched when there are
+    none. An output that is an input itself stays: the compiled graph returns the caller's
+    tensor for it without a wrapper (`Output::Input` in the IR, the call plan's "input")."""
+    taken = {pos: chain for pos, chain in _view_chains(gm).items() if chain[1]}
     if taken:
         out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         outs = out.args[0]

@@ -255,8 +255,12 @@ class ShardedGraph:
         for i, spec in zip(tensor_inputs, in_specs, strict=False):
             self.ctx.forward_specs[i] = spec
         for j, (kind, value) in enumerate(self.output_kinds):
-            if kind == "tensor" and j < len(self.output_names) and self.output_names[j]:
+            if j >= len(self.output_names) or not self.output_names[j]:
+                continue
+            if kind == "tensor":
                 self.ctx.saved_specs[self.output_names[j]] = out_specs[int(value)]
+            elif kind == "input":  # an input saved as it came: laid out as the forward took it
+                self.ctx.saved_specs[self.output_names[j]] = self.ctx.forward_specs.get(int(value))
 
     def run(self, exe, args: list, out_types: list, host_array) -> list:
         """Runs `exe` on every device of the mesh; `args`: one tensor per executable input."""

@@ -582,6 +582,52 @@ fn snap_add_tensor_broadcast_alpha() {
     assert_snapshot!(mlir(&add_graph()));
 }
 
+/// A graph that returns its inputs as they came (AOTAutograd's forward returning the weights its
+/// backward needs): they are `Output::Input`, not results of the module, whose only result is
+/// the op's; the module still takes both inputs.
+#[test]
+fn inputs_returned_unchanged_are_not_module_results() {
+    let g = Fx::new(&[("x", &[2, 3], "float32"), ("y", &[3], "float32")])
+        .call(
+            "r",
+            "aten.add.Tensor",
+            json!([n("x"), n("y")]),
+            nokw(),
+            f32t(&[2, 3]),
+        )
+        .build(&["y", "r", "x", "y"]);
+    use tpuc_frontend_fx::Output;
+    assert!(
+        matches!(
+            g.outputs[..],
+            [
+                Output::Input(1),
+                Output::Value(_),
+                Output::Input(0),
+                Output::Input(1)
+            ]
+        ),
+        "{:?}",
+        g.outputs
+    );
+    let text = mlir(&g);
+    let main = text
+        .lines()
+        .find(|l| l.contains("sym_name = \"main\""))
+        .unwrap();
+    assert!(
+        main.contains("function_type = (tensor<2x3xf32>, tensor<3xf32>) -> tensor<2x3xf32>,"),
+        "two inputs, one result: {main}"
+    );
+    let x = Buf::F32(ramp(6, 0.5, -1.0));
+    let y = Buf::F32(ramp(3, 1.0, 2.0));
+    let out = run(&g, &[x, y]);
+    assert_eq!(out.len(), 1);
+    let (xs, ys) = (ramp(6, 0.5, -1.0), ramp(3, 1.0, 2.0));
+    let want: Vec<f64> = (0..6).map(|i| f64::from(xs[i] + ys[i % 3])).collect();
+    assert_close(out[0].f32(), &want, 0.0);
+}
+
 #[test]
 fn snap_mul_scalar() {
     let g = op(
