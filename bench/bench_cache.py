@@ -61,7 +61,7 @@ class _Timers:
     """Wraps backend internals to time the parts of a first call."""
 
     def __init__(self):
-        from tpuc import backend
+        from tpuc import backend, compiled_graph
 
         self.backend_seconds = 0.0  # tpu_backend: AOTAutograd + tpuc (everything after Dynamo)
         self.graph_seconds = 0.0  # CompiledGraph construction: FX export/import + static compile
@@ -69,8 +69,8 @@ class _Timers:
         from tpuc import runtime
 
         self.runtime_seconds = 0.0  # loading the plugin and creating the PJRT client (once)
-        inner_compile, inner_init = backend._compile, backend.CompiledGraph.__init__
-        inner_record, inner_runtime = backend.record_compile, runtime.get_runtime
+        inner_compile, inner_init = backend._compile, compiled_graph.CompiledGraph.__init__
+        inner_record, inner_runtime = compiled_graph.record_compile, runtime.get_runtime
 
         def timed_runtime(*a, **k):
             t = time.perf_counter()
@@ -105,8 +105,8 @@ class _Timers:
             inner_record(exe)
 
         backend._compile = timed_compile
-        backend.CompiledGraph.__init__ = timed_init
-        backend.record_compile = record
+        compiled_graph.CompiledGraph.__init__ = timed_init
+        compiled_graph.record_compile = record
         runtime.get_runtime = timed_runtime
 
 

@@ -52,10 +52,10 @@ def overhead(calls: int, rounds: int) -> dict:
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor import output_code
 
-    from tpuc import _native, backend
+    from tpuc import _native, compiled_graph, dtypes
 
     graphs, inductor_graphs = [], []
-    original = backend.CompiledGraph.__init__
+    original = compiled_graph.CompiledGraph.__init__
     original_fx_call = output_code.CompiledFxGraph.__call__
 
     def recording(self, *a, **k):
@@ -66,7 +66,7 @@ def overhead(calls: int, rounds: int) -> dict:
         inductor_graphs.append(self)
         return original_fx_call(self, inputs)
 
-    backend.CompiledGraph.__init__ = recording
+    compiled_graph.CompiledGraph.__init__ = recording
     output_code.CompiledFxGraph.__call__ = recording_call
     x = torch.randn(16)
 
@@ -104,12 +104,12 @@ def overhead(calls: int, rounds: int) -> dict:
     inductor_fn(x)
     ready_fn(x)
     dynamo_fn(x)
-    backend.CompiledGraph.__init__ = original
+    compiled_graph.CompiledGraph.__init__ = original
     output_code.CompiledFxGraph.__call__ = original_fx_call
     graph, inductor_graph = graphs[-1], inductor_graphs[-1]
     exe = graph.static[0]
     out = torch.empty(16)
-    host = backend._host_array
+    host = dtypes._host_array
     buf = graph.runtime.upload(host(x))
     plan = graph.fast
     variants = {
@@ -158,7 +158,7 @@ def lowering(models: list[str], repeats: int, block: int) -> list[dict]:
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch_mlir import fx as mlir_fx
 
-    from tpuc import backend, fx_export, runtime
+    from tpuc import decompositions, fx_export, runtime
 
     rt = runtime.get_runtime(None)
     rows = []
@@ -172,7 +172,7 @@ def lowering(models: list[str], repeats: int, block: int) -> list[dict]:
                 return g.forward
 
             return aot_module_simplified(
-                gm, example_inputs, fw_compiler=fw, decompositions=backend._DECOMPOSITIONS
+                gm, example_inputs, fw_compiler=fw, decompositions=decompositions._DECOMPOSITIONS
             )
 
         from torch.nn.attention import SDPBackend, sdpa_kernel

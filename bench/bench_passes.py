@@ -47,16 +47,16 @@ def _child(args) -> None:
     import zoo
 
     import tpuc
-    from tpuc import backend, dump
+    from tpuc import compiled_graph, dump
 
     exes: list = []
-    real_record = backend.record_compile
+    real_record = compiled_graph.record_compile
 
     def record(exe):
         exes.append(exe)
         real_record(exe)
 
-    backend.record_compile = record
+    compiled_graph.record_compile = record
     torch._dynamo.config.recompile_limit = 64
     # Pay the process's one-time XLA/LLVM setup on an unrelated graph, so the first variant's
     # compile time is not inflated by it.

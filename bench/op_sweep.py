@@ -315,7 +315,7 @@ class _UnsupportedRecorder:
     def __init__(self):
         self.ops: list[str] = []
         try:
-            import tpuc.backend as tb
+            import tpuc.compile_hook as tb
 
             self._orig = tb._unsupported_nodes
             tb._unsupported_nodes = self._wrapped

@@ -22,7 +22,7 @@ os.environ["TPUC_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-cache-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpuc-test-torch-cache-")
 
 import tpuc  # noqa: E402
-from tpuc import backend, env  # noqa: E402
+from tpuc import compiled_graph, env  # noqa: E402
 
 # TPUC_DEBUG=discrete_device: the CPU plugin treated as a device with memory of its own (the GPU/TPU
 # path); the few tests of what only host memory allows skip themselves.
@@ -52,7 +52,7 @@ def verify_stablehlo(text: str) -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _verify_every_module():
-    original = backend.CompiledGraph._compile
+    original = compiled_graph.CompiledGraph._compile
 
     def compile_and_verify(self, bindings, key, **kwargs):
         entry = original(self, bindings, key, **kwargs)
@@ -60,9 +60,9 @@ def _verify_every_module():
         _verified.append(self.name)
         return entry
 
-    backend.CompiledGraph._compile = compile_and_verify
+    compiled_graph.CompiledGraph._compile = compile_and_verify
     yield
-    backend.CompiledGraph._compile = original
+    compiled_graph.CompiledGraph._compile = original
 
 
 @pytest.fixture(autouse=True)

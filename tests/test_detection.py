@@ -194,9 +194,9 @@ def test_faster_rcnn_float64_matches_eager_and_nondegenerate_weights_run():
 def test_roi_align_runs_in_pytorch_and_says_so_once(monkeypatch):
     from torchvision.ops import roi_align
 
-    from tpuc import backend
+    from tpuc import partitions
 
-    monkeypatch.setattr(backend, "_warned_fallback", set())  # other tests may have warned already
+    monkeypatch.setattr(partitions, "_warned_fallback", set())  # other tests may have warned already
 
     def pool(features, rois):
         return roi_align(features.relu(), rois, (2, 2), 0.5, 2, True) * 2

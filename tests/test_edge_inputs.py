@@ -219,7 +219,7 @@ def test_outputs_that_view_each_other_have_eager_values():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="python/tpuc/backend.py returns every graph output in its own new buffer: outputs that "
+    reason="python/tpuc/compiled_graph.py returns every graph output in its own new buffer: outputs that "
     "are views of another output (y and y.view(6)) do not share storage as in eager",
 )
 def test_outputs_that_view_each_other_share_storage():
@@ -235,7 +235,7 @@ def test_outputs_that_view_each_other_share_storage():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="python/tpuc/backend.py allocates outputs contiguous (torch.empty), ignoring the strides "
+    reason="python/tpuc/compiled_graph.py allocates outputs contiguous (torch.empty), ignoring the strides "
     "FX recorded: a transposed or channels_last result comes back row-major",
 )
 def test_output_strides_match_eager():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tpuc
-from tpuc import backend, buckets
+from tpuc import buckets, decompositions
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
@@ -107,8 +107,8 @@ def test_index_put_by_select_matches_index_put():
     for idx in ([0, 1, 2, 3], [5, -1, 2, 7]):
         idx = torch.tensor(idx)
         expected = torch.ops.aten.index_put.default(target, [None, None, idx], values)
-        assert torch.equal(backend._index_put_by_select(target, [None, None, idx], values), expected)
-    assert backend._index_put_by_select(target, [None, None, idx], values, True) is NotImplemented
+        assert torch.equal(decompositions._index_put_by_select(target, [None, None, idx], values), expected)
+    assert decompositions._index_put_by_select(target, [None, None, idx], values, True) is NotImplemented
 
 
 def test_bucketed_cache_write_matches_eager():

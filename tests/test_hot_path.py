@@ -13,18 +13,18 @@ import torch
 from conftest import DISCRETE
 
 import tpuc
-from tpuc import _native, backend, callprof
+from tpuc import _native, backend, callprof, compiled_graph
 
 
 def _capture_graphs(monkeypatch) -> list:
     graphs = []
-    original = backend.CompiledGraph.__init__
+    original = compiled_graph.CompiledGraph.__init__
 
     def recording(self, *a, **k):
         original(self, *a, **k)
         graphs.append(self)
 
-    monkeypatch.setattr(backend.CompiledGraph, "__init__", recording)
+    monkeypatch.setattr(compiled_graph.CompiledGraph, "__init__", recording)
     return graphs
 
 

@@ -78,12 +78,12 @@ def test_fusion_off_matches_eager(name):
 
 def _module(model, inputs, passes) -> str:
     """The StableHLO tpuc sends to PJRT for `model` (one graph), checked against eager."""
-    from tpuc import backend
+    from tpuc import compiled_graph
 
     torch._dynamo.reset()
     mlir = []
-    real = backend.record_compile
-    backend.record_compile = lambda exe: (mlir.append(exe.mlir), real(exe))
+    real = compiled_graph.record_compile
+    compiled_graph.record_compile = lambda exe: (mlir.append(exe.mlir), real(exe))
     try:
         compiled = torch.compile(
             model, backend="tpu", dynamic=False, options={"cache_dir": None, "passes": passes}
@@ -91,7 +91,7 @@ def _module(model, inputs, passes) -> str:
         with torch.no_grad():
             torch.testing.assert_close(compiled(*inputs), model(*inputs), **TOL)
     finally:
-        backend.record_compile = real
+        compiled_graph.record_compile = real
     (text,) = mlir
     return text
 

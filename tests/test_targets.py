@@ -13,7 +13,7 @@ import zoo
 from torch import nn
 
 import tpuc
-from tpuc import backend, cli, runtime, targets
+from tpuc import cli, compiled_graph, decompositions, op_support, runtime, targets
 
 pytestmark = pytest.mark.skipif(
     runtime._installed_plugin("tpu") is None,
@@ -216,9 +216,9 @@ def test_on_a_device_the_target_path_runs_its_graphs_and_matches_eager():
             example_inputs,
             opts,
             0,
-            backend._decompositions(False),
-            backend._unsupported_nodes,
-            backend.CompiledGraph,
+            decompositions._decompositions(False),
+            op_support._unsupported_nodes,
+            compiled_graph.CompiledGraph,
             run_on="cpu",
         )
 

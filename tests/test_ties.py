@@ -131,7 +131,7 @@ def test_unstable_sort_indices_come_from_pytorch():
 def test_transformers_moe_causal_lm_with_a_library_custom_op_matches_eager():
     # AFMoE zero-initialises its router gate (every expert ties) and runs its experts through
     # the library's custom op `transformers.grouped_mm_fallback` (read on the host): the case
-    # that was 29-33% off. That op is now decomposed into static-shape ops (backend.py
+    # that was 29-33% off. That op is now decomposed into static-shape ops (decompositions.py
     # `_grouped_mm`), so only the router's tie-checked sort is left to PyTorch.
     from transformers import AutoConfig, AutoModelForCausalLM
 

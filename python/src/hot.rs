@@ -5,7 +5,7 @@
 //! output is copied into a fresh torch tensor.
 //!
 //! Everything that does not change between calls is computed once, in `CallPlan::new`, from
-//! what Python's `backend._call_plan` passes; the tensors' metadata, once checked one by one, is
+//! what Python's `call_plan._call_plan` passes; the tensors' metadata, once checked one by one, is
 //! checked on later calls by one Dynamo `TensorGuards` call for all inputs. A call that does not
 //! fit the plan (a tensor of another shape, dtype or device, non-contiguous, lazily negated) goes
 //! to the graph's general path (`try_call` returns None instead).
@@ -179,7 +179,7 @@ fn dl_dtype(dtype: DType) -> Option<DLDataType> {
 /// activations are never pinned. What is resident is keyed on the tensor's memory, not only on
 /// the tensor object: `.data =`, dtype round trips (`module.double().float()`), `swap_tensors`
 /// and FSDP's storage resizes give the same object new memory without bumping `_version`, and
-/// a buffer over the old memory would read freed or stale bytes. `backend._residency` fills
+/// a buffer over the old memory would read freed or stale bytes. `call_plan._residency` fills
 /// it; call plans read it without attribute lookups.
 #[pyclass(module = "tpuc._native")]
 pub struct Slot {
@@ -207,7 +207,7 @@ pub struct Slot {
     aliased: bool,
     /// The address of the last tensor the call plan saw here, resident or not (0: none yet).
     /// A tensor at another address than last time is not the same storage coming back, so the
-    /// plan passes it without asking `backend._residency` (a fresh token tensor every step).
+    /// plan passes it without asking `call_plan._residency` (a fresh token tensor every step).
     seen_ptr: AtomicUsize,
     /// Its device buffer.
     #[pyo3(get, set)]

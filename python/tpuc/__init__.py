@@ -9,6 +9,7 @@ for `tpuc.stats()`, `tpuc.reset_stats()`, the error types, `tpuc.precompile` and
 
 from ._native import GraphImportError, PjrtError, ShardingError, TpucError, UnsupportedOpError, supported_ops
 from .counters import reset_stats, stats
+from .version import __version__ as __version__
 
 __all__ = [
     "GraphImportError",
@@ -26,7 +27,6 @@ __all__ = [
     "stats",
     "supported_ops",
 ]
-__version__ = "0.1.0"
 
 
 def __getattr__(name):

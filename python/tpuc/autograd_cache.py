@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from .version import __version__
 
 # The cache keys of the executables obtained while one graph compiles (regions included).
 _collector: contextvars.ContextVar[list | None] = contextvars.ContextVar("tpuc_exe_keys", default=None)
@@ -83,14 +83,21 @@ def caching(opts, mode, maxima: dict):
         _live.reset(token)
 
 
+# The modules that decide what AOTAutograd traces for tpuc, read as files (importing the backend
+# here would import this module back).
+_TRACING_CODE = ("backend.py", "decompositions.py")
+
+
 @functools.cache
 def _code_identity() -> str:
     """A digest of the code that decides what AOTAutograd traces for tpuc (the backend's
     decompositions and tracing choices) and of the native module's build: a changed tpuc
     never loads graphs another one traced."""
-    from . import _native, backend
+    from . import _native
 
-    h = hashlib.sha256(Path(backend.__file__).read_bytes())
+    h = hashlib.sha256()
+    for name in _TRACING_CODE:
+        h.update((Path(__file__).parent / name).read_bytes())
     st = Path(_native.__file__).stat()
     h.update(f"{st.st_size} {st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]

@@ -170,7 +170,7 @@ def _wrong_ops(
 ) -> tuple[dict, int]:
     """{op: (dtype, size, index, got, expected)} of the ops the plugin gets wrong, and how many
     ops ran: one program per dtype, compiled in parallel (uncached: the plugin is under test)."""
-    from . import backend
+    from .dtypes import _host_array
 
     per_dtype = []
     for dtype in dtypes:
@@ -184,7 +184,7 @@ def _wrong_ops(
     own = set(rt.own_math)  # the simulated wrong answers are the plugin's, not tpuc's math
     for (dtype, cases, _graph, flat), exe in zip(per_dtype, exes, strict=True):
         got = [torch.empty(ins[0].shape, dtype=dtype) for _, _, ins in cases]
-        exe.run([backend._host_array(t) for t in flat], [backend._host_array(t) for t in got])
+        exe.run([_host_array(t) for t in flat], [_host_array(t) for t in got])
         for (op, fn, ins), g in zip(cases, got, strict=True):
             ops.add(op)
             # The reference: PyTorch in float64, rounded once (PyTorch's own float32 kernels
@@ -213,7 +213,7 @@ def _cache_file(rt: _native.Runtime, cache_dir: Path | None) -> Path | None:
     if cache_dir is None:
         return None
     plugin_id, cpu, xla_flags = rt.numerics_identity
-    from . import __version__
+    from .version import __version__
 
     key = hashlib.sha256(f"{SUITE_VERSION}|{__version__}|{plugin_id}|{cpu}|{xla_flags}".encode()).hexdigest()
     return Path(cache_dir) / "known-answers" / f"{key[:32]}.json"

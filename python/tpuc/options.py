@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import targets
+from . import target_spec
 
 VALID_KEYS = (
     "plugin",
@@ -205,7 +205,7 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
 
     target = options.get("target")
     if target is not None:
-        target = targets.parse(target).name
+        target = target_spec.parse(target).name
 
     return Options(
         target=target,

@@ -11,37 +11,16 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import re
-import threading
 import time
 import warnings
 
 import torch
 
+from . import _native, compile_workers, compiled_graph, precompile_session, targets
 from . import buckets as bucketing
 from . import options as options_mod
 
 log = logging.getLogger("tpuc")
-_session = threading.local()
-_SOURCE = re.compile(r"^L\['(\w+)'\]\.size\(\)\[(\d+)\]$")
-
-
-def record_graph(compiled_graph) -> None:
-    """Called by the backend for each graph it compiles: inside `precompile`, remembers the graph
-    and which (argument, dim) each of its size symbols stands for."""
-    graphs = getattr(_session, "graphs", None)
-    if graphs is None:
-        return
-    symbols = {}
-    ctx = torch._guards.TracingContext.try_get()
-    if ctx is not None and ctx.fake_mode is not None and ctx.fake_mode.shape_env is not None:
-        for sym, sources in ctx.fake_mode.shape_env.var_to_sources.items():
-            for src in sources:
-                m = _SOURCE.match(src.name)
-                if m:
-                    symbols[str(sym)] = (m.group(1), int(m.group(2)))
-                    break
-    graphs.append((compiled_graph, symbols))
 
 
 def precompile(
@@ -55,8 +34,6 @@ def precompile(
     {"executables", "compiled", "from_cache", "seconds", "compile_seconds", "processes",
     "graphs", "buckets"}; with `options["target"]` also "target" and "per_graph" (one dict per
     executable: "name", "hbm_bytes", "flops", "compile_seconds", ... see targets.py)."""
-    from . import backend  # imports this module: import it lazily
-
     t0 = time.perf_counter()
     opts_dict = dict(options or {})
     if buckets is not None:
@@ -80,14 +57,10 @@ def precompile(
     forward = model.forward if isinstance(model, torch.nn.Module) else model
     arg_names = list(inspect.signature(forward).parameters)
 
-    _session.graphs = []
-    try:
+    with precompile_session.recording() as graphs:
         compiled = torch.compile(model, backend="tpu", options=opts_dict)
         with torch.no_grad():
             compiled(*inputs)
-        graphs = _session.graphs
-    finally:
-        _session.graphs = None
 
     report = {
         "executables": 0,
@@ -124,12 +97,12 @@ def precompile(
             cg.graph,
             all_bindings,
             opts.precision,
-            *backend.cache_args(opts),
+            *compiled_graph.cache_args(opts),
             progress=progress and not outcomes,
         )
         report["compile_seconds"] += time.perf_counter() - t
         for k, exe in enumerate(exes):
-            backend.record_compile(exe)
+            compiled_graph.record_compile(exe)
             report["executables"] += 1
             report["compiled" if (outcomes[k] if outcomes else exe.cache) == "miss" else "from_cache"] += 1
     report["seconds"] = time.perf_counter() - t0
@@ -209,8 +182,6 @@ def _precompile_for_target(model, example_inputs, dynamic, opts_dict, opts, trai
     """precompile for `options["target"]`: the model is traced and each graph compiled for the
     target, then run in PyTorch (on the inputs' device: `meta` works, nothing is allocated),
     once per bucket combination; what XLA planned per executable comes back in "per_graph"."""
-    from . import targets
-
     dynamic = {int(i): {int(d): int(mx) for d, mx in dims.items()} for i, dims in (dynamic or {}).items()}
     inputs = list(example_inputs)
     _mark_dynamic(inputs, dynamic)
@@ -247,9 +218,7 @@ def _in_workers(jobs: list, opts, progress, report) -> list | None:
     """Compiles `jobs` ([(graph, bindings)]) into the disk cache in worker processes when that
     can run in parallel (see compile_workers); returns what each job's compile did there, or
     None when this process compiles them itself. The caller then loads them (disk hits)."""
-    from . import _native, backend, compile_workers
-
-    cache_dir, cache_max = backend.cache_args(opts)
+    cache_dir, cache_max = compiled_graph.cache_args(opts)
     n = compile_workers.process_count(len(jobs), cache_dir)
     report["processes"] = max(report.get("processes", 1), n)
     if n < 2:
@@ -269,12 +238,10 @@ def _in_workers(jobs: list, opts, progress, report) -> list | None:
 def _precompile_buckets(cg, combos, opts, progress, report) -> None:
     """Compiles the bucketed graph of every combination in parallel and registers the
     executables with the graph; on a graph the pass cannot make exact, turns bucketing off."""
-    from . import _native, backend
-
     jobs = []
     try:
         for chosen in combos:
-            done = cg.bucket_exes.get(backend._bucket_key(chosen, cg.last_bindings))
+            done = cg.bucket_exes.get(compiled_graph._bucket_key(chosen, cg.last_bindings))
             if done is not None:  # the example call's own bucket
                 report["executables"] += 1
                 report["compiled" if done[0].cache == "miss" else "from_cache"] += 1
@@ -288,7 +255,7 @@ def _precompile_buckets(cg, combos, opts, progress, report) -> None:
     exes = cg.runtime.compile_graphs(
         [bg.graph for _, bg in jobs],
         opts.precision,
-        *backend.cache_args(opts),
+        *compiled_graph.cache_args(opts),
         progress=progress and not outcomes,
     )
     report["compile_seconds"] += time.perf_counter() - t

@@ -1,5 +1,5 @@
 """When an input may stay resident on the device, and when a resident buffer is still its
-tensor's: the rule unsharded graphs (`backend._residency`) and sharded ones
+tensor's: the rule unsharded graphs (`call_plan._residency`) and sharded ones
 (`ShardedGraph._resident`) share. The call plan applies the same test in Rust (hot.rs)."""
 
 from __future__ import annotations

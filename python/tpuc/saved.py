@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 from torch._inductor.output_code import OutputCode
 
+from . import autograd_cache, compile_hook, counters, handoff, input_views
+from . import options as options_mod
+
 FORMAT = 1  # bump when the saved state changes
 
 
@@ -72,8 +75,6 @@ class TpucOutputCode(OutputCode):
             from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
 
             raise BypassAOTAutogradCache("tpuc could not pickle this graph")
-        from . import autograd_cache
-
         self.compiled = None  # the runnable graph is rebuilt on load
         if not self.executables:
             self.executables = autograd_cache.read_entries(self.exe_keys, self.cache_dir)
@@ -85,9 +86,6 @@ class TpucOutputCode(OutputCode):
         from torch._subclasses import FakeTensorMode
         from torch.fx._graph_pickler import GraphPickler
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-        from . import autograd_cache, backend, input_views
-        from . import options as options_mod
 
         state = pickle.loads(self.state)
         if state.get("format") != FORMAT:
@@ -110,7 +108,7 @@ class TpucOutputCode(OutputCode):
         positions, orders = layout.get("free_positions"), layout.get("permuted_args")
         # The same module as the first compile: it returns the same layouts the backward takes.
         free = (positions, _count_channels_last) if positions else None
-        compiled = backend.compile_graph(gm, example_inputs, opts, state["name"], free_layouts=free)
+        compiled = compile_hook.compile_graph(gm, example_inputs, opts, state["name"], free_layouts=free)
         self.compiled = input_views.PermutedArgs(compiled, orders) if orders else compiled
 
     def set_triton_bundle(self, triton_bundle) -> None:
@@ -118,8 +116,6 @@ class TpucOutputCode(OutputCode):
 
 
 def _count_channels_last(perms: dict) -> None:
-    from . import counters, handoff
-
     counters.add(saved_channels_last=sum(tuple(p) == handoff.NCHW_OF_NHWC for p in perms.values()))
 
 

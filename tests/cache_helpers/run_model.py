@@ -24,12 +24,12 @@ import torch  # noqa: E402
 from models import make  # noqa: E402
 
 import tpuc  # noqa: E402
-from tpuc import backend  # noqa: E402
+from tpuc import compiled_graph  # noqa: E402
 
 # Every executable the backend obtains, in order: its cache key and where it came from, with the
 # Rust-side timings (compile_seconds is the PJRT compile on a miss, the disk load on a hit).
 EXECUTABLES: list[dict] = []
-_record_compile = backend.record_compile
+_record_compile = compiled_graph.record_compile
 
 
 def _record(exe) -> None:
@@ -44,7 +44,7 @@ def _record(exe) -> None:
     _record_compile(exe)
 
 
-backend.record_compile = _record
+compiled_graph.record_compile = _record
 
 
 def main(argv: list[str] | None = None) -> int:

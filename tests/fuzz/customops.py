@@ -1,6 +1,6 @@
 """Custom ops (`torch.library.custom_op`, namespace `tpucfuzz::`) placed at random positions in
 gen.py's programs. tpuc has no lowering for them, so with `fallback="eager"` the graph is
-partitioned around them (python/tpuc/backend.py `_partitioned`) and the fallback boundaries fall
+partitioned around them (python/tpuc/partitions.py `_partitioned`) and the fallback boundaries fall
 wherever the generator put the op.
 
 The ops: pure ones (numpy, torch), host-reading ones (`.tolist()` / `.item()` on an argument decide

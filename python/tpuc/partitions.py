@@ -1,0 +1,108 @@
+"""A graph with ops tpuc does not lower, split into tpuc partitions (each a `CompiledGraph`) and
+the ops that run in PyTorch (`fallback="eager"`), with one warning per op."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+import torch.fx
+
+from . import _native
+from .compiled_graph import CompiledGraph, _lowering_fallback
+from .op_support import _supported
+
+_warned_fallback: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+class _PartitionModule(torch.nn.Module):
+    """Stands in for a partition of supported ops inside a graph that also runs eager ops."""
+
+    def __init__(self, compiled: CompiledGraph, single_output: bool):
+        super().__init__()
+        self.compiled = compiled
+        self.single_output = single_output
+
+    def forward(self, *args):
+        outs = self.compiled(list(args))
+        return outs[0] if self.single_output else tuple(outs)
+
+
+def _origin(n: torch.fx.Node, traces: dict) -> str:
+    """Where the user's code produced `n`: the last frame of the stack trace Dynamo recorded for
+    the node it came from (AOTAutograd nodes point back to it through `from_node`)."""
+    trace = n.meta.get("stack_trace")
+    source = (n.meta.get("from_node") or [None])[-1]
+    while not trace and source is not None:
+        trace = traces.get(source.name)
+        source = (source.from_node or [None])[-1]
+    trace = (trace or "").strip().splitlines()
+    lines = [line.strip() for line in trace if line.strip() and set(line.strip()) - set("^~ ")]
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = lines[last + 1] if last + 1 < len(lines) else ""
+    return f", from {lines[last]}" + (f": {code}" if code else "")
+
+
+def _warn_fallback(ops: list[str]) -> None:
+    with _warn_lock:
+        new = sorted(set(ops) - _warned_fallback)
+        _warned_fallback.update(new)
+    if new:
+        warnings.warn(
+            f"tpuc: running {len(new)} op(s) without a lowering rule in eager PyTorch: {', '.join(new)}",
+            stacklevel=3,
+        )
+
+
+def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None, in_torch=frozenset()):
+    """Splits `gm` into tpuc partitions (supported ops) and eager ops (unsupported ones, and
+    the nodes of `in_torch`)."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import OperatorSupport
+
+    class Support(OperatorSupport):
+        def is_node_supported(self, submodules, node):
+            return node not in in_torch and _supported(node)
+
+    partitioner = CapabilityBasedPartitioner(gm, Support(), allows_single_node_partition=True)
+    fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    for node in list(fused.graph.nodes):
+        if node.op != "call_module":
+            continue
+        sub = getattr(fused, node.target)
+        out_arg = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        single = not isinstance(out_arg, list | tuple)
+        if single:
+            # CompiledGraph always returns a list; give the subgraph a tuple output.
+            out_node = next(n for n in sub.graph.nodes if n.op == "output")
+            out_node.args = ((out_arg,),)
+            sub.recompile()
+        part_shard = (shard[0], "partition") if shard is not None else None
+        compiled = _compile_or_fallback(sub, opts, f"{name}.{node.target}", maxima, part_shard)
+        if compiled is not None:
+            setattr(fused, node.target, _PartitionModule(compiled, single))
+        elif single:
+            out_node.args = (out_arg,)  # stays eager: restore its original output
+            sub.recompile()
+    fused.recompile()
+    return fused
+
+
+def _compile_or_fallback(
+    gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None, free_layouts=None
+) -> CompiledGraph | _native.CallPlan | None:
+    """A CompiledGraph's entry point, or None (run `gm` eagerly) when lowering fails and
+    fallback="eager".
+    Plugin errors always raise: they are not a matter of op coverage."""
+    try:
+        return CompiledGraph(gm, opts, name, maxima, shard, free_layouts).entry_point()
+    except _native.TpucError as e:
+        if opts.fallback == "error" or isinstance(e, _native.PjrtError):
+            raise
+        _lowering_fallback(e, name)
+        return None
