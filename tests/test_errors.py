@@ -107,7 +107,8 @@ def test_pjrt_compile_error_carries_the_plugin_message():
         '{"name": "output", "op": "output", "args": [[{"node": "x"}]]}]}'
     )
     exe = rt.compile(graph, {}, "highest")  # a valid identity graph compiles
-    assert exe.output_types == [([2], "float32")]
+    # Its output is its input, handed back as the caller's tensor: no output of the executable.
+    assert exe.output_types == [] and exe.output_plan() == [("input", "0")], exe.output_plan()
     with pytest.raises(tpuc.TpucError, match="symbolic size `s9`"):
         g = tpuc._native.FxGraph.from_json(
             '{"nodes": [{"name": "x", "op": "placeholder", "val": {"tensor": {"shape": ["s9"], "dtype": "float32"}}},'
