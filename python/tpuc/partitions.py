@@ -18,9 +18,11 @@ _warn_lock = threading.Lock()
 
 
 class _PartitionModule(torch.nn.Module):
-    """Stands in for a partition of supported ops inside a graph that also runs eager ops."""
+    """Stands in for a compiled piece of a graph: a partition of supported ops inside a graph
+    that also runs eager ops, or a piece between region call sites (`regions.compile_split`).
+    `compiled` is a boxed callable (a `CompiledGraph` or a wrapper of one)."""
 
-    def __init__(self, compiled: CompiledGraph, single_output: bool):
+    def __init__(self, compiled, single_output: bool):
         super().__init__()
         self.compiled = compiled
         self.single_output = single_output

@@ -139,19 +139,6 @@ def compile_regions(gm: torch.fx.GraphModule, compile_region) -> set[torch.fx.No
     return outside
 
 
-class _Piece(torch.nn.Module):
-    """A compiled piece of a graph split around its region call sites (see `compile_split`)."""
-
-    def __init__(self, compiled, single_output: bool):
-        super().__init__()
-        self.compiled = compiled
-        self.single_output = single_output
-
-    def forward(self, *args):
-        outs = self.compiled(list(args))
-        return outs[0] if self.single_output else tuple(outs)
-
-
 def compile_split(gm: torch.fx.GraphModule, name: str, compile_piece):
     """A boxed callable for a graph that must lower entirely (a target's: no PyTorch pieces):
     each distinct region compiled once (by this function: regions may nest), the rest of `gm`
@@ -161,6 +148,8 @@ def compile_split(gm: torch.fx.GraphModule, name: str, compile_piece):
     from torch._functorch.aot_autograd import make_boxed_func
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
+
+    from .partitions import _PartitionModule
 
     outside = compile_regions(
         gm, lambda sub, _ins, sub_name: compile_split(sub, f"{name}.{sub_name}", compile_piece)
@@ -183,6 +172,6 @@ def compile_split(gm: torch.fx.GraphModule, name: str, compile_piece):
         if single:  # compiled graphs return a list
             out.args = ((out.args[0],),)
             sub.recompile()
-        setattr(fused, node.target, _Piece(compile_piece(sub, f"{name}.{node.target}"), single))
+        setattr(fused, node.target, _PartitionModule(compile_piece(sub, f"{name}.{node.target}"), single))
     fused.recompile()
     return make_boxed_func(fused.forward)
