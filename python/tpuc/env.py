@@ -72,7 +72,7 @@ RETIRED = {
     "DUMP_SVG_MAX_NODES": "a constant, tpuc.dump.SVG_MAX_NODES (3000; above it, render graph.dot yourself)",
     "DUMP_SVG_TIMEOUT": "a constant, tpuc.dump.SVG_TIMEOUT (20 s)",
     "EXECUTE_SPIN_US": "a constant, tpuc_runtime::EXECUTE_SPIN (100 us); tpuc._native.execute_spin_us(us) sets it for a process",
-    "HOST_GEMM_SPIN_US": "a constant, tpuc_runtime::spin_helpers::SPIN (1000 us)",
+    "HOST_GEMM_SPIN_US": "a constant, tpuc_hostkernels::spin_helpers::SPIN (1000 us)",
     "HOST_GEMM_PIECES": "a test hook, tpuc._native.set_host_gemm_always_pieces(True)",
     "ONEDNN_TRIALS": "nothing: oneDNN's implementations are always timed (MAX_CANDIDATES in host_conv.rs)",
     "UNPARTITIONED_MAX": "a constant, UNPARTITIONED_MAX_ELEMENTS in compiler/src/pipeline.rs (2^18); tpuc._native.set_unpartitioned_max(n) sets it for a process",
