@@ -216,9 +216,9 @@ def steady(name: str, calls: int) -> dict:
     }
 
 
-def tpu_compile(name: str, variant: str, target: str) -> dict:
+def tpu_compile(name: str, variant: str, target: str, dump: str | None = None) -> dict:
     """XLA:TPU compile seconds of the model's inference graph(s) for `target` (libtpu's
-    compile-only topology, no TPU needed), nothing cached."""
+    compile-only topology, no TPU needed), nothing cached; the modules dumped into `dump`."""
     import torch
 
     import tpuc
@@ -227,7 +227,8 @@ def tpu_compile(name: str, variant: str, target: str) -> dict:
     if variant == "marked":
         mark_blocks(model, block)
     t0 = time.perf_counter()
-    report = tpuc.precompile(model, list(inputs), options={"target": target, "cache_dir": None})
+    options = {"target": target, "cache_dir": None, **({"dump_dir": dump} if dump else {})}
+    report = tpuc.precompile(model, list(inputs), options=options)
     return {
         "seconds": time.perf_counter() - t0,
         "xla": report["compile_seconds"],
@@ -242,7 +243,7 @@ def _child(args) -> None:
     if args.child == "first":
         out = first_call(args.model, args.variant)
     elif args.child == "tpu":
-        out = tpu_compile(args.model, args.variant, args.target)
+        out = tpu_compile(args.model, args.variant, args.target, args.dump)
     else:
         out = steady(args.model, args.calls)
     print("RESULT " + json.dumps(out))
@@ -262,6 +263,33 @@ def _run_child(*argv) -> dict:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     raise SystemExit(f"{argv} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def twin_depth(jax_python: str, target: str, dumps: dict) -> dict:
+    """bench/tpu_twins/depth.py's compile seconds at tpuc's precision (PyTorch's default float32
+    matmul precision: "highest"), tpuc's dumps among them."""
+    topology = target.split(":", 1)[1]
+    argv = [jax_python, str(Path(__file__).parent / "tpu_twins" / "depth.py"), "--topology", topology]
+    argv += ["--precision", "highest", *(f"--tpuc={v}={d}" for v, d in dumps.items())]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])["seconds"]
+    raise SystemExit(f"depth.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def _depth_table(results: dict) -> str:
+    rows = results.get("gpt2", {}).get("depth")
+    if not rows:
+        return ""
+    lines = [
+        "| GPT-2 124M, XLA:TPU compile (one libtpu) | seconds | vs the same network unrolled |",
+        "|---|---|---|",
+    ]
+    for name, s in rows.items():
+        base = rows["tpuc unmarked"] if name.startswith("tpuc") else rows["jax unrolled"]
+        lines.append(f"| {name} | {s:.2f} | {s / base:.2f}x |")
+    return "\n".join(lines)
 
 
 def _table(results: dict) -> str:
@@ -318,6 +346,14 @@ def main() -> None:
     p.add_argument("--child", choices=["first", "steady", "tpu"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--dump", help=argparse.SUPPRESS)
+    p.add_argument("--tpu-only", action="store_true", help="only the XLA:TPU compiles (and --jax-python's)")
+    p.add_argument(
+        "--jax-python",
+        help="a Python with jax[tpu] (bench/tpu_twins/compare.py): also compiles GPT-2's JAX twin unrolled, "
+        "with jax.lax.scan over its blocks, one block alone and the rest alone, and tpuc's GPT-2 graphs, "
+        "with that libtpu (bench/tpu_twins/depth.py)",
+    )
     args = p.parse_args()
     if args.child:
         _child(args)
@@ -325,27 +361,52 @@ def main() -> None:
     results = {}
     started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     for name in args.models:
+        if args.tpu_only:
+            results[name] = {"tpu": {}}
         firsts: dict = {v: [] for v in VARIANTS}
-        for _ in range(args.reps):
+        for _ in range(0 if args.tpu_only else args.reps):
             for v in VARIANTS:
                 firsts[v].append(_run_child("--child", "first", "--model", name, "--variant", v))
                 print(name, v, json.dumps(firsts[v][-1]), flush=True)
-        best = {v: min(firsts[v], key=lambda r: r["first"]) for v in VARIANTS}
-        results[name] = {
-            "first": best,
-            "firsts": firsts,
-            "steady": _run_child("--child", "steady", "--model", name, "--calls", str(args.calls)),
-            "tpu": {},
-        }
-        print(name, "steady", json.dumps(results[name]["steady"]), flush=True)
+        if not args.tpu_only:
+            best = {v: min(firsts[v], key=lambda r: r["first"]) for v in VARIANTS}
+            results[name] = {
+                "first": best,
+                "firsts": firsts,
+                "steady": _run_child("--child", "steady", "--model", name, "--calls", str(args.calls)),
+                "tpu": {},
+            }
+            print(name, "steady", json.dumps(results[name]["steady"]), flush=True)
+        dumps = {v: tempfile.mkdtemp(prefix=f"tpuc-bench-regions-{v}-") for v in TPU_VARIANTS}
         for v in TPU_VARIANTS if args.target else ():
-            tpu = _run_child("--child", "tpu", "--model", name, "--variant", v, "--target", args.target)
+            argv = (
+                "--child",
+                "tpu",
+                "--model",
+                name,
+                "--variant",
+                v,
+                "--target",
+                args.target,
+                "--dump",
+                dumps[v],
+            )
+            tpu = _run_child(*argv)
             results[name]["tpu"][v] = tpu
             print(name, v, "tpu", json.dumps(tpu), flush=True)
-        if args.out:  # after each model: a run cut short keeps what it measured
+        if args.jax_python and args.target and name == "gpt2":
+            results[name]["depth"] = twin_depth(args.jax_python, args.target, dumps)
+            print(name, "depth", json.dumps(results[name]["depth"]), flush=True)
+        if args.out and not args.tpu_only:  # after each model: a run cut short keeps what it measured
             args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-            args.out.write_text(_header(args, results, started) + _table(results) + "\n")
-    print(_table(results))
+            args.out.write_text(
+                _header(args, results, started) + _table(results) + "\n\n" + _depth_table(results) + "\n"
+            )
+    if args.tpu_only:
+        print(json.dumps({name: r["tpu"] for name, r in results.items()}, indent=1))
+    else:
+        print(_table(results))
+    print(_depth_table(results))
 
 
 if __name__ == "__main__":

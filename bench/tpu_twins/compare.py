@@ -40,13 +40,8 @@ def main():
     ap.add_argument("--split", action="store_true")
     a = ap.parse_args()
     import jax
-    import numpy as np
-    from jax._src.interpreters import mlir
-    from jax._src.lib import xla_client as xc
-    from jax._src.lib.mlir import ir
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
-    from jaxlib import _jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     topo = topologies.get_topology_desc(platform="tpu", topology_name=a.topology)
@@ -78,9 +73,31 @@ def main():
                     split[k] += v
             split["per_graph_bytes"].append(cs.cost_analysis().get("bytes accessed"))
             split["graphs"] += 1
+    got = compile_dump(topo, a.dump)
+    print(f"{'':18s} {'tpuc':>14s} {'jax twin':>14s} {'ratio':>7s}")
+    for k in ("seconds", "flops", "bytes accessed", "transcendentals"):
+        r = got[k] / ref[k] if ref.get(k) else float("nan")
+        print(f"{k:18s} {got[k]:14.4g} {ref.get(k, float('nan')):14.4g} {r:7.2f}")
+    if split is not None:
+        r = split["bytes accessed"] / ref["bytes accessed"]
+        print(
+            f"{'split twin bytes':18s} {split['bytes accessed']:14.4g} {ref['bytes accessed']:14.4g} {r:7.2f}"
+        )
+    print("RESULT " + json.dumps({"tpuc": got, "jax": ref, **({"jax_split": split} if split else {})}))
+
+
+def compile_dump(topo, folder: str) -> dict:
+    """Compiles every `stablehlo.mlir` under a tpuc dump `folder` for the topology `topo`: the
+    sums of their compile seconds and cost analysis, and the number of graphs."""
+    import numpy as np
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+    from jax._src.lib.mlir import ir
+    from jaxlib import _jax
+
     got = {"seconds": 0.0, "flops": 0.0, "bytes accessed": 0.0, "transcendentals": 0.0, "graphs": 0}
-    client = dev.client
-    for path in sorted(glob.glob(os.path.join(a.dump, "**", "stablehlo.mlir"), recursive=True)):
+    client = topo.devices[0].client
+    for path in sorted(glob.glob(os.path.join(folder, "**", "stablehlo.mlir"), recursive=True)):
         text = open(path).read()
         m = re.search(r"mhlo.num_partitions = (\d+)", text)
         n = int(m.group(1)) if m else 1
@@ -101,16 +118,7 @@ def main():
             if k in got:
                 got[k] += v
         got["graphs"] += 1
-    print(f"{'':18s} {'tpuc':>14s} {'jax twin':>14s} {'ratio':>7s}")
-    for k in ("seconds", "flops", "bytes accessed", "transcendentals"):
-        r = got[k] / ref[k] if ref.get(k) else float("nan")
-        print(f"{k:18s} {got[k]:14.4g} {ref.get(k, float('nan')):14.4g} {r:7.2f}")
-    if split is not None:
-        r = split["bytes accessed"] / ref["bytes accessed"]
-        print(
-            f"{'split twin bytes':18s} {split['bytes accessed']:14.4g} {ref['bytes accessed']:14.4g} {r:7.2f}"
-        )
-    print("RESULT " + json.dumps({"tpuc": got, "jax": ref, **({"jax_split": split} if split else {})}))
+    return got
 
 
 if __name__ == "__main__":

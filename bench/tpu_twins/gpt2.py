@@ -1,6 +1,8 @@
 """GPT-2 (124M config) forward at 1x128 in JAX: the twin of tpuc's graph for
 `transformers.GPT2LMHeadModel(GPT2Config())` on `input_ids` of shape (1, 128), eval, no cache.
-`build()` returns (function, abstract arguments) for `compare.py`."""
+`build()` returns (function, abstract arguments) for `compare.py`; `build(scan=True)` the same
+network with its blocks stacked and run by `jax.lax.scan` (JAX's scan over layers: the block is
+compiled once), and `build_parts()` one block and the rest alone, for `depth.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -14,46 +16,74 @@ def ln(x, p):
     return (x - m) / jnp.sqrt(v + 1e-5) * p[0] + p[1]
 
 
-def fwd(params, ids):
-    x = params["wte"][ids] + params["wpe"][: ids.shape[1]]
+def block(x, b):
     mask = jnp.tril(jnp.ones((T, T), bool))
-    for b in params["blocks"]:
-        h = ln(x, b["ln1"]) @ b["attn_w"] + b["attn_b"]
-        q, k, v = jnp.split(h, 3, -1)
-        q, k, v = (t.reshape(1, T, H, D // H).transpose(0, 2, 1, 3) for t in (q, k, v))
-        s = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(D // H), -jnp.inf)
-        a = (jax.nn.softmax(s, -1) @ v).transpose(0, 2, 1, 3).reshape(1, T, D)
-        x = x + a @ b["proj_w"] + b["proj_b"]
-        x = (
-            x
-            + jax.nn.gelu(ln(x, b["ln2"]) @ b["fc_w"] + b["fc_b"], approximate=True) @ b["out_w"]
-            + b["out_b"]
-        )
+    h = ln(x, b["ln1"]) @ b["attn_w"] + b["attn_b"]
+    q, k, v = jnp.split(h, 3, -1)
+    q, k, v = (t.reshape(1, T, H, D // H).transpose(0, 2, 1, 3) for t in (q, k, v))
+    s = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(D // H), -jnp.inf)
+    a = (jax.nn.softmax(s, -1) @ v).transpose(0, 2, 1, 3).reshape(1, T, D)
+    x = x + a @ b["proj_w"] + b["proj_b"]
+    return (
+        x + jax.nn.gelu(ln(x, b["ln2"]) @ b["fc_w"] + b["fc_b"], approximate=True) @ b["out_w"] + b["out_b"]
+    )
+
+
+def embed(params, ids):
+    return params["wte"][ids] + params["wpe"][: ids.shape[1]]
+
+
+def head(params, x):
     return ln(x, params["lnf"]) @ params["wte"].T
 
 
-def build(sharding):
+def fwd(params, ids):
+    x = embed(params, ids)
+    for b in params["blocks"]:
+        x = block(x, b)
+    return head(params, x)
+
+
+def scan_fwd(params, ids):
+    x, _ = jax.lax.scan(lambda x, b: (block(x, b), None), embed(params, ids), params["blocks"])
+    return head(params, x)
+
+
+def _shapes(sharding):
     def sd(*shape, dtype=jnp.float32):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    params = {
-        "wte": sd(V, D),
-        "wpe": sd(P, D),
-        "lnf": (sd(D), sd(D)),
-        "blocks": [
-            {
-                "ln1": (sd(D), sd(D)),
-                "attn_w": sd(D, 3 * D),
-                "attn_b": sd(3 * D),
-                "proj_w": sd(D, D),
-                "proj_b": sd(D),
-                "ln2": (sd(D), sd(D)),
-                "fc_w": sd(D, 4 * D),
-                "fc_b": sd(4 * D),
-                "out_w": sd(4 * D, D),
-                "out_b": sd(D),
-            }
-            for _ in range(L)
-        ],
+    def block_params(*lead):
+        return {
+            "ln1": (sd(*lead, D), sd(*lead, D)),
+            "attn_w": sd(*lead, D, 3 * D),
+            "attn_b": sd(*lead, 3 * D),
+            "proj_w": sd(*lead, D, D),
+            "proj_b": sd(*lead, D),
+            "ln2": (sd(*lead, D), sd(*lead, D)),
+            "fc_w": sd(*lead, D, 4 * D),
+            "fc_b": sd(*lead, 4 * D),
+            "out_w": sd(*lead, 4 * D, D),
+            "out_b": sd(*lead, D),
+        }
+
+    rest = {"wte": sd(V, D), "wpe": sd(P, D), "lnf": (sd(D), sd(D))}
+    return sd, block_params, rest
+
+
+def build(sharding, scan=False):
+    sd, block_params, rest = _shapes(sharding)
+    ids = sd(1, T, dtype=jnp.int32)
+    if scan:
+        return scan_fwd, ({**rest, "blocks": block_params(L)}, ids)
+    return fwd, ({**rest, "blocks": [block_params() for _ in range(L)]}, ids)
+
+
+def build_parts(sharding):
+    """{"block": one block alone, "rest": embedding and head without blocks}: what compiling the
+    network with its block compiled once cannot go below."""
+    sd, block_params, rest = _shapes(sharding)
+    return {
+        "block": (block, (sd(1, T, D), block_params())),
+        "rest": (lambda params, ids: head(params, embed(params, ids)), (rest, sd(1, T, dtype=jnp.int32))),
     }
-    return fwd, (params, sd(1, T, dtype=jnp.int32))
