@@ -179,6 +179,27 @@ def first_call(name: str, variant: str) -> dict:
     }
 
 
+def first_call_torch(name: str, variant: str, backend: str) -> dict:
+    """A fresh process's first call with one of PyTorch's own backends (`aot_eager`: Dynamo and
+    AOTAutograd, then eager kernels; `inductor`), unmarked or marked: how much of the first call
+    marking can save in PyTorch's part alone."""
+    import torch
+
+    model, inputs, block = build(name)
+    with torch.no_grad():
+        model(*inputs)
+    if variant == "marked":
+        mark_blocks(model, block)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        compiled(*inputs)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiled(*inputs)
+    return {"first": first, "second": time.perf_counter() - t0, "load": os.getloadavg()[0]}
+
+
 def steady(name: str, calls: int) -> dict:
     """Median and minimum per-call seconds of the variants, calls alternating (on a loaded host
     the minimum is the steadier figure), and their largest difference from eager."""
@@ -242,6 +263,8 @@ def tpu_compile(name: str, variant: str, target: str, dump: str | None = None) -
 def _child(args) -> None:
     if args.child == "first":
         out = first_call(args.model, args.variant)
+    elif args.child == "first-torch":
+        out = first_call_torch(args.model, args.variant, args.backend)
     elif args.child == "tpu":
         out = tpu_compile(args.model, args.variant, args.target, args.dump)
     else:
@@ -343,7 +366,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--out", type=Path)
     p.add_argument("--target", default="tpu:v5e:2x2", help="TPU target of the XLA:TPU compile ('' skips it)")
-    p.add_argument("--child", choices=["first", "steady", "tpu"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["first", "first-torch", "steady", "tpu"], help=argparse.SUPPRESS)
+    p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--dump", help=argparse.SUPPRESS)
