@@ -104,9 +104,15 @@ class Graph:
 class GraphDiff:
     """A `torch.compile` backend: tpuc's executable and the eager graph, side by side."""
 
-    def __init__(self, options: dict | None = None, keep_inputs: bool = True):
+    def __init__(
+        self, options: dict | None = None, keep_inputs: bool = True, keep_above: float | None = None
+    ):
+        """`options`: tpuc's (no cache by default). A call's inputs are kept for `locate()` where
+        `keep_inputs` and its worst error is above `keep_above` (default: its dtype's flag,
+        1e-5 for float32, 1e-12 for float64; -1 keeps every call's)."""
         self.options = {"cache_dir": None} if options is None else options
         self.keep_inputs = keep_inputs
+        self.keep_above = keep_above
         self.graphs: list[Graph] = []
         self.sequence: list[Call] = []  # every call, in the order they ran
 
@@ -123,9 +129,10 @@ class GraphDiff:
                 ref = graph.gm(*args)
             errors = [rel_error(r, g) for r, g in zip(_flat(ref), _flat(got), strict=True)]
             call = Call(graph.index, len(graph.calls), errors)
-            flag = max(
-                (REL_FLAG.get(r.dtype, 0) for r in _flat(ref) if isinstance(r, torch.Tensor)), default=0
-            )
+            flag = self.keep_above
+            if flag is None:
+                tensors = [r for r in _flat(ref) if isinstance(r, torch.Tensor)]
+                flag = max((REL_FLAG.get(r.dtype, 0) for r in tensors), default=0)
             if self.keep_inputs and call.worst > flag:
                 call.inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
             graph.calls.append(call)
