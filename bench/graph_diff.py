@@ -379,7 +379,7 @@ def main() -> None:
         images = [torch.rand(3, h, w, dtype=images[0].dtype) for h, w in sizes]
     with torch.no_grad():
         ref = model(images)
-    diff = GraphDiff()
+    diff = GraphDiff(keep_above=args.threshold)  # with --threshold, every call beyond it can be located
     with torch.no_grad():
         got = torch.compile(model, backend=diff)(images)
     print("final:", sweep_detection._compare(ref, got))
