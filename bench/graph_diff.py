@@ -7,7 +7,8 @@ largest error relative to the output's largest magnitude. A difference there is 
 not carried in from an earlier graph (both sides got the same inputs).
 
 `locate()` then takes one recorded call of a graph and goes op by op: the graph is compiled
-again with every intermediate tensor as an output, and for each node two errors are printed:
+again with every intermediate tensor as an output (each taken right after its op, before any
+later in-place op), and for each node these errors are printed:
 
 - `local`: tpuc's value against the node's eager op run on *tpuc's* values of its inputs (the
   op's own error, nothing carried in);
@@ -29,7 +30,11 @@ while the carried error grows show a chain of last-bit differences instead.
 CLI, on the detection models of bench/sweep_detection.py:
 
     .venv/bin/python bench/graph_diff.py maskrcnn_resnet50_fpn --weights random --thresh default \
-        [--locate] [--threshold 1e-5]
+        [--locate] [--threshold 1e-5] [--at GRAPH CALL] [--sizes 224x224,200x224] [--masks]
+
+(--locate: the first call beyond --threshold, or --at's; --masks: Mask R-CNN's mask errors split
+by whether the integer paste box moved, `mask_chain`.) Each graph runs in tpuc and in eager; the
+located one is compiled a second time with its intermediate outputs.
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ REL_FLAG = {torch.float32: 1e-5, torch.float64: 1e-12}  # a graph beyond these i
 
 
 def rel_error(ref, got) -> float:
-    """Largest |ref - got| over ref's largest magnitude (0 for equal or empty tensors; inf on a
-    shape or dtype mismatch, NaN where one side has NaN and the other not)."""
+    """Largest |ref - got| over ref's largest magnitude (0 for equal or empty tensors and where
+    both sides have NaN; inf on a shape mismatch, on unequal integer tensors and where one side
+    has NaN and the other not)."""
     if not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor):
         return 0.0 if ref == got else float("inf")
     if ref.shape != got.shape:
