@@ -26,7 +26,8 @@ float64, Inductor, aot_eager, then the other configurations) and stop at
 --budget seconds; runs not reached are listed as such. Results: bench/results/detection.json and
 detection.md (rewritten after every run).
 
-    .venv/bin/python bench/sweep_detection.py [--models NAME ...] [--timeout 900] [--budget 5400]
+    .venv/bin/python bench/sweep_detection.py [--models NAME ...] [--configs normal/0 ...]
+        [--backends aot_eager inductor] [--timeout 900] [--budget 5400]
 """
 
 from __future__ import annotations
@@ -182,6 +183,19 @@ def _jobs(models):
     return jobs
 
 
+def _selected(jobs, configs, backends):
+    """`jobs` restricted to the configurations "WEIGHTS/THRESH" and backends asked for (all
+    where None)."""
+    out = []
+    for m, w, t, bs in jobs:
+        if configs is not None and f"{w}/{t}" not in configs:
+            continue
+        kept = [b for b in bs.split(",") if backends is None or b in backends]
+        if kept:
+            out.append((m, w, t, ",".join(kept)))
+    return out
+
+
 def _key(job) -> str:
     return "|".join(job)
 
@@ -221,7 +235,10 @@ def write_markdown(results: dict, models, path: Path) -> None:
             cells += [str((tpu or {}).get("graphs", "")), fallbacks, str((tpu or {}).get("eager_reruns", ""))]
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
-    path.write_text("\n".join(lines))
+    # Notes written by hand below the tables ("## Notes ...") stay.
+    old = path.read_text() if path.exists() else ""
+    notes = old[old.index("\n## Notes") + 1 :] if "\n## Notes" in old else ""
+    path.write_text("\n".join(lines) + notes)
 
 
 def main() -> None:
@@ -231,6 +248,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=5400)
     ap.add_argument("--one", nargs=4, metavar=("MODEL", "WEIGHTS", "THRESH", "BACKENDS"))
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--configs", nargs="*", metavar="WEIGHTS/THRESH", help="only these, e.g. normal/0")
+    ap.add_argument("--backends", nargs="*", choices=BACKENDS, help="only these backends")
     args = ap.parse_args()
     if args.one:
         import warnings
@@ -242,7 +261,7 @@ def main() -> None:
     json_path, md_path = args.out / "detection.json", args.out / "detection.md"
     results = json.loads(json_path.read_text()) if json_path.exists() else {}
     start = time.perf_counter()
-    for job in _jobs(args.models):
+    for job in _selected(_jobs(args.models), args.configs, args.backends):
         if all(_key((*job[:3], b)) in results for b in job[3].split(",")):
             continue
         left = args.budget - (time.perf_counter() - start)
@@ -274,7 +293,7 @@ def main() -> None:
             results[_key((*job[:3], b))] = row
         print(job, rows, flush=True)
         json_path.write_text(json.dumps(results, indent=1, sort_keys=True))
-        write_markdown(results, args.models, md_path)
+        write_markdown(results, MODELS, md_path)  # every model's row, whichever ran
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from . import (
     flex,
     handoff,
     input_views,
+    resize,
     runtime,
     saved,
     targets,
@@ -85,6 +86,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             f"tpuc: unexpected backend argument(s) {sorted(kwargs)}; pass settings in options={{...}}"
         )
     opts = options_mod.parse(options, mode)
+    # Bilinear resizing's coordinates as eager rounds them (XLA would fuse their multiply-add).
+    resize.static_bilinear(gm)
     if opts.target is not None:
         with _counter_lock:
             _graph_counter += 1
