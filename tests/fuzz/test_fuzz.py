@@ -56,7 +56,7 @@ def test_fuzz_short_run_with_dynamic_dims():
     assert not failures, "\n\n".join(failures)
 
 
-# 100 programs (0.3 s each) reach every mutation kind, input policy and custom op of the family (the
+# 100 programs reach every mutation kind, input policy and custom op of the family (the
 # last to appear first does at seed offset 76; the test checks they all do); the long run
 # (bench/results/fuzz_long_stateful.json) goes further.
 STATEFUL_COUNT = int(os.environ.get("TPUC_FUZZ_STATEFUL_COUNT", "100"))
