@@ -14,7 +14,9 @@ test-rust:
 	cargo test --workspace -q
 
 # The tests of what differs on a device with memory of its own (uploads, copies back, resident
-# copies), run again with the CPU plugin treated as one (TPUC_DEBUG=discrete_device).
+# copies), run again with the CPU plugin treated as one (TPUC_DEBUG=discrete_device): those marked
+# `discrete_device` in these files (numerics, errors and compile paths the mode does not touch run
+# once, in the first pass).
 DISCRETE_TESTS = tests/test_params.py tests/test_hot_path.py tests/test_sharding.py \
 	tests/test_distributed.py tests/test_models.py tests/test_buckets.py tests/test_saved.py \
 	tests/test_ties.py tests/test_fallback_partitions.py tests/test_edge_inputs.py \
@@ -22,7 +24,7 @@ DISCRETE_TESTS = tests/test_params.py tests/test_hot_path.py tests/test_sharding
 
 test-python:
 	.venv/bin/python -m pytest -q tests
-	TPUC_DEBUG=discrete_device .venv/bin/python -m pytest -q $(DISCRETE_TESTS)
+	TPUC_DEBUG=discrete_device .venv/bin/python -m pytest -q -m discrete_device $(DISCRETE_TESTS)
 
 lint:
 	cargo fmt --all -- --check

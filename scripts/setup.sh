@@ -73,8 +73,11 @@ if [ ! -x "$PY" ]; then
 fi
 
 have() { "$PY" -c "$1" >/dev/null 2>&1; }
+# Whether distribution $1 is installed at version $2 (a local tag such as +cpu aside), from its
+# metadata: importing torch, transformers, timm or diffusers to ask takes seconds each.
+installed() { have "import importlib.metadata as m, sys; sys.exit(m.version('$1').split('+')[0] != '$2')"; }
 
-if ! have "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')"; then
+if ! installed torch "$TORCH_VERSION"; then
     step "python: installing torch $TORCH_VERSION (large download, once)"
     "${PIP[@]}" "torch==$TORCH_VERSION"
 fi
@@ -120,12 +123,12 @@ fi
 # kernels, an optional accelerator path) is left out: it has no release transformers accepts.
 TRANSFORMERS_VERSION=5.25.0
 TORCHVISION_VERSION=0.29.2 # the newest torchvision; it declares torch>=2.14
-if ! have "import transformers, torchvision, sys; sys.exit(transformers.__version__ != '$TRANSFORMERS_VERSION' or torchvision.__version__.split('+')[0] != '$TORCHVISION_VERSION')"; then
+if ! installed transformers "$TRANSFORMERS_VERSION" || ! installed torchvision "$TORCHVISION_VERSION"; then
     step "python: installing transformers $TRANSFORMERS_VERSION and torchvision $TORCHVISION_VERSION (no torch)"
     "${PIP[@]}" "huggingface-hub>=2.4.0,<3" "pyyaml>=5.1" "regex>=2025.10.22" "tokenizers>=0.23.1,<0.24" \
         "safetensors>=0.8.0" "tqdm>=4.60" typer "pillow>=5.3.0,!=8.3.*" numpy packaging filelock
     "${PIP[@]}" --no-deps "transformers==$TRANSFORMERS_VERSION" "torchvision==$TORCHVISION_VERSION"
-    have "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" || {
+    installed torch "$TORCH_VERSION" || {
         echo "setup: installing the model zoo packages changed torch" >&2
         exit 1
     }
@@ -135,7 +138,7 @@ fi
 # (random weights). It declares torch and torchvision, so it goes in with --no-deps; its other
 # dependencies (huggingface-hub, pyyaml, safetensors) come with Transformers above.
 TIMM_VERSION=1.0.31
-if ! have "import timm, sys; sys.exit(timm.__version__ != '$TIMM_VERSION')"; then
+if ! installed timm "$TIMM_VERSION"; then
     step "python: installing timm $TIMM_VERSION (no torch)"
     "${PIP[@]}" --no-deps "timm==$TIMM_VERSION"
 fi
@@ -144,11 +147,11 @@ fi
 # from small configs. Its wheel does not declare torch, but --no-deps keeps pip from upgrading
 # anything else; its own small dependencies go in normally.
 DIFFUSERS_VERSION=0.42.1
-if ! have "import diffusers, sys; sys.exit(diffusers.__version__ != '$DIFFUSERS_VERSION')"; then
+if ! installed diffusers "$DIFFUSERS_VERSION"; then
     step "python: installing diffusers $DIFFUSERS_VERSION (no torch)"
     "${PIP[@]}" importlib_metadata requests "huggingface-hub>=1.32.0,<3" "safetensors>=0.8.0" regex pillow numpy filelock
     "${PIP[@]}" --no-deps "diffusers==$DIFFUSERS_VERSION"
-    have "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" || {
+    installed torch "$TORCH_VERSION" || {
         echo "setup: installing diffusers changed torch" >&2
         exit 1
     }

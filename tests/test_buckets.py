@@ -69,6 +69,7 @@ def _mlp():
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 3))
 
 
+@pytest.mark.discrete_device
 def test_mlp_dynamic_batch_every_size_one_compile_per_bucket():
     torch.manual_seed(0)
     model = _mlp().eval()
@@ -141,6 +142,7 @@ def test_batch_and_sequence_dynamic_at_once():
     assert tpuc.stats()["xla_compiles"] == 2
 
 
+@pytest.mark.discrete_device
 def test_training_step_dynamic_batch_matches_eager_gradients():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
@@ -314,6 +316,7 @@ def test_walk_finds_the_size_derived_floats_itself():
     assert "aten.mul.Tensor" in str(walked), str(walked)
 
 
+@pytest.mark.discrete_device
 def test_saved_input_of_a_bucketed_training_graph_is_the_callers_tensor():
     """The forward returns its (padded) input unchanged for the backward: what it saves is the
     caller's tensor at its real size, never the padded one, and the gradients are eager's."""

@@ -11,6 +11,10 @@ from torch import nn
 
 import tpuc
 
+# Every test here runs again under TPUC_DEBUG=discrete_device: odd inputs are uploaded, and aliased
+# outputs copied back, by the mode.
+pytestmark = pytest.mark.discrete_device
+
 INF = float("inf")
 NAN = float("nan")
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
 import tpuc
+
+# Every test here runs again under TPUC_DEBUG=discrete_device: partitions hand their results to each
+# other and to PyTorch's ops through the device.
+pytestmark = pytest.mark.discrete_device
 
 
 @torch.library.custom_op("tpuc_fallback::scale_groups", mutates_args=())

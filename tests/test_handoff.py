@@ -16,6 +16,10 @@ from conftest import host_kernels_without
 
 import tpuc
 
+# Every test here runs again under TPUC_DEBUG=discrete_device: saved activations cross from forward
+# to backward through the device.
+pytestmark = pytest.mark.discrete_device
+
 
 class Convs(nn.Module):
     """Every kind of 2-D convolution the backward lowers channels-last: 3x3 with bias and batch

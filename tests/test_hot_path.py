@@ -15,6 +15,10 @@ from conftest import DISCRETE
 import tpuc
 from tpuc import _native, backend, callprof, compiled_graph
 
+# Every test here runs again under TPUC_DEBUG=discrete_device: call plans upload inputs and lend or
+# copy outputs by the mode.
+pytestmark = pytest.mark.discrete_device
+
 
 def _capture_graphs(monkeypatch) -> list:
     graphs = []

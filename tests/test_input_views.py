@@ -12,6 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+# Every test here runs again under TPUC_DEBUG=discrete_device: outputs made from inputs at call
+# time, and saved weights, cross the device boundary.
+pytestmark = pytest.mark.discrete_device
+
 
 class TiedLM(nn.Module):
     """An embedding whose transpose is the output projection (GPT-2's LM head), plus a linear

@@ -26,6 +26,10 @@ def run_both(name, dtype, batch):
     return expected, actual
 
 
+# Run again under TPUC_DEBUG=discrete_device (parameters uploaded every call, outputs copied back);
+# the low-precision ones are not: 2-byte inputs and outputs cross the device as int16 ones do in
+# test_edge_inputs.py, and their numerics are the mode's own.
+@pytest.mark.discrete_device
 @pytest.mark.parametrize("name", models.NAMES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_model_matches_eager_fp32(name, batch):
@@ -46,6 +50,7 @@ def test_model_matches_eager_low_precision(name, dtype):
     assert tpuc.stats()["fallback_ops"] == {}
 
 
+@pytest.mark.discrete_device
 def test_repeated_calls_reuse_the_executable():
     model, (x,) = models.make("mlp", batch=4)
     compiled = torch.compile(model, backend="tpu")
@@ -58,6 +63,7 @@ def test_repeated_calls_reuse_the_executable():
     assert s["executions"] == 3
 
 
+@pytest.mark.discrete_device
 def test_new_shape_without_declared_max_compiles_again_from_the_same_graph():
     model, (x,) = models.make("mlp", batch=4)
     compiled = torch.compile(model, backend="tpu")

@@ -11,6 +11,10 @@ import torch
 
 import tpuc
 
+# Every test here runs again under TPUC_DEBUG=discrete_device: residency of parameters and buffers
+# is what the mode changes.
+pytestmark = pytest.mark.discrete_device
+
 
 def test_parameters_are_uploaded_once_and_again_after_an_in_place_update():
     model, (x,) = models.make("mlp", batch=4)

@@ -66,6 +66,9 @@ def test_load_with_an_empty_cache_compiles_and_is_correct(tmp_path):
     assert loaded["max_abs_err"] <= 1e-5
 
 
+# The tests above run their models in child processes without TPUC_ variables (the same under
+# TPUC_DEBUG=discrete_device); this one runs here, so it is the one run again under it.
+@pytest.mark.discrete_device
 def test_save_and_load_a_function_in_process(tmp_path):
     def f(a, b):
         return torch.nn.functional.gelu(a @ b).sum(dim=0)

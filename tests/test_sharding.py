@@ -71,6 +71,10 @@ def _forward_backward(model, compiled, x):
         torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
+# Under TPUC_DEBUG=discrete_device the MLP runs again for every strategy and mesh (shards uploaded
+# per device, gradients copied back), with the tests of resident pieces below; the block and the
+# decoder LM check the strategies' numerics, which the mode does not change.
+@pytest.mark.discrete_device
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("sharding", STRATEGIES)
 def test_mlp_matches_one_device(mesh, sharding):
@@ -153,6 +157,7 @@ def test_compiled_hlo_has_the_collectives_of_each_strategy(tmp_path):
     assert found["tensor_parallel"]["forward"]["all-reduce"] >= 1, found
 
 
+@pytest.mark.discrete_device
 def test_fsdp_keeps_a_quarter_of_the_parameters_per_device():
     per_device = {}
     for sharding in ["replicated", "fsdp"]:
@@ -170,6 +175,7 @@ def test_fsdp_keeps_a_quarter_of_the_parameters_per_device():
     assert all(0.24 < q < 0.27 for q in ratio[:4]), (ratio, per_device)
 
 
+@pytest.mark.discrete_device
 def test_explicit_per_input_specs():
     model = _mlp()
     x = torch.randn(8, 16)
@@ -246,6 +252,7 @@ def test_precompile_with_a_mesh_says_it_is_not_supported():
         tpuc.precompile(_mlp(), (torch.randn(8, 16),), options={"mesh": MESHES["4x1"]})
 
 
+@pytest.mark.discrete_device
 @pytest.mark.parametrize("sharding", ["fsdp", "tensor_parallel"])
 def test_parameter_changes_between_calls_are_seen(sharding):
     # Resident pieces keyed on the tensor's memory (as for one device): `.data =`, a dtype round

@@ -56,7 +56,13 @@ def test_fuzz_short_run_with_dynamic_dims():
     assert not failures, "\n\n".join(failures)
 
 
-STATEFUL_COUNT = int(os.environ.get("TPUC_FUZZ_STATEFUL_COUNT", "200"))
+# 100 programs reach every mutation kind, input policy and custom op of the family (the
+# last to appear first does at seed offset 76; the test checks they all do); the long run
+# (bench/results/fuzz_long_stateful.json) goes further.
+STATEFUL_COUNT = int(os.environ.get("TPUC_FUZZ_STATEFUL_COUNT", "100"))
+# The custom ops of customops.py (the names program_kinds reports).
+CUSTOM_OPS = {"np_affine", "t_affine", "host_roll", "host_repeat", "host_count", "every_other", "swap_last"}
+CUSTOM_OPS |= {"neg_", "clamp_", "add_into"}
 
 
 def test_fuzz_stateful_short_run():
@@ -65,9 +71,12 @@ def test_fuzz_stateful_short_run():
     # round trips ...), compared with eager after every call, and gen.py programs with custom ops
     # at random positions (fallback="eager" partitions around them). About 0.4 s a program.
     from fuzz.stateful import (
+        ALL_KINDS,
+        INPUT_POLICIES,
         failure_blame,
         generate_stateful,
         mode_of,
+        program_kinds,
         reproducer,
         run_stateful,
         shrink_stateful,
@@ -75,9 +84,11 @@ def test_fuzz_stateful_short_run():
 
     counts: collections.Counter = collections.Counter()
     failures = []
+    reached: set[str] = set()
     for k in range(STATEFUL_COUNT):
         seed = SEED + k
         program = generate_stateful(seed)
+        reached.update(program_kinds(program))
         outcome = run_stateful(program)
         kind = outcome.kind if outcome.kind != "error" else f"error:{outcome.error_type}"
         counts[f"{mode_of(program)}:{kind}"] += 1
@@ -89,6 +100,10 @@ def test_fuzz_stateful_short_run():
     ok = sum(n for k, n in counts.items() if k.endswith(":ok"))
     assert ok >= STATEFUL_COUNT * 0.8, dict(counts)
     assert not failures, "\n\n".join(failures)
+    # "fresh" and "reuse" are the plain input policies, which program_kinds does not name.
+    every = {*ALL_KINDS, *CUSTOM_OPS, *(f"input:{p}" for p in INPUT_POLICIES if p not in ("fresh", "reuse"))}
+    if STATEFUL_COUNT >= 100:
+        assert every <= reached, f"no program here has {sorted(every - reached)}: run more programs"
 
 
 def test_fuzz_custom_ops_match_their_fakes():
