@@ -22,8 +22,13 @@ DISCRETE_TESTS = tests/test_params.py tests/test_hot_path.py tests/test_sharding
 	tests/test_ties.py tests/test_fallback_partitions.py tests/test_edge_inputs.py \
 	tests/test_handoff.py tests/test_input_views.py
 
+# pytest-xdist workers for the first pass: one process alone leaves much of a second core idle
+# (Dynamo's tracing is Python, and many tests wait on child processes); two keep a 2-core machine
+# busy. The second pass is short and led by two-process tests: workers gain it nothing (measured).
+PYTEST_WORKERS = 2
+
 test-python:
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q -n $(PYTEST_WORKERS) tests
 	TPUC_DEBUG=discrete_device .venv/bin/python -m pytest -q -m discrete_device $(DISCRETE_TESTS)
 
 lint:

