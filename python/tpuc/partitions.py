@@ -61,15 +61,17 @@ def _warn_fallback(ops: list[str]) -> None:
         )
 
 
-def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None, in_torch=frozenset()):
-    """Splits `gm` into tpuc partitions (supported ops) and eager ops (unsupported ones, and
-    the nodes of `in_torch`)."""
+def replace_pieces(gm: torch.fx.GraphModule, supported, compile_one) -> torch.fx.GraphModule:
+    """Splits `gm` into the largest pieces of nodes for which `supported(node)` holds (torch's
+    CapabilityBasedPartitioner) and puts `compile_one(piece, piece_name)` (a boxed callable
+    returning a list, or None: the piece runs in PyTorch) in each one's place. The nodes left
+    out run in PyTorch between them."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import OperatorSupport
 
     class Support(OperatorSupport):
         def is_node_supported(self, submodules, node):
-            return node not in in_torch and _supported(node)
+            return supported(node)
 
     partitioner = CapabilityBasedPartitioner(gm, Support(), allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
@@ -77,15 +79,14 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=N
         if node.op != "call_module":
             continue
         sub = getattr(fused, node.target)
-        out_arg = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        out_node = next(n for n in sub.graph.nodes if n.op == "output")
+        out_arg = out_node.args[0]
         single = not isinstance(out_arg, list | tuple)
         if single:
-            # CompiledGraph always returns a list; give the subgraph a tuple output.
-            out_node = next(n for n in sub.graph.nodes if n.op == "output")
+            # Compiled graphs always return a list; give the subgraph a tuple output.
             out_node.args = ((out_arg,),)
             sub.recompile()
-        part_shard = (shard[0], "partition") if shard is not None else None
-        compiled = _compile_or_fallback(sub, opts, f"{name}.{node.target}", maxima, part_shard)
+        compiled = compile_one(sub, node.target)
         if compiled is not None:
             setattr(fused, node.target, _PartitionModule(compiled, single))
         elif single:
@@ -93,6 +94,17 @@ def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=N
             sub.recompile()
     fused.recompile()
     return fused
+
+
+def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None, in_torch=frozenset()):
+    """Splits `gm` into tpuc partitions (supported ops) and eager ops (unsupported ones, and
+    the nodes of `in_torch`)."""
+    part_shard = (shard[0], "partition") if shard is not None else None
+    return replace_pieces(
+        gm,
+        lambda node: node not in in_torch and _supported(node),
+        lambda sub, piece: _compile_or_fallback(sub, opts, f"{name}.{piece}", maxima, part_shard),
+    )
 
 
 def _compile_or_fallback(

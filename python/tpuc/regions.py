@@ -146,32 +146,17 @@ def compile_split(gm: torch.fx.GraphModule, name: str, compile_piece):
     boxed callable). What runs on the host is the graph of launches and `getitem`s around them.
     A graph without regions is `compile_piece(gm, name)` itself."""
     from torch._functorch.aot_autograd import make_boxed_func
-    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-    from torch.fx.passes.operator_support import OperatorSupport
 
-    from .partitions import _PartitionModule
+    from .partitions import replace_pieces
 
     outside = compile_regions(
         gm, lambda sub, _ins, sub_name: compile_split(sub, f"{name}.{sub_name}", compile_piece)
     )
     if not outside:
         return compile_piece(gm, name)
-
-    class Between(OperatorSupport):
-        def is_node_supported(self, submodules, node):
-            return node.op == "call_function" and node not in outside
-
-    partitioner = CapabilityBasedPartitioner(gm, Between(), allows_single_node_partition=True)
-    fused = partitioner.fuse_partitions(partitioner.propose_partitions())
-    for node in list(fused.graph.nodes):
-        if node.op != "call_module":
-            continue
-        sub = getattr(fused, node.target)
-        out = next(n for n in sub.graph.nodes if n.op == "output")
-        single = not isinstance(out.args[0], list | tuple)
-        if single:  # compiled graphs return a list
-            out.args = ((out.args[0],),)
-            sub.recompile()
-        setattr(fused, node.target, _PartitionModule(compile_piece(sub, f"{name}.{node.target}"), single))
-    fused.recompile()
+    fused = replace_pieces(
+        gm,
+        lambda node: node.op == "call_function" and node not in outside,
+        lambda sub, piece: compile_piece(sub, f"{name}.{piece}"),
+    )
     return make_boxed_func(fused.forward)
