@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 VOCAB = 256
@@ -435,3 +436,74 @@ def make(name: str, seed: int = 0):
     torch.manual_seed(seed)
     model, inputs = FACTORIES[name]()
     return model.eval(), inputs
+
+
+# CNNs train on 4 images of 64x64: with 2 images of 32x32 ResNet's last BatchNorm sees 2 values
+# per channel, and its gradients are so ill-conditioned that eager float32 itself is off by 1e-2
+# from float64.
+TRAINING_IMAGES = {"resnet18": (4, 64)}
+
+
+class WithLoss(nn.Module):
+    """The model and its loss in one module, so the loss and its gradient are compiled too:
+    cross-entropy for logits ([B, T, V] tokens or [B, C] classes), mean squared error for
+    hidden states."""
+
+    def __init__(self, model: nn.Module, kind: str):
+        super().__init__()
+        self.model = model
+        self.kind = kind
+
+    def forward(self, target, *inputs):
+        out = self.model(*inputs)
+        if self.kind == "tokens":
+            return F.cross_entropy(out.flatten(0, 1), target.flatten())
+        if self.kind == "classes":
+            return F.cross_entropy(out, target)
+        return F.mse_loss(out, target)
+
+
+def training_setup(name: str):
+    """`(WithLoss(model) in train mode, (target, *inputs))` for zoo model `name`."""
+    model, inputs = make(name)
+    if name in TRAINING_IMAGES:
+        b, s = TRAINING_IMAGES[name]
+        inputs = (torch.randn(b, 3, s, s),)
+    with torch.no_grad():
+        out = model(*inputs)
+    if out.dim() == 3 and out.shape[-1] == VOCAB:
+        kind, target = "tokens", torch.randint(0, VOCAB, out.shape[:2])
+    elif out.dim() == 2:
+        kind, target = "classes", torch.randint(0, out.shape[1], out.shape[:1])
+    else:
+        kind, target = "hidden", torch.randn(out.shape)
+    return WithLoss(model, kind).train(), (target, *inputs)
+
+
+def assert_close_scaled(actual, expected, what, rel=1e-4):
+    """|actual - expected| <= rel * max|expected| (+ a tiny floor): tolerances scaled to each
+    tensor, since gradients of different parameters differ by orders of magnitude."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    if not actual.is_floating_point():
+        assert torch.equal(actual, expected), what
+        return
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    assert err <= rel * scale + 1e-7, f"{what}: max abs error {err:.3g}, scale {scale:.3g}"
+
+
+def assert_close_to_eager_or_float64(actual, expected, exact, what):
+    """A gradient (or parameter) within `assert_close_scaled` of eager's, or, where eager's own float32 rounding
+    is that far from the float64 gradient `exact`, no more than 8x as far from it as eager is: a
+    different summation order is not held to eager's rounding errors, while a wrong lowering (off
+    by the gradient's own size) still fails. Measured: ResNet-18's second step (batch-norm
+    statistics of a batch of 4, an ill-conditioned gradient): eager float32 is 2e-4 off float64 on
+    bn1's bias (scale 0.056); tpuc on the default plugin 1.1e-3, whose XNNPACK/YNNPACK matmuls sum
+    in longer chains (a [64, 8192] x [8192, 64] product: 1.5e-4 off float64, eager 0.9e-4,
+    the plugin with those fusions off 1.1e-4)."""
+    try:
+        assert_close_scaled(actual, expected, what)
+    except AssertionError:
+        err = (actual.double() - exact).abs().max().item()
+        eager_err = (expected.double() - exact).abs().max().item()
+        assert err <= 8 * eager_err, f"{what}: {err:.3g} from float64, eager float32 {eager_err:.3g}"

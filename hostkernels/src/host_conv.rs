@@ -21,6 +21,11 @@
 //! from (or, for the weight gradient, to) PyTorch's layout on every call, into a per-thread
 //! buffer; nothing derived from a call's data is kept past the call. Primitives (JIT code for one
 //! shape) are made once per shape and kept.
+//!
+//! The implementation of each shape is oneDNN's own first choice for it (see [`primitive`]): a
+//! function of the shape, the oneDNN build and the CPU, so every process computes the same
+//! numbers for the same program. It used to be picked by timing on the first call, which made
+//! results differ between processes (issue 48).
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -211,9 +216,6 @@ enum Api {
         memory_desc_create_with_tag:
             unsafe extern "C" fn(*mut *const MemoryDesc, c_int, Dims, c_int, c_int) -> Status,
         memory_desc_destroy: unsafe extern "C" fn(*const MemoryDesc) -> Status,
-        primitive_desc_clone: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
-        /// Moves a primitive descriptor to oneDNN's next implementation of the same problem.
-        primitive_desc_next_impl: unsafe extern "C" fn(Handle) -> Status,
         #[allow(clippy::type_complexity)]
         forward: unsafe extern "C" fn(
             *mut Handle,
@@ -375,8 +377,6 @@ fn load(library: &str) -> Option<Dnnl> {
         Api::V3 {
             memory_desc_create_with_tag: sym!("dnnl_memory_desc_create_with_tag"),
             memory_desc_destroy: sym!("dnnl_memory_desc_destroy"),
-            primitive_desc_clone: sym!("dnnl_primitive_desc_clone"),
-            primitive_desc_next_impl: sym!("dnnl_primitive_desc_next_impl"),
             forward: sym!("dnnl_convolution_forward_primitive_desc_create"),
             backward_data: sym!("dnnl_convolution_backward_data_primitive_desc_create"),
             backward_weights: sym!("dnnl_convolution_backward_weights_primitive_desc_create"),
@@ -495,15 +495,8 @@ unsafe impl Send for Primitive {}
 // SAFETY: see Send.
 unsafe impl Sync for Primitive {}
 
-impl Primitive {
-    /// Whether this is one of oneDNN's reference implementations (`ref:`, slow by design).
-    fn is_reference(&self) -> bool {
-        self.name.starts_with("ref")
-    }
-}
-
-/// Only the candidates [`fastest`] passes over are dropped (chosen ones live in the cache for
-/// the process): their JIT code and descriptors go back.
+/// Kept primitives live for the process; one is dropped only where two threads made the same
+/// shape's at once (the cache keeps one): its JIT code and descriptors go back.
 impl Drop for Primitive {
     fn drop(&mut self) {
         let Some(Some(d)) = DNNL.get() else { return };
@@ -528,14 +521,21 @@ fn check(status: Status, what: &str) -> Result<(), String> {
     }
 }
 
-/// `shape`'s primitive: made on the first call, from the fastest of oneDNN's implementations on
-/// that call's buffers (see [`fastest`]), and kept.
-fn primitive(d: &Dnnl, shape: &Shape, buffers: Buffers) -> Result<Arc<Primitive>, String> {
+/// `shape`'s primitive: made on the first call and kept. It is the implementation oneDNN ranks
+/// first for the shape on this CPU (what any caller of this oneDNN gets, PyTorch's eager
+/// included), never one chosen by timing: implementations sum in different orders, and a choice
+/// that depends on the load of the moment made the same program's numbers differ from one
+/// process to the next. That is within rounding for each convolution, but not for what follows
+/// it: a ReLU whose input lies within rounding of 0 passes or blocks its whole gradient, and
+/// ResNet-18's training gradient differed from eager's by 0.3 (relative) in the processes that
+/// picked one forward kernel for one of its eight shapes (issue 48; docs/host-kernels.md).
+fn primitive(d: &Dnnl, shape: &Shape) -> Result<Arc<Primitive>, String> {
     let cache = PRIMITIVES.get_or_init(|| Mutex::new(HashMap::new()));
     if let Some(p) = cache.lock().unwrap_or_else(|p| p.into_inner()).get(shape) {
         return Ok(p.clone());
     }
-    let p = Arc::new(fastest(d, shape, make_candidates(d, shape)?, buffers)?);
+    let p = Arc::new(first_ranked(d, shape)?);
+    tracing::debug!("oneDNN {} for {shape:?}: {}", shape.kind.target(), p.name);
     cache
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -759,12 +759,9 @@ fn primitive_desc_v3(d: &Dnnl, kind: Kind, mds: [&Md; 3], w: &Window) -> Result<
     Ok(pd)
 }
 
-/// The primitives of oneDNN's implementations of `shape` that [`fastest`] picks from: the one
-/// it ranks first, and with 3.x up to [`MAX_CANDIDATES`] - 1 more (its ranking is a heuristic;
-/// ResNet-50's 3x3 weight gradients ran faster in an implementation it ranked later). Reference
-/// implementations (`ref:`, slow by design) are left out unless there is nothing else, and so
-/// are kernels for narrower vectors than one already taken.
-fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
+/// The primitive of the implementation oneDNN ranks first for `shape` (its reference
+/// implementations rank last, so one is used only where nothing else handles the shape).
+fn first_ranked(d: &Dnnl, shape: &Shape) -> Result<Primitive, String> {
     let g = shape.groups();
     let [o, cg, kh, kw] = shape.kernel;
     let (tag_goihw, tag_nhwc) = d.api.tags();
@@ -786,87 +783,13 @@ fn make_candidates(d: &Dnnl, shape: &Shape) -> Result<Vec<Primitive>, String> {
         // oneDNN counts dilation from 0 (dense).
         dilates: [geo[6] - 1, geo[7] - 1],
     };
-    let user_kernel = Arc::new(user_kernel);
     let mds = [&src, &any_kernel, &dst];
     let pd = match &d.api {
         Api::V2 { .. } => primitive_desc_v2(d, shape.kind, mds, &window)?,
         Api::V3 { .. } => primitive_desc_v3(d, shape.kind, mds, &window)?,
     };
-    let activations = Arc::new([src, dst]);
-    let Api::V3 {
-        primitive_desc_clone,
-        primitive_desc_next_impl,
-        ..
-    } = &d.api
-    else {
-        return Ok(vec![primitive_from(
-            d,
-            shape,
-            pd,
-            &user_kernel,
-            &activations,
-        )?]);
-    };
-    let mut candidates: Vec<Primitive> = Vec::new();
-    let mut widest = 0;
-    loop {
-        let mut current: Handle = std::ptr::null_mut();
-        check(
-            // SAFETY: a live primitive descriptor; the clone is owned by its primitive.
-            unsafe { primitive_desc_clone(&mut current, pd) },
-            "primitive_desc_clone",
-        )?;
-        let isa = isa_level(&impl_name(d, current));
-        if isa.is_some_and(|level| level < widest) {
-            // The same kernel for narrower vectors than one already taken: slower by design
-            // (ResNet-50's: 1.5-2x).
-            // SAFETY: the clone, used by nothing else.
-            unsafe { (d.primitive_desc_destroy)(current) };
-        } else {
-            widest = widest.max(isa.unwrap_or(0));
-            candidates.push(primitive_from(
-                d,
-                shape,
-                current,
-                &user_kernel,
-                &activations,
-            )?);
-        }
-        let usable = candidates.iter().filter(|p| !p.is_reference()).count();
-        // SAFETY: as above; a status other than success means there is no next one.
-        if usable == MAX_CANDIDATES || unsafe { primitive_desc_next_impl(pd) } != SUCCESS {
-            break;
-        }
-    }
-    // SAFETY: the iterated descriptor, used by nothing else (each candidate has its clone).
-    unsafe { (d.primitive_desc_destroy)(pd) };
-    // Reference implementations only where oneDNN has nothing else.
-    if candidates.iter().any(|p| !p.is_reference()) {
-        candidates.retain(|p| !p.is_reference());
-    } else {
-        candidates.truncate(1);
-    }
-    Ok(candidates)
+    primitive_from(d, shape, pd, &Arc::new(user_kernel), &Arc::new([src, dst]))
 }
-
-/// The vector width an implementation's name says it is for (3: AVX-512 or AMX, 2: AVX2, 1:
-/// SSE4.1), None where it names none (GEMM-based and reference ones).
-fn isa_level(name: &str) -> Option<u8> {
-    if name.contains("avx512") || name.contains("amx") {
-        Some(3)
-    } else if name.contains("avx2") {
-        Some(2)
-    } else if name.contains("sse41") {
-        Some(1)
-    } else {
-        None
-    }
-}
-
-/// How many of oneDNN's implementations of a shape [`fastest`] tries at most (the choice may
-/// differ from one process to the next, and implementations sum in different orders).
-// 4: ResNet-50 training 332-352 ms a step with the trials, 360-381 with oneDNN's first choice.
-const MAX_CANDIDATES: usize = 4;
 
 /// The name of the implementation behind primitive descriptor `pd` (empty where not given).
 fn impl_name(d: &Dnnl, pd: Handle) -> String {
@@ -1031,85 +954,12 @@ fn run(
     b: *mut c_void,
     out: *mut c_void,
 ) -> Result<(), String> {
-    let p = primitive(d, shape, (a, b, out))?;
+    let p = primitive(d, shape)?;
     execute(d, &p, shape.kind, (a, b, out))
 }
 
 /// A call's buffers: `a` and `b` the operands in the order of the module docs, the result.
 type Buffers = (*mut c_void, *mut c_void, *mut c_void);
-
-/// Of `candidates` (one implementation each), the one that ran `shape` fastest on the first
-/// call's buffers. They run in turns, [`TRIAL_ROUNDS`] rounds, so that load on the machine falls
-/// on all alike: the first round faults in buffers (the first candidate's run is the coldest)
-/// and drops any that took over four times the best (oneDNN's GEMM-based weight gradients of
-/// ResNet-50's 7x7 maps took 200 ms where its direct ones took 7), and each survivor counts by
-/// its fastest later run. The result is overwritten by
-/// the call itself afterwards. A candidate that fails is passed over.
-fn fastest(
-    d: &Dnnl,
-    shape: &Shape,
-    mut candidates: Vec<Primitive>,
-    buffers: Buffers,
-) -> Result<Primitive, String> {
-    if candidates.len() == 1 {
-        return Ok(candidates.remove(0));
-    }
-    let mut best: Vec<Option<std::time::Duration>> = vec![None; candidates.len()];
-    let mut last_error = None;
-    for round in 0..TRIAL_ROUNDS {
-        for (i, p) in candidates.iter().enumerate() {
-            if round > 0 && best[i].is_none() {
-                continue;
-            }
-            let t0 = std::time::Instant::now();
-            if let Err(e) = execute(d, p, shape.kind, buffers) {
-                best[i] = None;
-                last_error = Some(e);
-                continue;
-            }
-            let t = t0.elapsed();
-            best[i] = Some(match best[i] {
-                Some(b) if round > 1 => b.min(t),
-                _ => t,
-            });
-        }
-        if round == 0 {
-            let fastest = best.iter().flatten().min().copied();
-            for b in &mut best {
-                if let (Some(t), Some(f)) = (*b, fastest) {
-                    if t > f * 4 {
-                        *b = None;
-                    }
-                }
-            }
-        }
-    }
-    let Some(i) = (0..candidates.len())
-        .filter(|&i| best[i].is_some())
-        .min_by_key(|&i| best[i])
-    else {
-        return Err(last_error.unwrap_or_else(|| "no oneDNN implementation ran".into()));
-    };
-    let timings: Vec<String> = candidates
-        .iter()
-        .zip(&best)
-        .map(|(p, t)| match t {
-            Some(t) => format!("{} {:.2} ms", p.name, t.as_secs_f64() * 1e3),
-            None => format!("{} dropped", p.name),
-        })
-        .collect();
-    tracing::debug!(
-        "oneDNN {} for {:?}: {} chosen of {}",
-        shape.kind.target(),
-        shape,
-        candidates[i].name,
-        timings.join(", ")
-    );
-    Ok(candidates.swap_remove(i))
-}
-
-/// Rounds of [`fastest`]'s trials: one to warm up and prune, two that count.
-const TRIAL_ROUNDS: usize = 3;
 
 /// Runs primitive `p` (a convolution of `kind`) over the call's buffers.
 fn execute(d: &Dnnl, p: &Primitive, kind: Kind, (a, b, out): Buffers) -> Result<(), String> {

@@ -74,7 +74,7 @@ RETIRED = {
     "EXECUTE_SPIN_US": "a constant, tpuc_runtime::EXECUTE_SPIN (100 us); tpuc._native.execute_spin_us(us) sets it for a process",
     "HOST_GEMM_SPIN_US": "a constant, tpuc_hostkernels::spin_helpers::SPIN (1000 us)",
     "HOST_GEMM_PIECES": "a test hook, tpuc._native.set_host_gemm_always_pieces(True)",
-    "ONEDNN_TRIALS": "nothing: oneDNN's implementations are always timed (MAX_CANDIDATES in host_conv.rs)",
+    "ONEDNN_TRIALS": "nothing: each convolution runs oneDNN's first-ranked implementation, never one chosen by timing (first_ranked in host_conv.rs)",
     "UNPARTITIONED_MAX": "a constant, UNPARTITIONED_MAX_ELEMENTS in compiler/src/pipeline.rs (2^18); tpuc._native.set_unpartitioned_max(n) sets it for a process",
 }
 
