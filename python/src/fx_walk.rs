@@ -18,7 +18,14 @@ use tpuc_frontend_fx::wire::{FxArg, FxGraph, FxMeta, FxNode};
 use tpuc_frontend_fx::{DType, Dim, SymExpr};
 
 /// Ops drawing random numbers: each gets the graph's seed input and its own stream index.
-const RANDOM_OPS: &[&str] = &["aten.native_dropout.default"];
+const RANDOM_OPS: &[&str] = &[
+    "aten.native_dropout.default",
+    "aten.rand.default",
+    "aten.rand_like.default",
+    "aten.randn.default",
+    "aten.randn_like.default",
+    "aten.bernoulli.p",
+];
 /// The seed input's name (a 2-element int64 tensor, the last input).
 pub const SEED_INPUT: &str = "tpuc_rng_seed";
 

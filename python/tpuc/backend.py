@@ -32,6 +32,7 @@ from . import (
     runtime,
     saved,
     targets,
+    untraced,
 )
 from . import options as options_mod
 from . import sharding as sharding_mod
@@ -209,7 +210,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             gm,
             example_inputs,
             fw_compiler=compiler("forward"),
-            bw_compiler=compiler("backward"),
+            # Runs inside `loss.backward()`, maybe in a compiled step: never traced by Dynamo.
+            bw_compiler=untraced.backward_compiler(compiler("backward")),
             decompositions=_decompositions(bool(maxima)),
             # Writes into inputs stay in an inference graph (mutations.py).
             keep_inference_input_mutations=not needs_grad and shard_ctx is None,

@@ -84,6 +84,8 @@ def _supported(n: torch.fx.Node) -> bool:
         return False
     if any(isinstance(a, complex) for a in leaves):
         return False  # complex Python scalars have no wire format (complex tensors do)
+    if target == "prims.fma.default" and any(t.dtype == torch.float64 for t in tensors):
+        return False  # rounded once through a wider type, and float64 has none (elementwise.rs)
     return target in _supported_ops or n.target.__name__ == "getitem"
 
 
@@ -100,6 +102,8 @@ def _why_unsupported(n: torch.fx.Node) -> str:
         torch.fx.node.map_aggregate((n.args, n.kwargs), leaves.append)
         if any(isinstance(a, complex) for a in leaves):
             return "tpuc cannot pass complex Python scalars yet"
+        if target == "prims.fma.default":
+            return "tpuc rounds fma exactly once through a wider type, and float64 has none"
         return "tpuc does not lower it for these operands (complex or uint64 tensors, data-dependent sizes)"
     return "tpuc has no lowering rule for it"
 

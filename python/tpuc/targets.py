@@ -24,7 +24,7 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, counters, dump, flex, fx_export, regions, runtime
+from . import _native, counters, dump, flex, fx_export, regions, runtime, untraced
 from . import sharding as sharding_mod
 from .target_spec import TargetSpec, parse
 
@@ -314,7 +314,7 @@ def compile_for_target(
             gm,
             example_inputs,
             fw_compiler=compiler("forward"),
-            bw_compiler=compiler("backward"),
+            bw_compiler=untraced.backward_compiler(compiler("backward")),
             decompositions=decompositions,
             keep_inference_input_mutations=False,
         )

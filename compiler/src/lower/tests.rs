@@ -4603,3 +4603,93 @@ fn accelerator_composites_are_inlined() {
     assert_eq!(ops_named(&tpu, "composite"), 0, "{tpu}");
     assert_eq!(ops_named(&tpu, "tanh"), 1, "{tpu}");
 }
+
+/// `prims.fma` rounds `a * b + c` once, bit for bit as `f32::mul_add`, over 4099 elements (XLA's
+/// vector loop and its tail) and on sums where rounding in f64 and then to f32 would be wrong:
+/// (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 is halfway between two floats, and a c of +-2^-80, lost
+/// in an f64 sum, decides the rounding.
+#[test]
+fn num_prims_fma_rounds_once() {
+    let len = 4099usize;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+    };
+    let (mut a, mut b, mut c) = (vec![], vec![], vec![]);
+    for _ in 0..len {
+        a.push(next());
+        b.push(next());
+        c.push(next() * 1e-3);
+    }
+    let halfway = 1.0 + 2f32.powi(-12);
+    let hard = [
+        (halfway, halfway, 2f32.powi(-80)),
+        (halfway, halfway, -(2f32.powi(-80))),
+        (-halfway, halfway, 2f32.powi(-80)),
+        (-halfway, halfway, -(2f32.powi(-80))),
+        (0.0, f32::INFINITY, 1.0),
+        (f32::MAX, 2.0, -f32::MAX),
+        (3.0, f32::NAN, 1.0),
+    ];
+    for (i, (x, y, z)) in hard.iter().enumerate() {
+        // In the vector loop's middle and in its tail.
+        for at in [i * 97, len - 1 - i] {
+            (a[at], b[at], c[at]) = (*x, *y, *z);
+        }
+    }
+    let double_rounded = ((halfway as f64 * halfway as f64) + 2f64.powi(-80)) as f32;
+    assert_ne!(
+        double_rounded,
+        halfway.mul_add(halfway, 2f32.powi(-80)),
+        "the hard cases are hard"
+    );
+    let ins = [
+        ("a", &[len as i64][..], "float32"),
+        ("b", &[len as i64][..], "float32"),
+        ("c", &[len as i64][..], "float32"),
+    ];
+    let g = op(
+        &ins,
+        "prims.fma.default",
+        json!([n("a"), n("b"), n("c")]),
+        nokw(),
+        f32t(&[len as i64]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(a.clone()),
+            Buf::F32(b.clone()),
+            Buf::F32(c.clone()),
+        ],
+    );
+    for (i, got) in out[0].f32().iter().enumerate() {
+        let want = a[i].mul_add(b[i], c[i]);
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "element {i}: fma({}, {}, {}) = {got}, want {want}",
+            a[i],
+            b[i],
+            c[i]
+        );
+    }
+    // A Python number as `b` (Dynamo's rewrite of `addcmul_(..., value=v)`).
+    let g = op(
+        &[("a", &[3], "float32"), ("c", &[3], "float32")],
+        "prims.fma.default",
+        json!([n("a"), 0.5, n("c")]),
+        nokw(),
+        f32t(&[3]),
+    );
+    let out = run(
+        &g,
+        &[
+            Buf::F32(vec![1.0, -2.0, 4.0]),
+            Buf::F32(vec![1.0, 1.0, -2.0]),
+        ],
+    );
+    assert_eq!(out[0].f32(), &[1.5, 0.0, 0.0]);
+}

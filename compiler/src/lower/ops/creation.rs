@@ -16,6 +16,8 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.new_empty.default", zeros),
     ("aten.empty_permuted.default", zeros),
     ("aten.empty_strided.default", zeros),
+    // EfficientNet's backward: a buffer `copy` then fills (strides are layout, not values).
+    ("aten.new_empty_strided.default", zeros),
     ("aten.ones.default", ones),
     ("aten.ones_like.default", ones),
     ("aten.new_ones.default", ones),

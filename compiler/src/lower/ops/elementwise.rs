@@ -108,6 +108,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.fmax.default", fmax),
     ("aten.fmin.default", fmin),
     ("aten.nextafter.default", nextafter),
+    ("prims.fma.default", fma),
     ("aten.round.decimals", round_decimals),
     ("aten.angle.default", angle),
     ("aten.frexp.Tensor", frexp),
@@ -1032,6 +1033,100 @@ fn nextafter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let either_nan = e.or(&e.isnan(&x)?, &e.isnan(&y)?)?;
     let nan = e.splat(Scalar::Float(f64::NAN), &[], out)?;
     Ok(vec![e.select(&either_nan, &nan, &r, out)?])
+}
+
+/// `prims.fma(a, b, c)`: `a * b + c` rounded once, as Inductor computes it and as eager's
+/// `add_(other, alpha=tensor)` does (Dynamo rewrites that, and `addcmul_` / `addcdiv_` with a
+/// `value`, to this prim: AdamW's update). StableHLO has no fused multiply-add and XLA contracts
+/// a multiply and an add only where its code generation chooses to, so the product is taken
+/// exactly in a wider type (f32 and bf16 in f64, f16 in f32), the sum there is rounded to odd
+/// (the last bit set when inexact) and the result rounded to the dtype: with two more bits than
+/// twice the dtype's precision, round-to-odd makes that second rounding the correct one (Boldo
+/// and Melquiond, "When double rounding is odd", 2005). float64 has no wider type: op_support.py
+/// leaves its fma to PyTorch.
+fn fma<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let e = cx.e;
+    let out = cx.out_dtype()?;
+    let shape = cx.out_shape()?;
+    let operand = |i: usize, name: &str| -> R<T<'c, 'b>> {
+        let t = cx.tensor_or_scalar(i, name, out)?;
+        e.broadcast_to(&e.convert(&t, out)?, &shape)
+    };
+    let (a, b, c) = (operand(0, "a")?, operand(1, "b")?, operand(2, "c")?);
+    let wide = match out {
+        DType::Float32 | DType::Bfloat16 => DType::Float64,
+        DType::Float16 => DType::Float32,
+        d if d.is_float() || d.is_complex() => {
+            return Err(cx.err(format!(
+                "fma of {d}: no wider type to round it exactly once"
+            )))
+        }
+        // Integers: exact (wrapping) arithmetic, as in PyTorch.
+        _ => return Ok(vec![e.add(&e.mul(&a, &b)?, &c)?]),
+    };
+    let (a, b, c) = (
+        e.convert(&a, wide)?,
+        e.convert(&b, wide)?,
+        e.convert(&c, wide)?,
+    );
+    let product = e.mul(&a, &b)?; // exact: twice the precision fits, and the range too
+    let mut sum = odd_sum(e, &product, &c)?;
+    if out == DType::Bfloat16 {
+        sum = odd_narrow(e, &sum, DType::Float32)?; // XLA may narrow f64 to bf16 through f32
+    }
+    Ok(vec![e.convert(&sum, out)?])
+}
+
+/// Whether `x` is finite (false for NaN).
+fn finite<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    let inf = e.k(f64::INFINITY, x.dtype)?;
+    e.compare(&e.unary("stablehlo.abs", x)?, &inf, "LT")
+}
+
+/// `x` (a rounded result) rounded to odd where `inexact`: an even last bit is stepped one unit
+/// towards the exact value, whose difference from `x` has the sign of `err`.
+fn set_odd<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    x: &T<'c, 'b>,
+    err: &T<'c, 'b>,
+    inexact: &T<'c, 'b>,
+) -> R<T<'c, 'b>> {
+    let bd = bits_dtype(x.dtype);
+    let int = |v: i64| e.splat(Scalar::Int(v), &[], bd);
+    let bits = e.bitcast(x, bd)?;
+    let even = e.compare(
+        &e.binary("stablehlo.and", &bits, &int(1)?, bd)?,
+        &int(0)?,
+        "EQ",
+    )?;
+    // +1 on the bit pattern moves away from zero, -1 towards it.
+    let x_negative = e.compare(&bits, &int(0)?, "LT")?;
+    let err_negative = e.compare(err, &e.k(0.0, err.dtype)?, "LT")?;
+    let away = e.compare(&x_negative, &err_negative, "EQ")?;
+    let step = e.select(&away, &int(1)?, &int(-1)?, bd)?;
+    let stepped = e.add(&bits, &step)?;
+    let odd = e.select(&e.and(inexact, &even)?, &stepped, &bits, bd)?;
+    e.bitcast(&odd, x.dtype)
+}
+
+/// `p + c` rounded to odd: the rounded sum, and its rounding error exactly (Knuth's TwoSum: no
+/// products, so no contraction into fused multiply-adds can change it).
+fn odd_sum<'c, 'b>(e: &Emitter<'c, 'b>, p: &T<'c, 'b>, c: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    let s = e.add(p, c)?;
+    let bb = e.sub(&s, p)?;
+    let err = e.add(&e.sub(p, &e.sub(&s, &bb)?)?, &e.sub(c, &bb)?)?;
+    let nonzero = e.compare(&err, &e.k(0.0, err.dtype)?, "NE")?;
+    set_odd(e, &s, &err, &e.and(&nonzero, &finite(e, &s)?)?)
+}
+
+/// `x` rounded to odd in the narrower float type `to`. The round trip is read through a barrier:
+/// XLA may drop a narrowing convert followed by a widening one (excess precision).
+fn odd_narrow<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>, to: DType) -> R<T<'c, 'b>> {
+    let t = e.convert(x, to)?;
+    let back = e.convert(&e.barrier(&t)?, x.dtype)?;
+    let err = e.sub(x, &back)?;
+    let nonzero = e.compare(&err, &e.k(0.0, err.dtype)?, "NE")?;
+    set_odd(e, &t, &err, &e.and(&nonzero, &finite(e, &t)?)?)
 }
 
 /// `round(self, decimals)` as PyTorch's kernel computes it, in the tensor's dtype:

@@ -1,0 +1,268 @@
+"""A whole training step compiled with backend="tpu" (zero_grad, forward, loss.backward(),
+optimizer.step() in one compiled function), and the other shapes of code where a tpuc graph runs
+while Dynamo's frame callback is live: a compiled model called from a compiled function, a
+backward run inside a compiled step, nested torch.compile calls. Dynamo must never trace tpuc's
+own code (untraced.py): each test watches the frames Dynamo starts tracing, and compares with
+eager PyTorch, and with aot_eager and Inductor on the same model and inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpuc
+
+STEPS = 10
+# Parameters and optimizer state after STEPS steps: within REL of the tensor's largest magnitude
+# (the scaled tolerance of test_zoo_training's gradients).
+REL = 1e-4
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+
+
+def _cnn():
+    # No bias before a BatchNorm: its gradient is zero up to rounding, which Adam's normalized
+    # update turns into steps of the full learning rate in a random direction (eager, aot_eager
+    # and tpu then differ by the learning rate itself).
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64, 4),
+    )
+
+
+MODELS = {"mlp": (_mlp, (16, 32), (16, 8)), "cnn": (_cnn, (4, 3, 16, 16), (4, 4))}
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+}
+
+
+@contextlib.contextmanager
+def dynamo_traced_files():
+    """The files of the frames Dynamo starts tracing while the block runs (its INFO log line
+    "torchdynamo start tracing NAME FILE:LINE")."""
+    files: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            m = re.search(r"torchdynamo start tracing \S+ (\S+):\d+", record.getMessage())
+            if m:
+                files.append(m.group(1))
+
+    # Only this logger's records, kept from torch's own handlers (which would print them).
+    logger = logging.getLogger("torch._dynamo.symbolic_convert")
+    handler, level, propagate = Collect(), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield files
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def assert_tpuc_untraced(files):
+    package = tpuc.__file__.rsplit("/", 1)[0] + "/"
+    ours = sorted({f for f in files if f.startswith(package)})
+    assert not ours, f"Dynamo traced tpuc's own code: {ours}"
+
+
+def _batches(name, n):
+    _, xs, ys = MODELS[name]
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(xs, generator=g), torch.randn(ys, generator=g)) for _ in range(n)]
+
+
+def _train(backend, model_name, opt_name, steps=STEPS):
+    """(losses, model, optimizer, executions per step) after `steps` compiled steps from the same
+    start; backend None runs eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MODELS[model_name][0]().train()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    if backend is not None:
+        step = torch.compile(step, backend=backend)
+    losses, executions = [], []
+    for x, y in _batches(model_name, steps):
+        before = tpuc.stats()["executions"]
+        losses.append(step(x, y))
+        executions.append(tpuc.stats()["executions"] - before)
+    return losses, model, opt, executions
+
+
+def assert_close_scaled(actual, expected, what, rel=REL):
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    if not actual.is_floating_point():
+        assert torch.equal(actual, expected), what
+        return
+    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    assert err <= rel * scale + 1e-7, f"{what}: max abs error {err:.3g}, scale {scale:.3g}"
+
+
+def assert_same_training(got, want, who):
+    losses, model, opt, _ = got
+    losses_e, model_e, opt_e, _ = want
+    for i, (a, b) in enumerate(zip(losses, losses_e, strict=True)):
+        assert_close_scaled(a, b, f"{who}: loss of step {i}")
+    for (name, p), pe in zip(model.named_parameters(), model_e.parameters(), strict=True):
+        assert_close_scaled(p.detach(), pe.detach(), f"{who}: parameter {name}")
+    for (name, b), be in zip(model.named_buffers(), model_e.buffers(), strict=True):
+        assert_close_scaled(b, be, f"{who}: buffer {name}")
+    state, state_e = opt.state_dict()["state"], opt_e.state_dict()["state"]
+    assert state.keys() == state_e.keys(), f"{who}: optimizer state of other parameters"
+    for k in state:
+        assert state[k].keys() == state_e[k].keys(), f"{who}: optimizer state {k}"
+        for field, v in state[k].items():
+            ve = state_e[k][field]
+            if isinstance(v, torch.Tensor):
+                assert_close_scaled(v, ve, f"{who}: optimizer state {k}.{field}")
+            else:
+                assert v == ve, f"{who}: optimizer state {k}.{field}"
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_compiled_training_step_matches_eager(model_name, opt_name):
+    eager = _train(None, model_name, opt_name)
+    with dynamo_traced_files() as files:
+        tpu = _train("tpu", model_name, opt_name)
+    assert_tpuc_untraced(files)
+    assert_same_training(tpu, eager, "tpu")
+    assert tpuc.stats()["executions"] > 0, "tpuc ran the step's graphs"
+    # AdamW's addcmul_/addcdiv_ reach tpuc as prims.fma (test_fma.py): nothing runs in PyTorch.
+    assert tpuc.stats()["fallback_ops"] == {}
+    assert_same_training(_train("aot_eager", model_name, opt_name), eager, "aot_eager")
+
+
+def test_compiled_training_step_inductor_on_the_same_model_and_inputs():
+    """Inductor (the default backend) on the case that crashed (SGD with momentum, a CNN with
+    BatchNorm): the same tolerance holds for it as for tpu."""
+    eager = _train(None, "cnn", "sgd_momentum")
+    assert_same_training(_train("inductor", "cnn", "sgd_momentum"), eager, "inductor")
+    assert_same_training(_train("tpu", "cnn", "sgd_momentum"), eager, "tpu")
+
+
+def _small_mlp_and_batch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return model, torch.randn(8, 16), torch.randn(8, 4)
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _eager_grads(model, x, y):
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(model(x), y).backward()
+    grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_grads(model, want, who):
+    for i, (g, w) in enumerate(zip(_grads(model), want, strict=True)):
+        assert_close_scaled(g, w, f"{who}: gradient {i}")
+
+
+@pytest.mark.parametrize("outer", ["tpu", "aot_eager", "inductor"])
+def test_compiled_model_inside_a_compiled_step(outer):
+    """torch.compile(model, backend="tpu") called, and its loss backpropagated, inside a
+    function compiled with another torch.compile (Dynamo inlines the inner compiled model into
+    the outer graph, whose backend then compiles it)."""
+    model, x, y = _small_mlp_and_batch()
+    want = _eager_grads(model, x, y)
+    cmodel = torch.compile(model, backend="tpu")
+
+    # (zero_grad outside: naming `model` beside `cmodel` in one traced frame trips an
+    # assertion in Dynamo's side-effect tracking, with any backend)
+    def step(x, y):
+        loss = F.mse_loss(cmodel(x), y)
+        loss.backward()
+        return loss.detach()
+
+    cstep = torch.compile(step, backend=outer)
+    with dynamo_traced_files() as files:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss = cstep(x, y)
+            _assert_grads(model, want, outer)
+    assert_tpuc_untraced(files)
+    torch.testing.assert_close(loss, F.mse_loss(model(x), y).detach())
+
+
+def test_backward_of_a_compiled_model_run_by_another_compiled_function():
+    """A tpu-compiled forward after a graph break, and its backward started inside a second
+    compiled function (`loss.backward()` breaks Dynamo's graph and runs under its frame
+    callback): the tpu backward runs there, untraced."""
+    model, x, y = _small_mlp_and_batch()
+    want = _eager_grads(model, x, y)
+    cmodel = torch.compile(model, backend="tpu")
+
+    def forward(x):
+        h = x * 1.0
+        torch._dynamo.graph_break()
+        return cmodel(h)
+
+    cforward = torch.compile(forward, backend="tpu")
+    cbackward = torch.compile(lambda loss: loss.backward(), backend="tpu")
+    with dynamo_traced_files() as files:
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            before = tpuc.stats()["executions"]
+            cbackward(F.mse_loss(cforward(x), y))
+            assert tpuc.stats()["executions"] - before == 3, "x * 1.0, the model's forward and backward"
+            _assert_grads(model, want, "tpu")
+    assert_tpuc_untraced(files)
+
+
+def test_tpu_compiled_model_inside_a_disabled_region_of_a_compiled_function():
+    """Nested torch.compile calls through `torch.compiler.disable`: the outer compiled function
+    leaves a helper to eager, and the helper runs a tpu-compiled model forward and backward."""
+    model, x, y = _small_mlp_and_batch()
+    want = _eager_grads(model, x, y)
+    cmodel = torch.compile(model, backend="tpu")
+
+    @torch.compiler.disable
+    def train_on(x, y):
+        model.zero_grad(set_to_none=True)
+        loss = F.mse_loss(cmodel(x), y)
+        loss.backward()
+        return loss.detach()
+
+    couter = torch.compile(lambda x, y: train_on(x * 1.0, y) + 1, backend="tpu")
+    with dynamo_traced_files() as files:
+        for _ in range(3):
+            out = couter(x, y)
+            _assert_grads(model, want, "tpu")
+    assert_tpuc_untraced(files)
+    torch.testing.assert_close(out, F.mse_loss(model(x), y).detach() + 1)
