@@ -138,8 +138,12 @@ def _child_train(name: str) -> dict:
     return {"errors": errors, "ok": ok, "digest": _digest(firsts), "worst": worst}
 
 
-def run_once(name: str, mode: str, timeout: float = 600) -> Run:
-    """One fresh process running zoo model `name` in `mode` ("infer" or "train")."""
+def run_once(name: str, mode: str, timeout: float = 600, debug: str | None = None) -> Run:
+    """One fresh process running zoo model `name` in `mode` ("infer" or "train"), with
+    `TPUC_DEBUG=debug` where given."""
+    env = os.environ.copy()
+    if debug is not None:
+        env["TPUC_DEBUG"] = debug
     t0 = time.perf_counter()
     try:
         p = subprocess.run(
@@ -147,7 +151,7 @@ def run_once(name: str, mode: str, timeout: float = 600) -> Run:
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=os.environ.copy(),
+            env=env,
         )
         returncode, stdout, stderr = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:

@@ -73,6 +73,7 @@ def test_debug_keys_and_values():
         "module_format",
         "skip_device_check",
         "profile_every",
+        "serial",
         "cache_write_pause_ms",
     }
     value = "discrete_device, module_format=TEXT,profile_every=50,no_host_views=off"

@@ -28,3 +28,10 @@ def _check(runs):
 @pytest.mark.parametrize(("model", "mode", "runs"), [("resnet18", "train", 2), ("resnet18", "infer", 2)])
 def test_fresh_processes_match_eager_and_each_other(model, mode, runs):
     _check([stress_runs.run_once(model, mode) for _ in range(runs)])
+
+
+def test_serial_handoffs_compute_the_same_bits():
+    """`TPUC_DEBUG=serial` (every host-kernel piece on the calling thread) changes who computes,
+    not what: GPT-2's host products, rows and attention give the bits they give with helper
+    threads, so a difference that appears only with helpers is a race."""
+    _check([stress_runs.run_once("gpt2", "infer", debug=d) for d in ("serial", "")])

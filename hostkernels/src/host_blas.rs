@@ -330,9 +330,10 @@ unsafe extern "C" fn gemm<const TA: bool, const TB: bool>(frame: *mut CallFrame)
         next: AtomicI64::new(0),
         done: AtomicI64::new(0),
     });
-    // Help comes from the spinning helpers where there are any, else from XLA's pool.
+    // Help comes from the spinning helpers where there are any, else from XLA's pool; none with
+    // `TPUC_DEBUG=serial`, where this thread runs every piece.
     let mut posted = None;
-    if total > 1 {
+    if total > 1 && !super::spin_helpers::serial() {
         posted = super::spin_helpers::post(job.clone(), cpus() as usize);
         if posted.is_none() {
             schedule_pieces(frame, &job, total);

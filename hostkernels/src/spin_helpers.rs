@@ -133,11 +133,20 @@ fn run(helpers: &'static Helpers) {
     }
 }
 
+/// Whether `TPUC_DEBUG=serial` asks for every job to run on the thread that posts it (read once
+/// per process): a result that differs between runs with helpers and never without them points
+/// at a race, one that differs without them too at a numeric difference. The pieces are the
+/// same either way (only who runs them changes), so the numbers are too.
+pub(crate) fn serial() -> bool {
+    static SERIAL: OnceLock<bool> = OnceLock::new();
+    *SERIAL.get_or_init(|| tpuc_runtime::env::debug_flag("serial"))
+}
+
 /// Posts `job` for the helpers (one per thread beyond the caller's, for `threads` threads) to
 /// join; returns its number for [`retract`], or None where there are no helpers (none could
-/// start, or this process is a fork of the one they run in).
+/// start, this process is a fork of the one they run in, or `TPUC_DEBUG=serial`).
 pub(crate) fn post(job: Arc<dyn Work>, threads: usize) -> Option<u64> {
-    if FORKED.load(Ordering::Relaxed) {
+    if FORKED.load(Ordering::Relaxed) || serial() {
         return None;
     }
     let helpers = helpers(threads.saturating_sub(1))?;

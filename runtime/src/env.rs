@@ -186,7 +186,7 @@ pub struct DebugKey {
 }
 
 /// Every `TPUC_DEBUG` key.
-pub const DEBUG_KEYS: [DebugKey; 6] = [
+pub const DEBUG_KEYS: [DebugKey; 7] = [
     DebugKey {
         name: "discrete_device",
         kind: DebugKind::Flag,
@@ -211,6 +211,11 @@ pub const DEBUG_KEYS: [DebugKey; 6] = [
         name: "profile_every",
         kind: DebugKind::Count,
         what: "with TPUC_LOG=debug, log per-phase call times every this many calls",
+    },
+    DebugKey {
+        name: "serial",
+        kind: DebugKind::Flag,
+        what: "run every host-kernel job on the thread that calls it, with no helper threads (a race from a numeric difference)",
     },
     DebugKey {
         name: "cache_write_pause_ms",
