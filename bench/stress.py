@@ -6,7 +6,7 @@ and the processes of one model compared with each other bit for bit.
     .venv/bin/python bench/stress.py [--runs 10] [--train resnet18 gpt2 ...] [--infer resnet18 ...]
 
 Prints one row per model and mode (runs, runs off eager, aborts or other non-zero exits,
-distinct results, seconds per run) and adds the table to bench/results/stress.md (newest first),
+distinct results, seconds per run) and writes the table on top of bench/results/stress.md (earlier runs below it),
 with the raw runs in bench/results/stress.json. Exit status 1 when any run was off eager, exited
 abnormally, or the runs of one model disagreed.
 """
@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("TPUC_CACHE_DIR", tempfile.mkdtemp(prefix="tpuc-stress-"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="tpuc-stress-torch-"))
 
+import results_history  # noqa: E402  (bench/, beside this script)
 import stress_runs  # noqa: E402
 
 # The training models of tests/test_zoo_training.py and a spread of inference models (CNNs with
@@ -87,16 +88,13 @@ def main(argv=None) -> int:
     )
     print(table)
     busy = "the other core idle" if args.no_busy else "the other core busy"
-    section = (
-        f"## {time.strftime('%Y-%m-%d %H:%M')}: {args.runs} fresh processes per row, {busy}\n\n"
+    latest = (
+        f"# Stress runs: {args.runs} fresh processes per row, {busy} ({time.strftime('%Y-%m-%d %H:%M')})\n\n"
         f"`python bench/stress.py --runs {args.runs}`; {time.perf_counter() - t0:.0f} s in all, "
-        f"load average at the end {load:.1f}.\n\n{table}\n"
+        f"load average at the end {load:.1f}.\n\n{table}"
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    md = args.out / "stress.md"
-    title = "# Stress runs (bench/stress.py): fresh processes against eager, newest first\n\n"
-    old = md.read_text().removeprefix(title) if md.exists() else ""
-    md.write_text(title + section + old)
+    results_history.write_markdown(args.out / "stress.md", latest)
     (args.out / "stress.json").write_text(json.dumps({"rows": rows, "runs": raw}, indent=1) + "\n")
     bad = any(r["off_eager"] or r["bad_exit"] or r["distinct_results"] > 1 for r in rows)
     return 1 if bad else 0
