@@ -104,10 +104,11 @@ def _batches(name, n):
     return [(torch.randn(xs, generator=g), torch.randn(ys, generator=g)) for _ in range(n)]
 
 
-def _train(backend, model_name, opt_name, steps=STEPS, set_to_none=True, peek=None):
+def _train(backend, model_name, opt_name, steps=STEPS, set_to_none=True, peek=None, micro=1):
     """(losses, model, optimizer, executions per step) after `steps` compiled steps from the same
     start; backend None runs eager. `peek`: a dict the step writes the loss's value into
-    (`.item()` between forward and backward, which splits the step)."""
+    (`.item()` between forward and backward, which splits the step); `micro`: gradients
+    accumulated over that many micro-batches (a backward each) before the update."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MODELS[model_name][0]().train()
@@ -115,6 +116,11 @@ def _train(backend, model_name, opt_name, steps=STEPS, set_to_none=True, peek=No
 
     def step(x, y):
         opt.zero_grad(set_to_none=set_to_none)
+        if micro > 1:
+            for xb, yb in zip(x.chunk(micro), y.chunk(micro), strict=True):
+                (F.mse_loss(model(xb), yb) / micro).backward()
+            opt.step()
+            return None
         loss = F.mse_loss(model(x), y)
         if peek is not None:
             peek["loss"] = loss.item()
@@ -146,7 +152,8 @@ def assert_same_training(got, want, who):
     losses, model, opt, _ = got
     losses_e, model_e, opt_e, _ = want
     for i, (a, b) in enumerate(zip(losses, losses_e, strict=True)):
-        assert_close_scaled(a, b, f"{who}: loss of step {i}")
+        if b is not None:
+            assert_close_scaled(a, b, f"{who}: loss of step {i}")
     for (name, p), pe in zip(model.named_parameters(), model_e.parameters(), strict=True):
         assert_close_scaled(p.detach(), pe.detach(), f"{who}: parameter {name}")
     for (name, b), be in zip(model.named_buffers(), model_e.buffers(), strict=True):
@@ -194,6 +201,53 @@ def test_step_keeping_gradients_is_one_program():
     assert tpu[3][2:] == [1] * (STEPS - 2), f"tpuc executions per step: {tpu[3]}"
     for p, pe in zip(tpu[1].parameters(), eager[1].parameters(), strict=True):
         assert_close_scaled(p.grad, pe.grad, "gradient after the step")
+
+
+def test_gradient_accumulation_over_micro_batches_is_one_program():
+    """Two micro-batches, a backward each, then the update (a CNN with BatchNorm, whose running
+    statistics move twice per step): one program per step, equal to eager."""
+    eager = _train(None, "cnn", "adamw", steps=4, micro=2)
+    tpu = _train("tpu", "cnn", "adamw", steps=4, micro=2)
+    assert_same_training(tpu, eager, "tpu")
+    assert tpu[3][2:] == [1, 1], f"tpuc executions per step: {tpu[3]}"
+
+
+@pytest.mark.parametrize("lr", ["float", "tensor"])
+def test_step_with_a_learning_rate_scheduler_is_one_program(lr):
+    """A scheduler attached to the optimizer (it wraps `opt.step` in a function Dynamo skips),
+    stepped after every call, the learning rate changing every step: one program per step and
+    no retrace per value (a float learning rate becomes symbolic after one recompile, a tensor
+    one is an input), equal to eager."""
+
+    def run(backend):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MODELS["mlp"][0]().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2) if lr == "tensor" else 1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = torch.compile(step, backend=backend) if backend else step
+        losses, executions = [], []
+        for x, y in _batches("mlp", STEPS):
+            before = tpuc.stats()["executions"]
+            losses.append(step(x, y))
+            executions.append(tpuc.stats()["executions"] - before)
+            sched.step()
+        return losses, model, opt, executions
+
+    eager = run(None)
+    tpuc.reset_stats()
+    tpu = run("tpu")
+    assert_same_training(tpu, eager, "tpu")
+    assert tpu[3][2:] == [1] * (STEPS - 2), f"tpuc executions per step: {tpu[3]}"
+    assert tpuc.stats()["graphs_compiled"] <= 2
 
 
 def test_item_between_forward_and_backward_splits_the_step_and_stays_exact():

@@ -7,7 +7,8 @@
         opt.step()
         return loss.detach()
 
-Stock Dynamo (torch 2.15) cuts that step in three places, and tpuc removes each cut, but only
+Stock Dynamo (torch 2.15) cuts that step in three places (four with a learning-rate scheduler),
+and tpuc removes each cut, but only
 while Dynamo traces a frame whose backend is tpuc (`_for_tpuc`): other backends, eager code and
 PyTorch's config stay as they are.
 
@@ -28,6 +29,10 @@ PyTorch's config stay as they are.
    on the parameters are their `.grad`, `_init_group` runs with stand-in tensors of the traced
    gradients' shapes, dtypes and strides in `p.grad`, its guards are taken on the real values
    (restored before), and the gradient lists it fills are mapped back to the traced gradients.
+
+4. A learning-rate scheduler wraps `opt.step` in a function of torch/optim/lr_scheduler.py, a
+   file Dynamo skips; in tpuc's frames that wrapper's work is done in the trace instead
+   (`_scheduler_wrapped_step`).
 
 `Optimizer.zero_grad` stays a skipped function: Dynamo runs it eagerly before the rest of the
 frame, which costs no program. Anything else that breaks the graph (a hook, `.item()`, a print)
@@ -158,9 +163,35 @@ def _hook_graph_break(skip_fn_cls, constant_cls, use_grad_for_differentiable) ->
     def call_function_for_backend(self, tx, args, kwargs):
         if self.value is torch._dynamo.graph_break and _tracing_tpuc() and tx.f_code is wrapper_code:
             return constant_cls.create(None)
+        if _tracing_tpuc() and getattr(self.value, "_wrapped_by_lr_sched", False):
+            stepped = _scheduler_wrapped_step(self, tx, args, kwargs)
+            if stepped is not None:
+                return stepped
         return call_function(self, tx, args, kwargs)
 
     skip_fn_cls.call_function = call_function_for_backend
+
+
+def _scheduler_wrapped_step(fn_vt, tx, args, kwargs):
+    """`opt.step(...)` where a learning-rate scheduler wrapped it (torch/optim/lr_scheduler.py,
+    a file Dynamo skips): the wrapper only flags the optimizer as stepped (`_opt_called`, read
+    by the scheduler's warning, never reset) and calls the class's step, so the flag is set here
+    and the class's step traced in place of the skipped call. None where the wrapper is not
+    that one (its closure: a weak reference to the optimizer and the step function)."""
+    from torch._dynamo.source import AttrSource
+    from torch._dynamo.variables.base import VariableTracker
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    wrapper, source = fn_vt.value, fn_vt.source
+    cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or (), strict=True))
+    if set(cells) != {"opt_ref", "func"} or not isinstance(source, AttrSource) or source.member != "step":
+        return None
+    opt, func = cells["opt_ref"].cell_contents(), cells["func"].cell_contents
+    if not isinstance(opt, torch.optim.Optimizer) or not callable(func):
+        return None
+    opt._opt_called = True
+    opt_vt = VariableBuilder(tx, source.base)(opt)
+    return tx.inline_user_function_return(VariableTracker.build(tx, func), [opt_vt, *args], kwargs)
 
 
 def _backward_within_frame(handler):
