@@ -104,11 +104,12 @@ def _batches(name, n):
     return [(torch.randn(xs, generator=g), torch.randn(ys, generator=g)) for _ in range(n)]
 
 
-def _train(backend, model_name, opt_name, steps=STEPS, set_to_none=True, peek=None, micro=1):
+def _train(backend, model_name, opt_name, steps=STEPS, set_to_none=True, peek=None, micro=1, clip=None):
     """(losses, model, optimizer, executions per step) after `steps` compiled steps from the same
     start; backend None runs eager. `peek`: a dict the step writes the loss's value into
     (`.item()` between forward and backward, which splits the step); `micro`: gradients
-    accumulated over that many micro-batches (a backward each) before the update."""
+    accumulated over that many micro-batches (a backward each) before the update; `clip`: the
+    gradients' largest norm (clip_grad_norm_ before the update)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MODELS[model_name][0]().train()
@@ -125,6 +126,8 @@ def _train(backend, model_name, opt_name, steps=STEPS, set_to_none=True, peek=No
         if peek is not None:
             peek["loss"] = loss.item()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         return loss.detach()
 
@@ -210,6 +213,18 @@ def test_gradient_accumulation_over_micro_batches_is_one_program():
     tpu = _train("tpu", "cnn", "adamw", steps=4, micro=2)
     assert_same_training(tpu, eager, "tpu")
     assert tpu[3][2:] == [1, 1], f"tpuc executions per step: {tpu[3]}"
+
+
+def test_gradient_clipping_is_one_program():
+    """clip_grad_norm_ between backward and update (its foreach norm and scaling decomposed into
+    ops tpuc lowers), with a norm small enough that it scales every step: one program per step,
+    equal to eager."""
+    eager = _train(None, "cnn", "sgd_momentum", steps=4, clip=0.05)
+    tpuc.reset_stats()
+    tpu = _train("tpu", "cnn", "sgd_momentum", steps=4, clip=0.05)
+    assert_same_training(tpu, eager, "tpu")
+    assert tpu[3][2:] == [1, 1], f"tpuc executions per step: {tpu[3]}"
+    assert tpuc.stats()["fallback_ops"] == {}
 
 
 @pytest.mark.parametrize("lr", ["float", "tensor"])
