@@ -8,9 +8,8 @@
         return loss.detach()
 
 Stock Dynamo (torch 2.15) cuts that step in three places (four with a learning-rate scheduler),
-and tpuc removes each cut, but only
-while Dynamo traces a frame whose backend is tpuc (`_for_tpuc`): other backends, eager code and
-PyTorch's config stay as they are.
+and tpuc removes each cut, but only while Dynamo traces a frame whose backend is tpuc
+(`_tracing_tpuc`): other backends, eager code and PyTorch's config stay as they are.
 
 1. `loss.backward()` breaks the graph unless `torch._dynamo.config.trace_autograd_ops` is on;
    with it on, Dynamo writes the backward into the same graph (autograd.grad plus one
@@ -29,7 +28,6 @@ PyTorch's config stay as they are.
    on the parameters are their `.grad`, `_init_group` runs with stand-in tensors of the traced
    gradients' shapes, dtypes and strides in `p.grad`, its guards are taken on the real values
    (restored before), and the gradient lists it fills are mapped back to the traced gradients.
-
 4. A learning-rate scheduler wraps `opt.step` in a function of torch/optim/lr_scheduler.py, a
    file Dynamo skips; in tpuc's frames that wrapper's work is done in the trace instead
    (`_scheduler_wrapped_step`).
