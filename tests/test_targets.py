@@ -269,3 +269,29 @@ def test_a_training_step_whose_gradients_stop_on_the_meta_device_warns(tmp_path)
 
     with pytest.warns(RuntimeWarning, match="got no gradient.*meta device"):
         _precompile(Loss(), [x, y], tmp_path, training=True)
+
+
+def test_a_whole_training_step_is_one_executable_for_a_target(tmp_path):
+    """zero_grad, forward, loss.backward() and AdamW's step in one compiled function
+    (docs/training.md) compile to one XLA:TPU executable; calling it here then says the machine
+    has no TPU."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).train()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    tpuc.reset_stats()
+    compiled = torch.compile(
+        step, backend="tpu", options={"target": V5E, "cache_dir": str(tmp_path / "cache")}
+    )
+    with pytest.raises(targets.TargetUnavailableError):
+        compiled(torch.randn(16, 32), torch.randn(16, 8))
+    assert tpuc.stats()["graphs_compiled"] == 1
+    assert tpuc.stats()["xla_compiles"] == 1

@@ -1,5 +1,6 @@
 """A whole training step compiled with backend="tpu" (zero_grad, forward, loss.backward(),
-optimizer.step() in one compiled function), and the other shapes of code where a tpuc graph runs
+optimizer.step() in one compiled function) runs as one tpuc program per step (whole_step.py,
+docs/training.md), and what splits a step still matches eager; the other shapes of code where a tpuc graph runs
 while Dynamo's frame callback is live: a compiled model called from a compiled function, a
 backward run inside a compiled step, nested torch.compile calls. Dynamo must never trace tpuc's
 own code (untraced.py): each test watches the frames Dynamo starts tracing, and compares with
@@ -52,7 +53,17 @@ OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+    "sgd_weight_decay": lambda p: torch.optim.SGD(p, lr=0.05, weight_decay=1e-2),
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    # Default arguments, as users write them (no capturable=True).
+    "adam_default": lambda p: torch.optim.Adam(p),
+    "adamw_default": lambda p: torch.optim.AdamW(p),
 }
+# Also run through aot_eager (the others: tpu against eager only, to keep the file's time down).
+WITH_AOT_EAGER = ("sgd", "sgd_momentum", "adamw")
+# The one graph break left in a whole step: Dynamo runs zero_grad eagerly before the rest of the
+# frame, which costs no program.
+ZERO_GRAD_BREAK = "Attempted to inline function marked as skipped"
 
 
 @contextlib.contextmanager
@@ -93,18 +104,30 @@ def _batches(name, n):
     return [(torch.randn(xs, generator=g), torch.randn(ys, generator=g)) for _ in range(n)]
 
 
-def _train(backend, model_name, opt_name, steps=STEPS):
+def _train(backend, model_name, opt_name, steps=STEPS, set_to_none=True, peek=None, micro=1, clip=None):
     """(losses, model, optimizer, executions per step) after `steps` compiled steps from the same
-    start; backend None runs eager."""
+    start; backend None runs eager. `peek`: a dict the step writes the loss's value into
+    (`.item()` between forward and backward, which splits the step); `micro`: gradients
+    accumulated over that many micro-batches (a backward each) before the update; `clip`: the
+    gradients' largest norm (clip_grad_norm_ before the update)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MODELS[model_name][0]().train()
     opt = OPTIMIZERS[opt_name](model.parameters())
 
     def step(x, y):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
+        if micro > 1:
+            for xb, yb in zip(x.chunk(micro), y.chunk(micro), strict=True):
+                (F.mse_loss(model(xb), yb) / micro).backward()
+            opt.step()
+            return None
         loss = F.mse_loss(model(x), y)
+        if peek is not None:
+            peek["loss"] = loss.item()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         return loss.detach()
 
@@ -132,7 +155,8 @@ def assert_same_training(got, want, who):
     losses, model, opt, _ = got
     losses_e, model_e, opt_e, _ = want
     for i, (a, b) in enumerate(zip(losses, losses_e, strict=True)):
-        assert_close_scaled(a, b, f"{who}: loss of step {i}")
+        if b is not None:
+            assert_close_scaled(a, b, f"{who}: loss of step {i}")
     for (name, p), pe in zip(model.named_parameters(), model_e.parameters(), strict=True):
         assert_close_scaled(p.detach(), pe.detach(), f"{who}: parameter {name}")
     for (name, b), be in zip(model.named_buffers(), model_e.buffers(), strict=True):
@@ -152,15 +176,128 @@ def assert_same_training(got, want, who):
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_compiled_training_step_matches_eager(model_name, opt_name):
+    """The whole step is one tpuc program per step (forward, backward and optimizer update; the
+    BatchNorm buffers and optimizer state written back), and after 10 steps parameters, buffers
+    and optimizer state equal eager's."""
     eager = _train(None, model_name, opt_name)
+    tpuc.reset_stats()
     with dynamo_traced_files() as files:
         tpu = _train("tpu", model_name, opt_name)
     assert_tpuc_untraced(files)
     assert_same_training(tpu, eager, "tpu")
-    assert tpuc.stats()["executions"] > 0, "tpuc ran the step's graphs"
+    # Steady steps (the second may retrace: the optimizer's state exists from then on).
+    assert tpu[3][2:] == [1] * (STEPS - 2), f"tpuc executions per step: {tpu[3]}"
+    breaks = tpuc.stats()["graph_breaks"]
+    assert all(b.startswith(ZERO_GRAD_BREAK) and "zero_grad" in b for b in breaks), breaks
     # AdamW's addcmul_/addcdiv_ reach tpuc as prims.fma (test_fma.py): nothing runs in PyTorch.
     assert tpuc.stats()["fallback_ops"] == {}
-    assert_same_training(_train("aot_eager", model_name, opt_name), eager, "aot_eager")
+    if opt_name in WITH_AOT_EAGER:
+        assert_same_training(_train("aot_eager", model_name, opt_name), eager, "aot_eager")
+
+
+def test_step_keeping_gradients_is_one_program():
+    """zero_grad(set_to_none=False): the gradients exist before the step and are accumulated
+    into, still one program per step, and equal eager's (p.grad too)."""
+    eager = _train(None, "mlp", "sgd_momentum", set_to_none=False)
+    tpu = _train("tpu", "mlp", "sgd_momentum", set_to_none=False)
+    assert_same_training(tpu, eager, "tpu")
+    assert tpu[3][2:] == [1] * (STEPS - 2), f"tpuc executions per step: {tpu[3]}"
+    for p, pe in zip(tpu[1].parameters(), eager[1].parameters(), strict=True):
+        assert_close_scaled(p.grad, pe.grad, "gradient after the step")
+
+
+def test_gradient_accumulation_over_micro_batches_is_one_program():
+    """Two micro-batches, a backward each, then the update (a CNN with BatchNorm, whose running
+    statistics move twice per step): one program per step, equal to eager."""
+    eager = _train(None, "cnn", "adamw", steps=4, micro=2)
+    tpu = _train("tpu", "cnn", "adamw", steps=4, micro=2)
+    assert_same_training(tpu, eager, "tpu")
+    assert tpu[3][2:] == [1, 1], f"tpuc executions per step: {tpu[3]}"
+
+
+def test_gradient_clipping_is_one_program():
+    """clip_grad_norm_ between backward and update (its foreach norm and scaling decomposed into
+    ops tpuc lowers), with a norm small enough that it scales every step: one program per step,
+    equal to eager."""
+    eager = _train(None, "cnn", "sgd_momentum", steps=4, clip=0.05)
+    tpuc.reset_stats()
+    tpu = _train("tpu", "cnn", "sgd_momentum", steps=4, clip=0.05)
+    assert_same_training(tpu, eager, "tpu")
+    assert tpu[3][2:] == [1, 1], f"tpuc executions per step: {tpu[3]}"
+    assert tpuc.stats()["fallback_ops"] == {}
+
+
+@pytest.mark.parametrize("lr", ["float", "tensor"])
+def test_step_with_a_learning_rate_scheduler_is_one_program(lr):
+    """A scheduler attached to the optimizer (it wraps `opt.step` in a function Dynamo skips),
+    stepped after every call, the learning rate changing every step: one program per step and
+    no retrace per value (a float learning rate becomes symbolic after one recompile, a tensor
+    one is an input), equal to eager."""
+
+    def run(backend):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MODELS["mlp"][0]().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2) if lr == "tensor" else 1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        step = torch.compile(step, backend=backend) if backend else step
+        losses, executions = [], []
+        for x, y in _batches("mlp", STEPS):
+            before = tpuc.stats()["executions"]
+            losses.append(step(x, y))
+            executions.append(tpuc.stats()["executions"] - before)
+            sched.step()
+        return losses, model, opt, executions
+
+    eager = run(None)
+    tpuc.reset_stats()
+    tpu = run("tpu")
+    assert_same_training(tpu, eager, "tpu")
+    assert tpu[3][2:] == [1] * (STEPS - 2), f"tpuc executions per step: {tpu[3]}"
+    assert tpuc.stats()["graphs_compiled"] <= 2
+
+
+def test_item_between_forward_and_backward_splits_the_step_and_stays_exact():
+    """A `.item()` between the forward and `loss.backward()` breaks the graph; the backward then
+    runs through the autograd engine (Dynamo's traced backward() would find no leaves in the
+    second frame and silently skip the gradients: whole_step._backward_within_frame), so the
+    step takes several programs and still equals eager; tpuc.stats() says why."""
+    peek_e, peek_t = {}, {}
+    eager = _train(None, "mlp", "adamw", steps=4, peek=peek_e)
+    tpuc.reset_stats()
+    tpu = _train("tpu", "mlp", "adamw", steps=4, peek=peek_t)
+    assert_same_training(tpu, eager, "tpu")
+    assert peek_t["loss"] == pytest.approx(peek_e["loss"], rel=1e-5)
+    assert all(n > 1 for n in tpu[3]), tpu[3]
+    reasons = tpuc.stats()["graph_breaks"]
+    assert any("Tensor.item()" in r for r in reasons), reasons
+    assert any(r.startswith("tpuc: backward() over autograd history") for r in reasons), reasons
+
+
+def test_other_backends_keep_their_graph_breaks():
+    """tpuc's hooks act only in frames traced for tpuc: in the same process, after a tpu step,
+    aot_eager still breaks at `loss.backward()` and at the optimizer's graph_break(), PyTorch's
+    config is untouched, and nothing is counted in tpuc's graph breaks."""
+    from torch._dynamo.utils import counters
+
+    _train("tpu", "mlp", "sgd_momentum", steps=2)
+    assert torch._dynamo.config.trace_autograd_ops is False
+    tpuc.reset_stats()
+    counters.clear()
+    eager = _train(None, "mlp", "sgd_momentum", steps=3)
+    assert_same_training(_train("aot_eager", "mlp", "sgd_momentum", steps=3), eager, "aot_eager")
+    reasons = {k.split("\n", 1)[0] for k in counters["graph_break"]}
+    assert "Unsupported Tensor.backward() call" in reasons, reasons
+    assert "Call to `torch._dynamo.graph_break()`" in reasons, reasons
+    assert tpuc.stats()["graph_breaks"] == {}
 
 
 def test_compiled_training_step_inductor_on_the_same_model_and_inputs():

@@ -33,6 +33,7 @@ from . import (
     saved,
     targets,
     untraced,
+    whole_step,
 )
 from . import options as options_mod
 from . import sharding as sharding_mod
@@ -78,6 +79,11 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=Non
         return _compile(gm, example_inputs, options, mode, kwargs)
     except (ValueError, NotImplementedError, PermissionError, _native.TpucError) as e:
         raise _surface(e) from e
+
+
+# A training step (zero_grad, forward, backward, optimizer step) traced as one graph, in frames
+# traced for this backend only.
+whole_step.install(tpu_backend)
 
 
 def _compile(gm, example_inputs, options, mode, kwargs):

@@ -30,6 +30,8 @@ def reset_stats() -> None:
             # calls run again by PyTorch because a topk had ties (see ties.py)
             eager_reruns=0,
             fallback_ops=Counter(),
+            # Dynamo's graph breaks in frames traced for tpuc, per reason (whole_step.py)
+            graph_breaks=Counter(),
             # nodes run through PyTorch's own kernel by choice (see torch_kernels.py), per op
             torch_kernels=Counter(),
             # distinct nested_compile_region subgraphs compiled (regions.py)
@@ -55,6 +57,7 @@ def stats() -> dict:
         out["executions"] += _native.plan_executions() - _plan_executions_at_reset
         out["fallback_ops"] = dict(_stats["fallback_ops"])
         out["torch_kernels"] = dict(_stats["torch_kernels"])
+        out["graph_breaks"] = dict(_stats["graph_breaks"])
         out["passes"] = {k: dict(v) for k, v in _stats["passes"].items()}
         out["graph_compile_seconds"] = {k: dict(v) for k, v in _stats["graph_compile_seconds"].items()}
         return out
@@ -98,6 +101,11 @@ def record_graph_compile(graph: str, exe) -> None:
 def count_fallback(op: str, n: int = 1) -> None:
     with _lock:
         _stats["fallback_ops"][op] += n
+
+
+def count_graph_break(reason: str, n: int = 1) -> None:
+    with _lock:
+        _stats["graph_breaks"][reason] += n
 
 
 def count_torch_kernel(op: str) -> None:

@@ -1,7 +1,7 @@
 """The decompositions AOTAutograd traces with for tpuc: PyTorch's core ATen table (minus a wrong
 one), with bucketing the compound reductions the bucketing pass can mask, and tpuc's own
 static-shape forms of `torch._grouped_mm` and `index_put` (boolean masks; with bucketing, writes
-along one dim as selects)."""
+along one dim as selects), and the foreach norm and product of `clip_grad_norm_` per tensor."""
 
 from __future__ import annotations
 
@@ -62,6 +62,26 @@ def _grouped_mm(
 
 _DECOMPOSITIONS[torch.ops.aten._grouped_mm.default] = _grouped_mm
 _BUCKET_DECOMPOSITIONS[torch.ops.aten._grouped_mm.default] = _grouped_mm
+
+
+def _foreach_norm(tensors, ord=2, dtype=None):
+    """`torch._foreach_norm` (clip_grad_norm_ under torch.compile) as one vector norm per
+    tensor, which is what PyTorch's CPU kernel computes too (its per-tensor path)."""
+    return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+
+
+def _foreach_mul(tensors, other):
+    """`torch._foreach_mul` (clip_grad_norm_'s scaling) as one product per tensor, as PyTorch's
+    CPU kernel computes it; `other` a scalar, a tensor or a list of them."""
+    if isinstance(other, list | tuple):
+        return [t * o for t, o in zip(tensors, other, strict=True)]
+    return [t * other for t in tensors]
+
+
+for _table in (_DECOMPOSITIONS, _BUCKET_DECOMPOSITIONS):
+    _table[torch.ops.aten._foreach_norm.Scalar] = _foreach_norm
+    for _overload in ("Scalar", "Tensor", "List"):
+        _table[getattr(torch.ops.aten._foreach_mul, _overload)] = _foreach_mul
 
 
 def _index_put_by_select(target: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False):
