@@ -23,6 +23,7 @@ from . import (
     precompile_session,
     residency,
     runtime,
+    structured_trace,
 )
 from . import options as options_mod
 from . import sharding as sharding_mod
@@ -39,10 +40,12 @@ def cache_args(opts: options_mod.Options) -> tuple:
     return (str(opts.cache_dir), opts.cache_max_bytes)
 
 
-def record_compile(exe) -> None:
+def record_compile(exe, name: str = "graph", bindings: dict | None = None) -> None:
     """Counts one executable obtained from Runtime.compile in tpuc.stats() (and records its key
-    for AOTAutograd's cache entry, autograd_cache.py)."""
+    for AOTAutograd's cache entry, autograd_cache.py); writes its artifacts into PyTorch's
+    structured trace when `TORCH_TRACE` is on (structured_trace.py)."""
     autograd_cache.record(exe)
+    structured_trace.record(name, exe, bindings)
     if exe.cache == "miss":
         counters.add(xla_compiles=1, lower_seconds=exe.lower_seconds, compile_seconds=exe.compile_seconds)
     elif exe.cache == "disk":
@@ -144,7 +147,7 @@ class CompiledGraph:
         exe = self.runtime.compile(self.graph, bindings, self.opts.precision, *cache_args(self.opts), request)
         if self.sharded is not None:
             self.sharded.compiled(exe)
-        record_compile(exe)
+        record_compile(exe, self.name, bindings)
         counters.record_graph_compile(self.name, exe)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
@@ -218,7 +221,7 @@ class CompiledGraph:
         return _bucket_key(chosen, bindings), bg
 
     def add_bucket_executable(self, key, exe, bg) -> None:
-        record_compile(exe)
+        record_compile(exe, self.name)
         counters.record_graph_compile(self.name, exe)
         if self.opts.dump_dir is not None:
             chosen, others = key

@@ -51,6 +51,48 @@ def stablehlo_op_counts(mlir: str) -> dict[str, int]:
     return dict(sorted(collections.Counter(_MLIR_OP.findall(mlir)).items()))
 
 
+# Locations as MLIR prints them with debug info: `#loc3 = loc(...)` aliases after the module, and
+# `loc(...)` at the end of each op's line; a file and line is `"file.py":12:0`.
+_LOC_ALIAS = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$", re.M)
+_LOC_REF = re.compile(r"#loc\d*")
+_FILE_LINE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):(\d+)')
+
+
+def op_locations(mlir: str) -> list[tuple[str, str | None, int | None]]:
+    """(op name, source file, line) of each op of a module printed with locations (what dumps
+    write, `stablehlo.mlir`), structural ops left out; file and line are those of the innermost
+    user frame (the first file:line in the op's location), None where the op has none."""
+    aliases = {m.group(1): m.group(2) for m in _LOC_ALIAS.finditer(mlir)}
+
+    def expand(text: str, depth: int = 0) -> str:
+        if depth > 64 or "#loc" not in text:
+            return text
+        return _LOC_REF.sub(lambda m: expand(aliases.get(m.group(0), "unknown"), depth + 1), text)
+
+    def located(line: str) -> tuple[str | None, int | None]:
+        at = line.rfind(" loc(")
+        fl = _FILE_LINE.search(expand(line[at + 5 : -1])) if at >= 0 and line.endswith(")") else None
+        return (fl.group(1), int(fl.group(2))) if fl else (None, None)
+
+    out: list[tuple[str, str | None, int | None]] = []
+    # An op with regions (reduce, while, func) ends on its `})` line, which has its location.
+    opened: list[int | None] = []
+    for line in mlir.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("})"):
+            k = opened.pop() if opened else None
+            if k is not None:
+                out[k] = (out[k][0], *located(stripped))
+            continue
+        m = _MLIR_OP.match(line)
+        counted = m is not None and m.group(1) not in STRUCTURAL_OPS
+        if stripped.endswith("({"):
+            opened.append(len(out) if counted else None)
+        if counted:
+            out.append((m.group(1), *located(stripped)))
+    return out
+
+
 _IR_OP = re.compile(r"^%\S+: [^=]* = ([A-Za-z_][\w.]*)\(", re.M)
 
 
@@ -121,7 +163,7 @@ def write(compiled, exe, bindings: dict) -> Path:
     for i, (name, _before, _after, text, *_rest) in enumerate(compiled.pass_report, start=1):
         (folder / f"ir_{i}_after_{name}.txt").write_text(text)
     (folder / "ir_specialized.txt").write_text(exe.graph_text)
-    mlir = exe.mlir
+    mlir = exe.mlir_with_locations
     (folder / "stablehlo.mlir").write_text(mlir)
     hlo = exe.optimized_hlo()
     if hlo is not None:
@@ -169,6 +211,8 @@ def write(compiled, exe, bindings: dict) -> Path:
         "ops": compiled.graph.op_count(),
         "stablehlo_op_counts": shlo,
         "stablehlo_ops": sum(v for k, v in shlo.items() if k not in STRUCTURAL_OPS),
+        # ops whose location names a source file and line (the user's, from FX's stack traces)
+        "stablehlo_ops_located": sum(1 for _, f, _ in op_locations(mlir) if f is not None),
         "optimized_hlo": "optimized_hlo.txt" if hlo is not None else None,
         "graph_picture": picture,
     }

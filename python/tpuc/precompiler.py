@@ -102,7 +102,7 @@ def precompile(
         )
         report["compile_seconds"] += time.perf_counter() - t
         for k, exe in enumerate(exes):
-            compiled_graph.record_compile(exe)
+            compiled_graph.record_compile(exe, cg.name, all_bindings[k])
             report["executables"] += 1
             report["compiled" if (outcomes[k] if outcomes else exe.cache) == "miss" else "from_cache"] += 1
     report["seconds"] = time.perf_counter() - t0
