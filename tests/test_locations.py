@@ -17,7 +17,7 @@ import torch
 from conftest import verify_stablehlo
 
 import tpuc
-from tpuc import dump, structured_trace
+from tpuc import cli, dump, structured_trace
 
 MODEL = """
 import torch
@@ -50,7 +50,7 @@ def _graph_folders(dump_dir: Path) -> list[Path]:
     return sorted(p for p in dump_dir.iterdir() if (p / "meta.json").is_file())
 
 
-def test_dumped_ops_name_the_users_file_and_line(tmp_path):
+def test_dumped_ops_name_the_users_file_and_line(tmp_path, capsys):
     src = tmp_path / "loc_model_a.py"
     model = _model_from_file(src, "loc_model_a")
     x = torch.randn(4, 8)
@@ -74,6 +74,12 @@ def test_dumped_ops_name_the_users_file_and_line(tmp_path):
         hlo = (folder / "optimized_hlo.txt").read_text()
         assert f'source_file="{src}"' in hlo, hlo[:2000]
         assert "source_line=" in hlo
+    # `tpuc dump --lines`: the model's lines with what each graph made of them.
+    assert cli.main(["dump", "--lines", str(tmp_path / "dump")]) == 0
+    listing = capsys.readouterr().out
+    assert f"{src}:12  h = self.lin(x)" in listing, listing
+    assert "g1_forward [static]:" in listing and "g1_backward [static]:" in listing, listing
+    assert "stablehlo ops (" in listing and "hlo instructions" in listing, listing
     forward = (folders[0] / "stablehlo.mlir").read_text()
     # The node's name around the user's frame: loc("addmm"("…/loc_model_a.py":12:0)).
     assert '"addmm"(' in forward or "addmm" in forward

@@ -342,6 +342,65 @@ def summarize(path, top: int = 5) -> list[str]:
     return lines
 
 
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\b([a-z][\w-]*)\(")
+_HLO_SOURCE = re.compile(r'source_file="((?:[^"\\]|\\.)*)" source_line=(\d+)')
+
+
+def hlo_lines(hlo: str) -> list[tuple[str, str, str, int]]:
+    """(instruction, opcode, source file, line) of each instruction of XLA's optimized HLO text
+    whose metadata names a source line (`optimized_hlo.txt`)."""
+    out = []
+    for line in hlo.splitlines():
+        src = _HLO_SOURCE.search(line)
+        m = _HLO_INSTRUCTION.match(line) if src else None
+        if m:
+            out.append((m.group(1), m.group(2), src.group(1), int(src.group(2))))
+    return out
+
+
+def by_line(path, top: int = 5) -> list[str]:
+    """`tpuc dump --lines`: per user source line (file:line, then the line itself where the file
+    is readable), what each graph made of it: StableHLO ops by kind, and the instructions of
+    XLA's optimized HLO that name it (fusions by name). Ops without a location are counted at
+    the end."""
+    import linecache
+
+    per_line: dict[tuple[str, int], dict[str, tuple[collections.Counter, list]]] = {}
+    unlocated = 0
+    graphs = load(path)
+    for folder, meta in graphs:
+        graph = f"{meta['graph']} [{_bindings(meta)}]"
+        for op, file, line in op_locations((folder / "stablehlo.mlir").read_text()):
+            if file is None:
+                unlocated += 1
+                continue
+            entry = per_line.setdefault((file, line), {}).setdefault(graph, (collections.Counter(), []))
+            entry[0][op.removeprefix("stablehlo.")] += 1
+        hlo = folder / "optimized_hlo.txt"
+        if hlo.is_file():
+            for name, opcode, file, line in hlo_lines(hlo.read_text()):
+                entry = per_line.setdefault((file, line), {}).setdefault(graph, (collections.Counter(), []))
+                entry[1].append(name if opcode == "fusion" else opcode)
+    out = []
+    for (file, line), graphs_of in sorted(per_line.items()):
+        text = linecache.getline(file, line).strip()
+        out.append(f"{file}:{line}" + (f"  {text}" if text else ""))
+        for graph, (ops, hlo_names) in graphs_of.items():
+            kinds = ", ".join(
+                f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+            )
+            fusions = sorted({n for n in hlo_names if "fusion" in n})
+            out.append(
+                f"  {graph}: {sum(ops.values())} stablehlo ops ({kinds or '-'}) | "
+                f"{len(hlo_names)} hlo instructions"
+                + (f" ({', '.join(fusions[:top])}{', ...' if len(fusions) > top else ''})" if fusions else "")
+            )
+    out.append(
+        f"{len(per_line)} source line(s) in {len(graphs)} graph folder(s); {unlocated} stablehlo op(s) without a line"
+    )
+    return out
+
+
 def _key(folder: Path, meta: dict) -> str:
     """How graphs of two dumps are matched: graph name and bindings (folder names carry times)."""
     return f"{meta['graph']}[{_bindings(meta)}]"
