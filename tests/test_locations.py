@@ -13,11 +13,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import verify_stablehlo
 
 import tpuc
-from tpuc import cli, dump, structured_trace
+from tpuc import cli, dump, runtime, structured_trace, targets
 
 MODEL = """
 import torch
@@ -163,3 +164,31 @@ def test_no_trace_costs_nothing():
     )
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+OUTER = """
+import torch
+
+
+def outer(a, b):
+    c = a[:, None] * b[None, :]
+    return c
+"""
+
+
+@pytest.mark.skipif(runtime._installed_plugin("tpu") is None, reason="libtpu is not installed")
+def test_a_graph_too_big_for_the_chip_names_the_line_that_made_it(tmp_path):
+    src = tmp_path / "loc_outer.py"
+    src.write_text(OUTER)
+    spec = importlib.util.spec_from_file_location("loc_outer", src)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.device("meta"):
+        a, b = torch.zeros(65536 + 4096), torch.zeros(65536)  # a 17 GiB outer product
+    options = {"target": "tpu:v5e:2x2", "cache_dir": str(tmp_path / "cache")}
+    with pytest.raises(targets.DeviceMemoryError) as e:
+        tpuc.precompile(module.outer, (a, b), options=options)
+    message = str(e.value)
+    assert f"17.00 GiB `mul` float32[69632, 65536] at {src}:6 (c = a[:, None] * b[None, :])" in message, (
+        message
+    )
