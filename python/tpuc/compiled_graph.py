@@ -40,12 +40,10 @@ def cache_args(opts: options_mod.Options) -> tuple:
     return (str(opts.cache_dir), opts.cache_max_bytes)
 
 
-def record_compile(exe, name: str = "graph", bindings: dict | None = None) -> None:
+def record_compile(exe) -> None:
     """Counts one executable obtained from Runtime.compile in tpuc.stats() (and records its key
-    for AOTAutograd's cache entry, autograd_cache.py); writes its artifacts into PyTorch's
-    structured trace when `TORCH_TRACE` is on (structured_trace.py)."""
+    for AOTAutograd's cache entry, autograd_cache.py)."""
     autograd_cache.record(exe)
-    structured_trace.record(name, exe, bindings)
     if exe.cache == "miss":
         counters.add(xla_compiles=1, lower_seconds=exe.lower_seconds, compile_seconds=exe.compile_seconds)
     elif exe.cache == "disk":
@@ -147,7 +145,8 @@ class CompiledGraph:
         exe = self.runtime.compile(self.graph, bindings, self.opts.precision, *cache_args(self.opts), request)
         if self.sharded is not None:
             self.sharded.compiled(exe)
-        record_compile(exe, self.name, bindings)
+        record_compile(exe)
+        structured_trace.record(self.name, exe, bindings)
         counters.record_graph_compile(self.name, exe)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
@@ -221,7 +220,8 @@ class CompiledGraph:
         return _bucket_key(chosen, bindings), bg
 
     def add_bucket_executable(self, key, exe, bg) -> None:
-        record_compile(exe, self.name)
+        record_compile(exe)
+        structured_trace.record(self.name, exe)
         counters.record_graph_compile(self.name, exe)
         if self.opts.dump_dir is not None:
             chosen, others = key
