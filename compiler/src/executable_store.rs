@@ -65,7 +65,7 @@ impl EntryMeta {
     pub(crate) fn new(plugin: &Plugin, platform: &str, lowered: &Lowered) -> EntryMeta {
         EntryMeta {
             plugin_identity: plugin.identity(),
-            module_hash: *blake3::hash(&lowered.bytecode).as_bytes(),
+            module_hash: *blake3::hash(lowered.key_module()).as_bytes(),
             platform: platform.to_string(),
             tpuc_version: env!("CARGO_PKG_VERSION").to_string(),
             inputs: lowered.inputs.clone(),
@@ -121,7 +121,7 @@ impl ExecutableStore {
             }
             None => {
                 let disk = self.disk(disk)?;
-                let module_hash = *blake3::hash(&lowered.bytecode).as_bytes();
+                let module_hash = *blake3::hash(lowered.key_module()).as_bytes();
                 match disk
                     .as_ref()
                     .and_then(|d| load(client, d, &key, &module_hash))

@@ -134,7 +134,7 @@ pub(crate) fn executable_key(
     xla_flags: &str,
 ) -> CacheKey {
     KeyBuilder::new()
-        .part("module", &lowered.bytecode)
+        .part("module", lowered.key_module())
         .part("compile_options", &options.encode())
         .part("unpartitioned", &[u8::from(unpartitioned)])
         .part("plugin", &plugin.identity())
@@ -554,7 +554,7 @@ impl Engine {
                 other => return Ok(other?),
             }
         }
-        Ok(compile(lowered.text()?.as_bytes())?)
+        Ok(compile(lowered.text_with_locations()?.as_bytes())?)
     }
 
     pub fn client(&self) -> &Client {

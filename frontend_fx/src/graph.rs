@@ -1,4 +1,4 @@
-use crate::{DType, Dim, SymExpr};
+use crate::{DType, Dim, SourceLoc, SymExpr};
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
 use serde::{Deserialize, Serialize};
@@ -99,6 +99,10 @@ pub struct Node {
     pub kwargs: BTreeMap<String, Arg>,
     /// Result types; `None` for a result that is not a tensor.
     pub results: Vec<Option<TensorType>>,
+    /// The user's source location (from FX's `stack_trace`), when known. A node a pass makes
+    /// in place of another takes that one's location.
+    #[serde(default)]
+    pub loc: Option<Box<SourceLoc>>,
 }
 
 impl Node {

@@ -66,6 +66,7 @@ pub fn import(fx: &FxGraph) -> Result<Graph, ImportError> {
                             args: vec![],
                             kwargs: BTreeMap::new(),
                             results: vec![Some(ty.clone())],
+                            loc: None,
                         });
                         (InputKind::Tensor(ty), Binding::Node(id))
                     }
@@ -225,6 +226,7 @@ fn import_call<'a>(
         args,
         kwargs,
         results,
+        loc: n.loc.clone().map(Box::new),
     });
     Ok(Binding::Node(id))
 }

@@ -9,10 +9,12 @@ pub mod dot;
 mod dtype;
 mod graph;
 mod import;
+mod loc;
 mod symbolic;
 pub mod wire;
 
 pub use dtype::DType;
 pub use graph::{Arg, Graph, Input, InputKind, Node, NodeId, Output, TensorType, ValueRef};
 pub use import::{import, import_json, ImportError};
+pub use loc::{Frame, SourceLoc};
 pub use symbolic::{Dim, SymExpr, SymbolError};

@@ -27,6 +27,10 @@ pub struct FxNode {
     /// `node.meta['val']`, absent when FX recorded none.
     #[serde(default)]
     pub val: Option<FxMeta>,
+    /// The user's frames of `node.meta['stack_trace']`, innermost first; absent when FX
+    /// recorded none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loc: Option<crate::SourceLoc>,
 }
 
 /// An argument of an FX node. Untagged: JSON numbers, bools, strings, arrays and null map to

@@ -119,6 +119,7 @@ pub fn bucket(g: &Graph, dynamic: &HashSet<String>, sizes: &HashMap<String, i64>
         masks: HashMap::new(),
         cur: String::new(),
         cur_op: String::new(),
+        cur_loc: None,
         fresh: 0,
     };
     let mut input_layouts = vec![None; g.inputs.len()];
@@ -134,6 +135,7 @@ pub fn bucket(g: &Graph, dynamic: &HashSet<String>, sizes: &HashMap<String, i64>
         let n = g.node(id);
         b.cur = n.name.clone();
         b.cur_op = n.op.clone();
+        b.cur_loc = n.loc.clone();
         if n.is_input() {
             let new = b.out.add_node(n.clone());
             let ty = n.results[0].clone().expect("inputs are tensors");
@@ -224,6 +226,8 @@ struct Bucketer<'a> {
     masks: HashMap<String, ValueRef>,
     cur: String,
     cur_op: String,
+    /// The current node's source location: what the nodes made in its place take.
+    cur_loc: Option<Box<tpuc_frontend_fx::SourceLoc>>,
     fresh: usize,
 }
 
@@ -479,6 +483,7 @@ impl<'a> Bucketer<'a> {
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
             results: vec![Some(ty)],
+            loc: self.cur_loc.clone(),
         });
         ValueRef {
             node: id,
@@ -501,6 +506,7 @@ impl<'a> Bucketer<'a> {
             args: vec![],
             kwargs: BTreeMap::new(),
             results: vec![Some(TensorType::new_static(&[], DType::Int64))],
+            loc: None,
         });
         self.scalars.push(e.clone());
         self.scalar_ids.insert(key, id);
@@ -705,6 +711,7 @@ impl<'a> Bucketer<'a> {
             args,
             kwargs,
             results: n.results.clone(),
+            loc: n.loc.clone(),
         }))
     }
 

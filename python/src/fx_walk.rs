@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::{LazyLock, Mutex};
 use tpuc_frontend_fx::wire::{FxArg, FxGraph, FxMeta, FxNode};
-use tpuc_frontend_fx::{DType, Dim, SymExpr};
+use tpuc_frontend_fx::{DType, Dim, SourceLoc, SymExpr};
 
 /// Ops drawing random numbers: each gets the graph's seed input and its own stream index.
 const RANDOM_OPS: &[&str] = &[
@@ -62,6 +62,9 @@ struct Torch {
     tensor_metadata: Option<Py<PyAny>>,
     /// `torch._C.DisableTorchFunctionSubclass`.
     disable_torch_function: Py<PyAny>,
+    /// torch's package folder (with a trailing separator): frames in it are PyTorch's, not
+    /// the user's, in a node's `stack_trace`.
+    torch_dir: String,
     /// The Node fields the walk reads.
     op: NodeField,
     name: NodeField,
@@ -167,6 +170,13 @@ impl Torch {
                 .getattr("_C")?
                 .getattr("DisableTorchFunctionSubclass")?
                 .unbind(),
+            torch_dir: {
+                let file: String = torch.getattr("__file__")?.extract()?;
+                let path = std::path::Path::new(&file);
+                path.parent()
+                    .map(|d| format!("{}{}", d.display(), std::path::MAIN_SEPARATOR))
+                    .unwrap_or_default()
+            },
         })
     }
 }
@@ -178,6 +188,9 @@ struct Walker<'py> {
     dtypes: HashMap<usize, DType>,
     /// Size-derived float nodes (by address): skipped as ops, passed as inputs.
     symfloats: HashSet<usize>,
+    /// Source locations by the address of the `stack_trace` string they were read from (the
+    /// nodes of one line share the string; the graph keeps them alive during the walk).
+    locs: HashMap<usize, Option<SourceLoc>>,
 }
 
 fn import_err(msg: String) -> PyErr {
@@ -199,6 +212,7 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
         torch,
         dtypes: HashMap::new(),
         symfloats: HashSet::new(),
+        locs: HashMap::new(),
     };
     let (mut inputs, mut attrs, mut ops) = (Vec::new(), Vec::new(), Vec::new());
     let mut attr_targets = Vec::new();
@@ -270,6 +284,11 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
                     args.push(FxArg::Int(streams));
                     streams += 1;
                 }
+                let loc = if op == "call_function" {
+                    w.loc(&n)?
+                } else {
+                    None
+                };
                 ops.push(FxNode {
                     name,
                     op: op.to_string(),
@@ -277,6 +296,7 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
                     args,
                     kwargs,
                     val,
+                    loc,
                 });
             }
             other => {
@@ -323,6 +343,7 @@ fn placeholder(name: String, target: String, val: Option<FxMeta>) -> FxNode {
         args: Vec::new(),
         kwargs: BTreeMap::new(),
         val,
+        loc: None,
     }
 }
 
@@ -361,6 +382,25 @@ enum Size {
 impl<'py> Walker<'py> {
     fn field(&self, f: &NodeField, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         f.get(n, &self.torch.node)
+    }
+
+    /// The user's source location of a node, from its `meta["stack_trace"]` (None without one).
+    fn loc(&mut self, n: &Bound<'py, PyAny>) -> PyResult<Option<SourceLoc>> {
+        let meta = self.field(&self.torch.meta, n)?;
+        let meta = meta.cast::<PyDict>()?;
+        let Some(trace) = meta.get_item(intern!(self.py, "stack_trace"))? else {
+            return Ok(None);
+        };
+        let Ok(text) = trace.cast::<PyString>() else {
+            return Ok(None);
+        };
+        let key = text.as_ptr() as usize;
+        if let Some(loc) = self.locs.get(&key) {
+            return Ok(loc.clone());
+        }
+        let loc = SourceLoc::from_stack_trace(text.to_str()?, &[self.torch.torch_dir.as_str()]);
+        self.locs.insert(key, loc.clone());
+        Ok(loc)
     }
 
     /// The wire form of the node's `meta["val"]`. A tensor's shape and dtype are read from

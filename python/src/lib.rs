@@ -1034,6 +1034,16 @@ impl Executable {
         self.compiled.lowered.text().map_err(lower_err)
     }
 
+    /// The StableHLO module as text with its ops' source locations (`#loc` aliases after the
+    /// module): what dumps write.
+    #[getter]
+    fn mlir_with_locations(&self) -> PyResult<String> {
+        self.compiled
+            .lowered
+            .text_with_locations()
+            .map_err(lower_err)
+    }
+
     #[getter]
     fn key(&self) -> String {
         self.compiled.key.hex()

@@ -190,6 +190,11 @@ def _dump(args) -> int:
                 print("tpuc dump --diff: give two dump folders (or two graph folders): A B", file=sys.stderr)
                 return 2
             lines, _ = dump.diff(*args.dirs)
+        elif args.lines:
+            if len(args.dirs) != 1:
+                print("tpuc dump --lines: give one dump folder", file=sys.stderr)
+                return 2
+            lines = dump.by_line(args.dirs[0], top=args.top)
         else:
             if len(args.dirs) != 1:
                 print("tpuc dump: give one dump folder (or --diff A B)", file=sys.stderr)
@@ -245,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     dmp = sub.add_parser("dump", help="summarize a dump folder (dump_dir), or diff two")
     dmp.add_argument("dirs", nargs="+", metavar="DIR", help="a dump folder or one graph folder in it")
     dmp.add_argument("--diff", action="store_true", help="compare two dumps: tpuc dump --diff A B")
+    dmp.add_argument(
+        "--lines",
+        action="store_true",
+        help="per user source line: the StableHLO ops and XLA instructions it became",
+    )
     dmp.add_argument("--top", type=int, default=5, help="op kinds shown per graph (default 5)")
     dmp.set_defaults(func=_dump)
     args = parser.parse_args(argv)

@@ -23,6 +23,7 @@ from . import (
     precompile_session,
     residency,
     runtime,
+    structured_trace,
 )
 from . import options as options_mod
 from . import sharding as sharding_mod
@@ -145,6 +146,7 @@ class CompiledGraph:
         if self.sharded is not None:
             self.sharded.compiled(exe)
         record_compile(exe)
+        structured_trace.record(self.name, exe, bindings)
         counters.record_graph_compile(self.name, exe)
         out_types = [(tuple(s), _DTYPES[d]) for s, d in exe.output_types]
         plan = exe.output_plan()
@@ -219,6 +221,7 @@ class CompiledGraph:
 
     def add_bucket_executable(self, key, exe, bg) -> None:
         record_compile(exe)
+        structured_trace.record(self.name, exe)
         counters.record_graph_compile(self.name, exe)
         if self.opts.dump_dir is not None:
             chosen, others = key

@@ -51,6 +51,48 @@ def stablehlo_op_counts(mlir: str) -> dict[str, int]:
     return dict(sorted(collections.Counter(_MLIR_OP.findall(mlir)).items()))
 
 
+# Locations as MLIR prints them with debug info: `#loc3 = loc(...)` aliases after the module, and
+# `loc(...)` at the end of each op's line; a file and line is `"file.py":12:0`.
+_LOC_ALIAS = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$", re.M)
+_LOC_REF = re.compile(r"#loc\d*")
+_FILE_LINE = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):(\d+)')
+
+
+def op_locations(mlir: str) -> list[tuple[str, str | None, int | None]]:
+    """(op name, source file, line) of each op of a module printed with locations (what dumps
+    write, `stablehlo.mlir`), structural ops left out; file and line are those of the innermost
+    user frame (the first file:line in the op's location), None where the op has none."""
+    aliases = {m.group(1): m.group(2) for m in _LOC_ALIAS.finditer(mlir)}
+
+    def expand(text: str, depth: int = 0) -> str:
+        if depth > 64 or "#loc" not in text:
+            return text
+        return _LOC_REF.sub(lambda m: expand(aliases.get(m.group(0), "unknown"), depth + 1), text)
+
+    def located(line: str) -> tuple[str | None, int | None]:
+        at = line.rfind(" loc(")
+        fl = _FILE_LINE.search(expand(line[at + 5 : -1])) if at >= 0 and line.endswith(")") else None
+        return (fl.group(1), int(fl.group(2))) if fl else (None, None)
+
+    out: list[tuple[str, str | None, int | None]] = []
+    # An op with regions (reduce, while, func) ends on its `})` line, which has its location.
+    opened: list[int | None] = []
+    for line in mlir.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("})"):
+            k = opened.pop() if opened else None
+            if k is not None:
+                out[k] = (out[k][0], *located(stripped))
+            continue
+        m = _MLIR_OP.match(line)
+        counted = m is not None and m.group(1) not in STRUCTURAL_OPS
+        if stripped.endswith("({"):
+            opened.append(len(out) if counted else None)
+        if counted:
+            out.append((m.group(1), *located(stripped)))
+    return out
+
+
 _IR_OP = re.compile(r"^%\S+: [^=]* = ([A-Za-z_][\w.]*)\(", re.M)
 
 
@@ -121,7 +163,7 @@ def write(compiled, exe, bindings: dict) -> Path:
     for i, (name, _before, _after, text, *_rest) in enumerate(compiled.pass_report, start=1):
         (folder / f"ir_{i}_after_{name}.txt").write_text(text)
     (folder / "ir_specialized.txt").write_text(exe.graph_text)
-    mlir = exe.mlir
+    mlir = exe.mlir_with_locations
     (folder / "stablehlo.mlir").write_text(mlir)
     hlo = exe.optimized_hlo()
     if hlo is not None:
@@ -169,6 +211,8 @@ def write(compiled, exe, bindings: dict) -> Path:
         "ops": compiled.graph.op_count(),
         "stablehlo_op_counts": shlo,
         "stablehlo_ops": sum(v for k, v in shlo.items() if k not in STRUCTURAL_OPS),
+        # ops whose location names a source file and line (the user's, from FX's stack traces)
+        "stablehlo_ops_located": sum(1 for _, f, _ in op_locations(mlir) if f is not None),
         "optimized_hlo": "optimized_hlo.txt" if hlo is not None else None,
         "graph_picture": picture,
     }
@@ -296,6 +340,65 @@ def summarize(path, top: int = 5) -> list[str]:
         )
     lines.append(f"{len(graphs)} graph folder(s), {total_ops} stablehlo ops in {path}")
     return lines
+
+
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\b([a-z][\w-]*)\(")
+_HLO_SOURCE = re.compile(r'source_file="((?:[^"\\]|\\.)*)" source_line=(\d+)')
+
+
+def hlo_lines(hlo: str) -> list[tuple[str, str, str, int]]:
+    """(instruction, opcode, source file, line) of each instruction of XLA's optimized HLO text
+    whose metadata names a source line (`optimized_hlo.txt`)."""
+    out = []
+    for line in hlo.splitlines():
+        src = _HLO_SOURCE.search(line)
+        m = _HLO_INSTRUCTION.match(line) if src else None
+        if m:
+            out.append((m.group(1), m.group(2), src.group(1), int(src.group(2))))
+    return out
+
+
+def by_line(path, top: int = 5) -> list[str]:
+    """`tpuc dump --lines`: per user source line (file:line, then the line itself where the file
+    is readable), what each graph made of it: StableHLO ops by kind, and the instructions of
+    XLA's optimized HLO that name it (fusions by name). Ops without a location are counted at
+    the end."""
+    import linecache
+
+    per_line: dict[tuple[str, int], dict[str, tuple[collections.Counter, list]]] = {}
+    unlocated = 0
+    graphs = load(path)
+    for folder, meta in graphs:
+        graph = f"{meta['graph']} [{_bindings(meta)}]"
+        for op, file, line in op_locations((folder / "stablehlo.mlir").read_text()):
+            if file is None:
+                unlocated += 1
+                continue
+            entry = per_line.setdefault((file, line), {}).setdefault(graph, (collections.Counter(), []))
+            entry[0][op.removeprefix("stablehlo.")] += 1
+        hlo = folder / "optimized_hlo.txt"
+        if hlo.is_file():
+            for name, opcode, file, line in hlo_lines(hlo.read_text()):
+                entry = per_line.setdefault((file, line), {}).setdefault(graph, (collections.Counter(), []))
+                entry[1].append(name if opcode == "fusion" else opcode)
+    out = []
+    for (file, line), graphs_of in sorted(per_line.items()):
+        text = linecache.getline(file, line).strip()
+        out.append(f"{file}:{line}" + (f"  {text}" if text else ""))
+        for graph, (ops, hlo_names) in graphs_of.items():
+            kinds = ", ".join(
+                f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+            )
+            fusions = sorted({n for n in hlo_names if "fusion" in n})
+            out.append(
+                f"  {graph}: {sum(ops.values())} stablehlo ops ({kinds or '-'}) | "
+                f"{len(hlo_names)} hlo instructions"
+                + (f" ({', '.join(fusions[:top])}{', ...' if len(fusions) > top else ''})" if fusions else "")
+            )
+    out.append(
+        f"{len(per_line)} source line(s) in {len(graphs)} graph folder(s); {unlocated} stablehlo op(s) without a line"
+    )
+    return out
 
 
 def _key(folder: Path, meta: dict) -> str:

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from . import _native, compile_workers, compiled_graph, precompile_session, targets
+from . import _native, compile_workers, compiled_graph, precompile_session, structured_trace, targets
 from . import buckets as bucketing
 from . import options as options_mod
 
@@ -103,6 +103,7 @@ def precompile(
         report["compile_seconds"] += time.perf_counter() - t
         for k, exe in enumerate(exes):
             compiled_graph.record_compile(exe)
+            structured_trace.record(cg.name, exe, all_bindings[k])
             report["executables"] += 1
             report["compiled" if (outcomes[k] if outcomes else exe.cache) == "miss" else "from_cache"] += 1
     report["seconds"] = time.perf_counter() - t0

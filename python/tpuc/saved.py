@@ -120,8 +120,9 @@ def _count_channels_last(perms: dict) -> None:
 
 
 def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
-    """The graph without the node metadata that holds live objects (module stacks, stack
-    traces), taken before tpuc's compile rewrites it."""
+    """The graph without the node metadata that holds live objects (module stacks), taken
+    before tpuc's compile rewrites it. Stack traces (text) stay: the graph loaded from
+    AOTAutograd's cache or a saved file lowers with the source locations it was traced with."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     graph = torch.fx.Graph()
@@ -131,7 +132,8 @@ def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
     return GraphPickler.dumps(torch.fx.GraphModule(gm, graph), Options(ops_filter=None))
 
 
-_KEPT_METADATA = ("val", "tensor_meta")  # shapes and dtypes, which tpuc's importer reads
+# Shapes and dtypes, which tpuc's importer reads, and the user's frames (source locations).
+_KEPT_METADATA = ("val", "tensor_meta", "stack_trace")
 
 
 def save_compiled(model, path, args: tuple, kwargs: dict | None = None, options=None, mode=None):

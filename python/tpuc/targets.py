@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import linecache
 import os
 import re
 import threading
@@ -115,8 +116,50 @@ def _mesh_hint(need: float, devices: int, spec: TargetSpec) -> str:
     return f"split over {fits} chips it would need about {fmt_bytes(need * devices / fits)} each: {where}{option}"
 
 
-def _check_memory(report: dict, spec: TargetSpec, name: str) -> None:
-    """DeviceMemoryError when the graph's footprint per chip exceeds the chip's HBM."""
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def user_line(node: torch.fx.Node) -> str | None:
+    """`file.py:12` of the innermost user frame of a node's stack trace (PyTorch's own frames
+    left out), or None."""
+    frames = [
+        m
+        for m in _FRAME.finditer(node.meta.get("stack_trace") or "")
+        if not m.group(1).startswith(_TORCH_DIR)
+    ]
+    return f"{frames[-1].group(1)}:{frames[-1].group(2)}" if frames else None
+
+
+def largest_tensors(gm: torch.fx.GraphModule, k: int = 3) -> str:
+    """The `k` largest tensors the graph's ops make, with the user's line that made each:
+    `; largest tensors: 18.00 GiB `mul` f32[73728, 65536] at model.py:5 (c = a * b), ...`
+    ("" when none has a size): where a program does not fit, what holds its memory."""
+    sized = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(v, torch.Tensor):
+            continue
+        if not all(isinstance(d, int) for d in v.shape):
+            continue
+        sized.append((v.numel() * v.element_size(), n, v))
+    sized.sort(key=lambda t: -t[0])
+    parts = []
+    for size, n, v in sized[:k]:
+        where = user_line(n)
+        text = ""
+        if where is not None:
+            file, line = where.rsplit(":", 1)
+            code = linecache.getline(file, int(line)).strip()
+            text = f" at {where}" + (f" ({code})" if code else "")
+        dtype = str(v.dtype).removeprefix("torch.")
+        parts.append(f"{fmt_bytes(size)} `{n.name}` {dtype}{list(v.shape)}{text}")
+    return f"; largest tensors: {', '.join(parts)}" if parts else ""
+
+
+def _check_memory(report: dict, spec: TargetSpec, name: str, where: str = "") -> None:
+    """DeviceMemoryError when the graph's footprint per chip exceeds the chip's HBM; `where`:
+    [`largest_tensors`] of the graph."""
     need, have = report["footprint_bytes"], spec.hbm_bytes
     if need <= have:
         return
@@ -126,15 +169,19 @@ def _check_memory(report: dict, spec: TargetSpec, name: str) -> None:
         f"arguments, {fmt_bytes(h['outputs'])} outputs, {fmt_bytes(h['temporaries'])} temporaries, "
         f"{fmt_bytes(h['code'])} code), more than a {spec.generation} chip's {fmt_bytes(have)} of HBM; "
         + _mesh_hint(need, report["devices"], spec)
+        + where
     )
 
 
 _XLA_OOM = re.compile(r"required for [\w ]+ \((\d+(?:\.\d+)?)([KMGT])\)")
 
 
-def _compile_oom(e: Exception, spec: TargetSpec, name: str, graph, devices: int) -> DeviceMemoryError | None:
+def _compile_oom(
+    e: Exception, spec: TargetSpec, name: str, graph, devices: int, where: str = ""
+) -> DeviceMemoryError | None:
     """XLA:TPU's own refusal of a program that cannot fit (RESOURCE_EXHAUSTED at compile time)
-    as a DeviceMemoryError with the same sizes and a mesh hint; None for other errors."""
+    as a DeviceMemoryError with the same sizes, a mesh hint and `where` ([`largest_tensors`]);
+    None for other errors."""
     text = str(e)
     if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
         return None
@@ -146,7 +193,7 @@ def _compile_oom(e: Exception, spec: TargetSpec, name: str, graph, devices: int)
     return DeviceMemoryError(
         f"tpuc: graph {name} needs about {fmt_bytes(need)} per chip on {spec.name}, more than a "
         f"{spec.generation} chip's {fmt_bytes(spec.hbm_bytes)} of HBM; {_mesh_hint(need, devices, spec)} "
-        f"(XLA: {text.strip().splitlines()[0]})"
+        f"(XLA: {text.strip().splitlines()[0]}){where}"
     )
 
 
@@ -215,7 +262,7 @@ class TargetGraph:
             )
         except _native.PjrtError as e:
             devices = self.sharded.ctx.mesh.size if self.sharded is not None else 1
-            oom = _compile_oom(e, self.spec, self.name, self.graph, devices)
+            oom = _compile_oom(e, self.spec, self.name, self.graph, devices, largest_tensors(self.gm))
             if oom is not None:
                 raise oom from None
             raise
@@ -233,7 +280,8 @@ class TargetGraph:
         if self.opts.dump_dir is not None:
             _dump(self, report)
             report.pop("mlir", None)
-        _check_memory(report, self.spec, self.name)
+        if report["footprint_bytes"] > self.spec.hbm_bytes:
+            _check_memory(report, self.spec, self.name, largest_tensors(self.gm))
         return report
 
     def __call__(self, args: list):

@@ -5,8 +5,10 @@
 //! few proto fields that matter for reading (prost, partial messages: unknown fields are
 //! skipped) and prints them in the shape of XLA's HLO text: computations, instructions with
 //! shapes and layouts, operands, fusion kinds and called computations, and the main
-//! attributes (dimensions, slices, dot dims, comparison direction, scalar constants). It is
-//! not XLA's printer: metadata, backend configs and large constants are left out.
+//! attributes (dimensions, slices, dot dims, comparison direction, scalar constants), and each
+//! instruction's metadata (`op_name`, `source_file`, `source_line`: the user's line that made
+//! it, from the StableHLO op's location; a `stack_frame_id` is resolved through the module's
+//! stack frame index). It is not XLA's printer: large constants are left out.
 
 use prost::Message;
 use std::collections::HashMap;
@@ -30,6 +32,54 @@ struct HloModuleProto {
     computations: Vec<HloComputationProto>,
     #[prost(int64, tag = "6")]
     entry_computation_id: i64,
+    #[prost(message, optional, tag = "17")]
+    stack_frame_index: Option<StackFrameIndexProto>,
+}
+
+/// `xla.StackFrameIndexProto`: source locations interned per module (ids are 1-based).
+#[derive(Clone, PartialEq, Message)]
+struct StackFrameIndexProto {
+    #[prost(string, repeated, tag = "1")]
+    file_names: Vec<String>,
+    #[prost(string, repeated, tag = "2")]
+    function_names: Vec<String>,
+    #[prost(message, repeated, tag = "3")]
+    file_locations: Vec<FileLocation>,
+    #[prost(message, repeated, tag = "4")]
+    stack_frames: Vec<StackFrame>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct FileLocation {
+    #[prost(int32, tag = "1")]
+    file_name_id: i32,
+    #[prost(int32, tag = "2")]
+    function_name_id: i32,
+    #[prost(int32, tag = "3")]
+    line: i32,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct StackFrame {
+    #[prost(int32, tag = "1")]
+    file_location_id: i32,
+    #[prost(int32, tag = "2")]
+    parent_frame_id: i32,
+}
+
+/// `xla.OpMetadata` (xla/xla_data.proto), partial.
+#[derive(Clone, PartialEq, Message)]
+struct OpMetadata {
+    #[prost(string, tag = "1")]
+    op_type: String,
+    #[prost(string, tag = "2")]
+    op_name: String,
+    #[prost(string, tag = "3")]
+    source_file: String,
+    #[prost(int32, tag = "4")]
+    source_line: i32,
+    #[prost(int32, tag = "15")]
+    stack_frame_id: i32,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -116,6 +166,8 @@ struct HloInstructionProto {
     opcode: String,
     #[prost(message, optional, tag = "3")]
     shape: Option<ShapeProto>,
+    #[prost(message, optional, tag = "7")]
+    metadata: Option<OpMetadata>,
     #[prost(message, optional, tag = "8")]
     literal: Option<LiteralProto>,
     #[prost(int64, tag = "9")]
@@ -335,9 +387,47 @@ fn print_module(m: &HloModuleProto) -> String {
     );
     for c in &m.computations {
         let is_entry = entry.is_some_and(|e| e.id == c.id);
-        print_computation(&mut out, c, is_entry, &comp_names);
+        print_computation(
+            &mut out,
+            c,
+            is_entry,
+            &comp_names,
+            m.stack_frame_index.as_ref(),
+        );
     }
     out
+}
+
+/// `metadata={op_type="..." op_name="..." source_file="..." source_line=N}` as XLA prints it;
+/// a source location given as a stack frame is resolved to its file and line.
+fn metadata_text(md: &OpMetadata, frames: Option<&StackFrameIndexProto>) -> Option<String> {
+    let mut parts = Vec::new();
+    if !md.op_type.is_empty() {
+        parts.push(format!("op_type={:?}", md.op_type));
+    }
+    if !md.op_name.is_empty() {
+        parts.push(format!("op_name={:?}", md.op_name));
+    }
+    let mut source = (md.source_file.clone(), md.source_line);
+    if source.0.is_empty() && md.stack_frame_id > 0 {
+        let at = |v: i32| usize::try_from(v - 1).ok();
+        let location = frames.and_then(|f| {
+            let frame = f.stack_frames.get(at(md.stack_frame_id)?)?;
+            let loc = f.file_locations.get(at(frame.file_location_id)?)?;
+            Some((f.file_names.get(at(loc.file_name_id)?)?.clone(), loc.line))
+        });
+        if let Some(l) = location {
+            source = l;
+        }
+    }
+    if !source.0.is_empty() {
+        parts.push(format!("source_file={:?}", source.0));
+        parts.push(format!("source_line={}", source.1));
+    }
+    if md.stack_frame_id > 0 {
+        parts.push(format!("stack_frame_id={}", md.stack_frame_id));
+    }
+    (!parts.is_empty()).then(|| format!("metadata={{{}}}", parts.join(" ")))
 }
 
 /// `(p0: f32[2]{0}, p1: f32[2]{0}) -> f32[2]{0}`, or, for the layout line, without names.
@@ -376,6 +466,7 @@ fn print_computation(
     c: &HloComputationProto,
     is_entry: bool,
     comp_names: &HashMap<i64, &str>,
+    frames: Option<&StackFrameIndexProto>,
 ) {
     let names: HashMap<i64, &str> = c
         .instructions
@@ -498,6 +589,9 @@ fn print_computation(
             (_, 1) => attrs.push(format!("to_apply={}", called[0])),
             _ => attrs.push(format!("calls={{{}}}", called.join(", "))),
         }
+        if let Some(md) = i.metadata.as_ref().and_then(|m| metadata_text(m, frames)) {
+            attrs.push(md);
+        }
         let attrs = if attrs.is_empty() {
             String::new()
         } else {
@@ -598,6 +692,7 @@ mod tests {
             entry_computation_name: "main.5".into(),
             entry_computation_id: 11,
             computations: vec![fused, entry],
+            stack_frame_index: None,
         };
         let bytes = HloModuleProtoWithConfig {
             hlo_module: Some(module),

@@ -101,7 +101,8 @@ pub enum ReduceKind {
 pub struct Emitter<'c, 'b> {
     pub ctx: &'c Context,
     block: &'b Block<'c>,
-    loc: Location<'c>,
+    /// The location new ops get: the node being lowered (see [`Emitter::set_loc`]).
+    loc: std::cell::Cell<Location<'c>>,
     pub precision: Precision,
     /// MLIR's diagnostics (captured instead of printed), reported with the error they explain.
     diagnostics: Diagnostics,
@@ -534,7 +535,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
         Emitter {
             ctx,
             block,
-            loc,
+            loc: std::cell::Cell::new(loc),
             precision,
             diagnostics,
             parsed,
@@ -557,12 +558,22 @@ impl<'c, 'b> Emitter<'c, 'b> {
         }
     }
 
+    /// Sets the location of the ops emitted from now on (the node being lowered).
+    pub fn set_loc(&self, loc: Location<'c>) {
+        self.loc.set(loc);
+    }
+
+    /// The location new ops get.
+    pub fn loc(&self) -> Location<'c> {
+        self.loc.get()
+    }
+
     /// An emitter appending to another block (a region's body), sharing this one's caches.
     fn for_block<'r>(&self, block: &'r Block<'c>) -> Emitter<'c, 'r> {
         Emitter {
             ctx: self.ctx,
             block,
-            loc: self.loc,
+            loc: std::cell::Cell::new(self.loc.get()),
             precision: self.precision,
             diagnostics: self.diagnostics.clone(),
             parsed: self.parsed.clone(),
@@ -750,7 +761,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
             .iter()
             .map(|(s, d)| tensor_type(self.ctx, s, *d))
             .collect();
-        let op = OperationBuilder::new(name, self.loc)
+        let op = OperationBuilder::new(name, self.loc.get())
             .add_operands(&vals)
             .add_attributes(&attrs)
             .add_results(&types)
@@ -1244,7 +1255,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
                 Identifier::new(self.ctx, "sym_visibility"),
                 self.attr("\"private\"")?,
             )],
-            self.loc,
+            self.loc.get(),
         ))
     }
 
@@ -1259,7 +1270,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
         let err = |e: melior::Error| LowerError::internal(e.to_string());
         let types: Vec<(Type<'c>, Location<'c>)> = args
             .iter()
-            .map(|(s, d)| (tensor_type(self.ctx, s, *d), self.loc))
+            .map(|(s, d)| (tensor_type(self.ctx, s, *d), self.loc.get()))
             .collect();
         let block = Block::new(&types);
         {
@@ -1277,7 +1288,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
                 .collect::<R<Vec<_>>>()?;
             let results = body(&inner, params)?;
             let vals: Vec<Value> = results.iter().map(|t| t.v).collect();
-            let ret = OperationBuilder::new(terminator, self.loc)
+            let ret = OperationBuilder::new(terminator, self.loc.get())
                 .add_operands(&vals)
                 .build()
                 .map_err(err)?;
@@ -1297,13 +1308,13 @@ impl<'c, 'b> Emitter<'c, 'b> {
     fn two_scalar_region(&self, dtype: DType, op: Option<&str>) -> R<Region<'c>> {
         let err = |e: melior::Error| LowerError::internal(e.to_string());
         let scalar = tensor_type(self.ctx, &[], dtype);
-        let block = Block::new(&[(scalar, self.loc), (scalar, self.loc)]);
+        let block = Block::new(&[(scalar, self.loc.get()), (scalar, self.loc.get())]);
         {
             let x: Value = block.argument(0).map_err(err)?.into();
             let y: Value = block.argument(1).map_err(err)?.into();
             let result: Value = match op {
                 Some(name) => {
-                    let op = OperationBuilder::new(name, self.loc)
+                    let op = OperationBuilder::new(name, self.loc.get())
                         .add_operands(&[x, y])
                         .add_results(&[scalar])
                         .build()
@@ -1312,7 +1323,7 @@ impl<'c, 'b> Emitter<'c, 'b> {
                 }
                 None => y,
             };
-            let ret = OperationBuilder::new("stablehlo.return", self.loc)
+            let ret = OperationBuilder::new("stablehlo.return", self.loc.get())
                 .add_operands(&[result])
                 .build()
                 .map_err(err)?;

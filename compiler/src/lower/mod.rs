@@ -112,8 +112,13 @@ impl LowerOptions {
 /// What lowering produced: the module and the signature of `main`.
 #[derive(Clone, Debug)]
 pub struct Lowered {
-    /// The module as MLIR bytecode: what the cache key hashes and the plugin compiles.
+    /// The module as MLIR bytecode, with the source locations of its ops: what the plugin
+    /// compiles.
     pub bytecode: Vec<u8>,
+    /// The same module with every location stripped (all `loc(unknown)`): what the cache key
+    /// and a disk entry's module hash read, so that the same graph from another file or line
+    /// is the same executable ([`Lowered::key_module`]).
+    key_bytecode: Vec<u8>,
     /// Global (unsharded) shapes.
     pub inputs: Vec<(Vec<i64>, DType)>,
     pub outputs: Vec<(Vec<i64>, DType)>,
@@ -129,8 +134,24 @@ pub struct Lowered {
 }
 
 impl Lowered {
-    /// The module as text, in MLIR's generic form (what dumps and tests read).
+    /// The module without locations, as bytecode: what identifies the executable.
+    pub fn key_module(&self) -> &[u8] {
+        &self.key_bytecode
+    }
+
+    /// The module as text in MLIR's generic form with its ops' locations
+    /// (`loc("node"("file.py":12:0))`, as `#loc` aliases listed after the module): what dumps
+    /// write and what a plugin that takes text gets.
+    pub fn text_with_locations(&self) -> R<String> {
+        self.print(true)
+    }
+
+    /// The module as text, in MLIR's generic form, without locations (what tests read).
     pub fn text(&self) -> R<String> {
+        self.print(false)
+    }
+
+    fn print(&self, locations: bool) -> R<String> {
         let ctx = module_context();
         let source = mlir_sys::MlirStringRef {
             data: self.bytecode.as_ptr().cast(),
@@ -141,11 +162,12 @@ impl Lowered {
             Module::from_option_raw(mlir_sys::mlirModuleCreateParse(ctx.to_raw(), source))
         }
         .ok_or_else(|| LowerError::internal("the module's bytecode does not parse back"))?;
+        let flags = melior::ir::operation::OperationPrintingFlags::new()
+            .print_generic_operation_form()
+            .enable_debug_info(locations, false);
         module
             .as_operation()
-            .to_string_with_flags(
-                melior::ir::operation::OperationPrintingFlags::new().print_generic_operation_form(),
-            )
+            .to_string_with_flags(flags)
             .map_err(|e| LowerError::internal(format!("printing the module: {e}")))
     }
 }
@@ -554,6 +576,8 @@ fn lower_in(
                 continue;
             }
             let results = if let Some(group) = fused.root_of(id) {
+                // The composite itself is the root's; its members keep their own inside.
+                e.set_loc(node_location(ctx, node));
                 fused.emit(&e, graph, group, &values, &used, &mut functions)?
             } else {
                 lower_node(&e, graph, id, &values, &used, &fused.folds)?
@@ -665,6 +689,7 @@ fn lower_in(
     // Bytecode, not text: a third of the printing time, and what the plugin parses fastest.
     // `Lowered::text` prints it for dumps and tests.
     let bytecode = module.as_operation().write_bytecode();
+    let key_bytecode = strip_locations(ctx, &mut module)?;
     let mut composites: Vec<(String, Vec<NodeId>)> = fused
         .roots
         .values()
@@ -673,12 +698,24 @@ fn lower_in(
     composites.sort_by_key(|(_, nodes)| nodes.last().copied());
     Ok(Lowered {
         bytecode,
+        key_bytecode,
         inputs,
         outputs,
         output_perms,
         sharding: options.sharding.clone(),
         composites,
     })
+}
+
+/// `module` with every location made unknown (MLIR's `strip-debuginfo`), as bytecode: the
+/// bytes of the same module lowered without locations.
+fn strip_locations(ctx: &Context, module: &mut Module) -> R<Vec<u8>> {
+    let pm = melior::pass::PassManager::new(ctx);
+    pm.enable_verifier(false);
+    pm.add_pass(melior::pass::transform::create_strip_debug_info());
+    pm.run(module)
+        .map_err(|e| LowerError::internal(format!("stripping locations: {e}")))?;
+    Ok(module.as_operation().write_bytecode())
 }
 
 /// Lowers one node by its rule and checks its results against the types FX recorded.
@@ -691,6 +728,7 @@ fn lower_node<'c, 'b>(
     folds: &Folds,
 ) -> R<Vec<T<'c, 'b>>> {
     let node = graph.node(id);
+    e.set_loc(node_location(e.ctx, node));
     let rule = registry::rule(&node.op).expect("checked above");
     let no_use = Vec::new();
     let cx = NodeCx {
@@ -711,6 +749,32 @@ fn lower_node<'c, 'b>(
     let results = results?;
     check_results(&cx, &results)?;
     Ok(results)
+}
+
+/// The location of the ops a node becomes: the FX node's name around its innermost user frame,
+/// `loc("name"("file.py":line:col))`; with outer user frames, the call stack as call sites of
+/// frames named by their functions, innermost first:
+/// `loc("name"(callsite("forward"("model.py":12:0) at "step"("train.py":40:0))))`, the form
+/// XLA's stack frame index reads. XLA keeps it as the HLO ops' metadata (`op_name`,
+/// `source_file`, `source_line`, `stack_frame_id`). `loc("name")` for a node without a stack
+/// trace. Never part of a cache key ([`Lowered::key_module`]).
+pub(crate) fn node_location<'c>(ctx: &'c Context, node: &Node) -> Location<'c> {
+    let frames = node.loc.as_deref().map_or(&[][..], |l| &l.frames[..]);
+    let file_line =
+        |f: &tpuc_frontend_fx::Frame| Location::new(ctx, &f.file, f.line as usize, f.col as usize);
+    let child = match frames {
+        [] => Location::unknown(ctx),
+        [only] => file_line(only),
+        _ => {
+            let named = |f: &tpuc_frontend_fx::Frame| Location::name(ctx, &f.func, file_line(f));
+            let mut stack = named(&frames[frames.len() - 1]);
+            for f in frames[..frames.len() - 1].iter().rev() {
+                stack = Location::call_site(named(f), stack);
+            }
+            stack
+        }
+    };
+    Location::name(ctx, &node.name, child)
 }
 
 /// Whether the `composites` pass's units become `stablehlo.composite`s on `device`: on the CPU

@@ -4693,3 +4693,62 @@ fn num_prims_fma_rounds_once() {
     );
     assert_eq!(out[0].f32(), &[1.5, 0.0, 0.0]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Source locations
+// ---------------------------------------------------------------------------------------------
+
+/// `r = x + x` whose node comes from `frames` (file, line, function; innermost first), as
+/// Python's walk sends a node's `stack_trace`.
+fn located_add(frames: &[(&str, u32, &str)]) -> Graph {
+    let mut add = json!({
+        "name": "r", "op": "call_function", "target": "aten.add.Tensor",
+        "args": [n("x"), n("x")], "kwargs": {}, "val": f32t(&[4]),
+    });
+    if !frames.is_empty() {
+        let frames: Vec<Value> = frames
+            .iter()
+            .map(|(file, line, func)| json!({"file": file, "line": line, "col": 0, "func": func}))
+            .collect();
+        add["loc"] = json!({ "frames": frames });
+    }
+    let text = json!({"nodes": [
+        {"name": "x", "op": "placeholder", "target": "x", "val": f32t(&[4])},
+        add,
+        {"name": "output", "op": "output", "target": "output", "args": [[n("r")]]},
+    ]})
+    .to_string();
+    import_json(&text).unwrap()
+}
+
+#[test]
+fn locations_name_the_node_and_its_frames_and_stay_out_of_the_key() {
+    let opts = LowerOptions::default();
+    let one = lower(&located_add(&[("/u/a.py", 12, "forward")]), &opts).unwrap();
+    let text = one.text_with_locations().unwrap();
+    assert!(text.contains(r#"loc("r"(#loc"#), "{text}");
+    assert!(text.contains(r#"loc("/u/a.py":12:0)"#), "{text}");
+    assert!(
+        !one.text().unwrap().contains("a.py"),
+        "text() prints no locations"
+    );
+
+    let stack = [("/u/b.py", 99, "forward"), ("/u/train.py", 40, "step")];
+    let two = lower(&located_add(&stack), &opts).unwrap();
+    let text = two.text_with_locations().unwrap();
+    assert!(text.contains(r#"loc("forward"(#loc"#), "{text}");
+    assert!(text.contains(r#"loc("step"(#loc"#), "{text}");
+    assert!(text.contains("callsite("), "{text}");
+
+    let none = lower(&located_add(&[]), &opts).unwrap();
+    assert_ne!(one.bytecode, two.bytecode);
+    assert_eq!(one.key_module(), two.key_module());
+    assert_eq!(one.key_module(), none.key_module());
+}
+
+#[test]
+fn num_located_module_computes_the_same() {
+    let g = located_add(&[("/u/a.py", 12, "forward"), ("/u/train.py", 40, "step")]);
+    let out = run(&g, &[Buf::F32(vec![1.0, 2.0, -3.0, 0.5])]);
+    assert_eq!(out[0].f32(), &[2.0, 4.0, -6.0, 1.0]);
+}
