@@ -4,6 +4,10 @@
 #   scripts/sanitize.sh [FILTER...]   the PJRT FFI layer (the runtime crate) under Valgrind memcheck:
 #                                     builds the runtime crate's unit-test binary and runs its PJRT
 #                                     tests (default filter `tests`) against the real CPU plugin
+#   scripts/sanitize.sh --threads     the host kernels' unit tests (helper threads handing pieces of
+#                                     work over, the row kernels run by several threads) under
+#                                     ThreadSanitizer (nightly with rust-src: `rustup component add
+#                                     --toolchain nightly rust-src`; std is rebuilt instrumented)
 #   scripts/sanitize.sh --miri        the unit tests of the crates without FFI (frontend_fx, passes,
 #                                     cache) under Miri (needs `rustup component add --toolchain
 #                                     nightly miri rust-src`)
@@ -12,6 +16,15 @@
 # definite leak) outside the suppressions in scripts/valgrind.supp, or any Miri finding.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--threads" ]]; then
+    shift
+    # A separate target directory: instrumented std and dependencies never mix with `make`'s.
+    # halt_on_error: the first data race fails the run.
+    export RUSTFLAGS="-Zsanitizer=thread" TSAN_OPTIONS="halt_on_error=1"
+    exec cargo +nightly test -Zbuild-std --target x86_64-unknown-linux-gnu --target-dir target/tsan \
+        -p tpuc_hostkernels --lib "$@"
+fi
 
 if [[ "${1:-}" == "--miri" ]]; then
     shift
