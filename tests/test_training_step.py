@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zoo import assert_close_scaled
 
 import tpuc
 
+# Parameters and optimizer state after STEPS steps are compared with `zoo.assert_close_scaled`:
+# within 1e-4 of the tensor's largest magnitude (the tolerance of test_zoo_training's gradients).
 STEPS = 10
-# Parameters and optimizer state after STEPS steps: within REL of the tensor's largest magnitude
-# (the scaled tolerance of test_zoo_training's gradients).
-REL = 1e-4
 
 
 def _mlp():
@@ -139,16 +139,6 @@ def _train(backend, model_name, opt_name, steps=STEPS, set_to_none=True, peek=No
         losses.append(step(x, y))
         executions.append(tpuc.stats()["executions"] - before)
     return losses, model, opt, executions
-
-
-def assert_close_scaled(actual, expected, what, rel=REL):
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
-    if not actual.is_floating_point():
-        assert torch.equal(actual, expected), what
-        return
-    err = (actual - expected).abs().max().item() if actual.numel() else 0.0
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    assert err <= rel * scale + 1e-7, f"{what}: max abs error {err:.3g}, scale {scale:.3g}"
 
 
 def assert_same_training(got, want, who):
