@@ -30,6 +30,8 @@ struct Board {
 
 struct Helpers {
     board: Mutex<Board>,
+    /// The helper threads, joined by [`stop`].
+    handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The latest job's number (0: none posted yet): written only under the board's lock, read
     /// without it by spinning helpers.
     posted: AtomicU64,
@@ -41,6 +43,9 @@ static HELPERS: OnceLock<Option<&'static Helpers>> = OnceLock::new();
 /// Set in a child forked after the helpers started: the helpers did not follow it, and the
 /// board's lock may have been held by one of them at the fork.
 static FORKED: AtomicBool = AtomicBool::new(false);
+
+/// Set by [`stop`]: the helpers leave their loop, and no job is posted for them any more.
+static STOPPED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn forked_child() {
     FORKED.store(true, Ordering::Relaxed);
@@ -82,6 +87,7 @@ fn helpers(count: usize) -> Option<&'static Helpers> {
             }),
             posted: AtomicU64::new(0),
             wake: Condvar::new(),
+            handles: Mutex::new(Vec::new()),
         }));
         // SAFETY: registers a handler that only stores to an atomic.
         unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
@@ -91,7 +97,14 @@ fn helpers(count: usize) -> Option<&'static Helpers> {
                 .name(format!("tpuc-gemm-{i}"))
                 .spawn(move || run(helpers));
             match spawned {
-                Ok(_) => started += 1,
+                Ok(handle) => {
+                    started += 1;
+                    helpers
+                        .handles
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(handle);
+                }
                 Err(e) => tracing::debug!("host BLAS helper thread not started: {e}"),
             }
         }
@@ -105,6 +118,9 @@ fn run(helpers: &'static Helpers) {
     let mut last_job = Instant::now();
     let mut polls = 0u32;
     loop {
+        if STOPPED.load(Ordering::Acquire) {
+            return;
+        }
         let posted = helpers.posted.load(Ordering::Acquire);
         if posted != seen {
             seen = posted;
@@ -126,7 +142,7 @@ fn run(helpers: &'static Helpers) {
         }
         let mut board = helpers.board();
         board.sleeping += 1;
-        while helpers.posted.load(Ordering::Acquire) == seen {
+        while helpers.posted.load(Ordering::Acquire) == seen && !STOPPED.load(Ordering::Acquire) {
             board = helpers.wake.wait(board).unwrap_or_else(|p| p.into_inner());
         }
         board.sleeping -= 1;
@@ -144,9 +160,9 @@ pub(crate) fn serial() -> bool {
 
 /// Posts `job` for the helpers (one per thread beyond the caller's, for `threads` threads) to
 /// join; returns its number for [`retract`], or None where there are no helpers (none could
-/// start, this process is a fork of the one they run in, or `TPUC_DEBUG=serial`).
+/// start, this process is a fork of the one they run in, [`stop`] ran, or `TPUC_DEBUG=serial`).
 pub(crate) fn post(job: Arc<dyn Work>, threads: usize) -> Option<u64> {
-    if FORKED.load(Ordering::Relaxed) || serial() {
+    if FORKED.load(Ordering::Relaxed) || STOPPED.load(Ordering::Acquire) || serial() {
         return None;
     }
     let helpers = helpers(threads.saturating_sub(1))?;
@@ -174,6 +190,45 @@ pub(crate) fn retract(number: u64) {
             board.job = None;
         }
     }
+}
+
+/// What [`stop`] did: helper threads joined, and those still running at its deadline (left to
+/// end with the process).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stopped {
+    pub joined: usize,
+    pub left: usize,
+}
+
+/// Stops the helpers for the rest of the process (at interpreter exit): each leaves its loop
+/// after the piece it is running, and is joined if it has ended within `timeout`, so this never
+/// waits longer. Jobs are no longer posted: their owners run every piece themselves.
+pub fn stop(timeout: Duration) -> Stopped {
+    STOPPED.store(true, Ordering::Release);
+    let Some(Some(helpers)) = HELPERS.get() else {
+        return Stopped::default();
+    };
+    if FORKED.load(Ordering::Relaxed) {
+        return Stopped::default(); // a fork's helpers did not follow it
+    }
+    // Taking the board's lock orders the store above before a helper's check under it.
+    drop(helpers.board());
+    helpers.wake.notify_all();
+    let deadline = Instant::now() + timeout;
+    let handles = std::mem::take(&mut *helpers.handles.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut stopped = Stopped::default();
+    for handle in handles {
+        while !handle.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        if handle.is_finished() {
+            let _ = handle.join();
+            stopped.joined += 1;
+        } else {
+            stopped.left += 1;
+        }
+    }
+    stopped
 }
 
 /// The CPUs this process may use, read once: std's `available_parallelism` asks the kernel for

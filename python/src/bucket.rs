@@ -87,7 +87,9 @@ pub fn bucket_graph(
     sizes: HashMap<String, i64>,
 ) -> PyResult<BucketedGraph> {
     let dynamic: HashSet<String> = dynamic.into_iter().collect();
-    match py.detach(|| no_panic(|| tpuc_passes::bucket(&graph.graph, &dynamic, &sizes)))? {
+    match crate::exit::detach(py, || {
+        no_panic(|| tpuc_passes::bucket(&graph.graph, &dynamic, &sizes))
+    })? {
         Ok(b) => Ok(BucketedGraph { b }),
         Err(e) => {
             let err = UnsupportedOpError::new_err(e.to_string());

@@ -720,7 +720,7 @@ impl CallPlan {
         let buffers = if compiled.exe.last_run().is_some_and(|d| d < HOLD_GIL_BELOW) {
             run()
         } else {
-            py.detach(run)
+            crate::exit::detach(py, run)
         }
         .map_err(compile_err)?;
         drop(ptr_args);
@@ -865,8 +865,10 @@ impl CallPlan {
                         let engine = &self.engine;
                         // SAFETY: a fresh contiguous tensor of the output's type, held across
                         // the copy.
-                        py.detach(|| unsafe { engine.fetch(&buffer, ptr, out.nbytes) })
-                            .map_err(pjrt_err)?;
+                        crate::exit::detach(py, || unsafe {
+                            engine.fetch(&buffer, ptr, out.nbytes)
+                        })
+                        .map_err(pjrt_err)?;
                     }
                 }
             }

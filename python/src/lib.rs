@@ -4,6 +4,7 @@
 
 mod bucket;
 mod env;
+mod exit;
 mod fx_walk;
 mod hot;
 mod target;
@@ -173,8 +174,7 @@ impl FxGraph {
     #[staticmethod]
     fn from_fx(py: Python<'_>, gm: &Bound<'_, PyAny>) -> PyResult<(FxGraph, Vec<String>, bool)> {
         let walked = fx_walk::walk(gm)?;
-        let graph = py
-            .detach(|| tpuc_frontend_fx::import(&walked.graph))
+        let graph = crate::exit::detach(py, || tpuc_frontend_fx::import(&walked.graph))
             .map_err(|e| GraphImportError::new_err(e.to_string()))?;
         Ok((
             FxGraph {
@@ -198,8 +198,7 @@ impl FxGraph {
     /// Imports the wire format as JSON (`tpuc_frontend_fx::wire`).
     #[staticmethod]
     fn from_json(py: Python<'_>, json: &str) -> PyResult<FxGraph> {
-        let graph = py
-            .detach(|| tpuc_frontend_fx::import_json(json))
+        let graph = crate::exit::detach(py, || tpuc_frontend_fx::import_json(json))
             .map_err(|e| GraphImportError::new_err(e.to_string()))?;
         Ok(FxGraph {
             graph: Arc::new(graph),
@@ -245,7 +244,9 @@ impl FxGraph {
         enabled: Option<Vec<String>>,
         texts: bool,
     ) -> (PassReport, FxGraph) {
-        py.detach(|| clean((*self.graph).clone(), enabled.as_deref(), texts))
+        crate::exit::detach(py, || {
+            clean((*self.graph).clone(), enabled.as_deref(), texts)
+        })
     }
 
     /// `from_fx`, then `cleanup` on the imported graph itself (no copy of it is kept): returns
@@ -270,14 +271,13 @@ impl FxGraph {
         Vec<Py<PyAny>>,
     )> {
         let walked = fx_walk::walk(gm)?;
-        let (imported_text, report, graph) = py
-            .detach(|| {
-                let g = tpuc_frontend_fx::import(&walked.graph)?;
-                let text = texts.then(|| g.to_string());
-                let (report, graph) = clean(g, enabled.as_deref(), texts);
-                Ok::<_, tpuc_frontend_fx::ImportError>((text, report, graph))
-            })
-            .map_err(|e| GraphImportError::new_err(e.to_string()))?;
+        let (imported_text, report, graph) = crate::exit::detach(py, || {
+            let g = tpuc_frontend_fx::import(&walked.graph)?;
+            let text = texts.then(|| g.to_string());
+            let (report, graph) = clean(g, enabled.as_deref(), texts);
+            Ok::<_, tpuc_frontend_fx::ImportError>((text, report, graph))
+        })
+        .map_err(|e| GraphImportError::new_err(e.to_string()))?;
         Ok((
             imported_text,
             report,
@@ -501,9 +501,8 @@ impl Runtime {
         create_options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Runtime> {
         let options = create_options_of(create_options)?;
-        let engine = py
-            .detach(|| Engine::new(&plugin_path, &options))
-            .map_err(pjrt_err)?;
+        let engine =
+            crate::exit::detach(py, || Engine::new(&plugin_path, &options)).map_err(pjrt_err)?;
         Ok(Runtime {
             engine: Arc::new(engine),
         })
@@ -546,7 +545,7 @@ impl Runtime {
     /// the `sgemm_` in `library` (already loaded by the process: PyTorch's own), registered
     /// with the plugin; 0 turns it off. Returns whether products can go there.
     fn enable_host_gemm(&self, py: Python<'_>, library: PathBuf, min_macs: u64) -> PyResult<bool> {
-        py.detach(|| self.engine.enable_host_gemm(&library, min_macs))
+        crate::exit::detach(py, || self.engine.enable_host_gemm(&library, min_macs))
             .map_err(pjrt_err)
     }
 
@@ -575,7 +574,7 @@ impl Runtime {
     /// off), registered with the plugin. Returns whether convolutions go there.
     #[pyo3(signature = (library))]
     fn enable_host_conv(&self, py: Python<'_>, library: Option<String>) -> PyResult<bool> {
-        py.detach(|| self.engine.enable_host_conv(library.as_deref()))
+        crate::exit::detach(py, || self.engine.enable_host_conv(library.as_deref()))
             .map_err(pjrt_err)
     }
 
@@ -588,8 +587,7 @@ impl Runtime {
     /// From now on, lowers large f32 layer norms to the runtime's row kernels (registered with
     /// the plugin), or (false) keeps them in XLA. Returns whether they go there.
     fn enable_host_rows(&self, py: Python<'_>, on: bool) -> PyResult<bool> {
-        py.detach(|| self.engine.enable_host_rows(on))
-            .map_err(pjrt_err)
+        crate::exit::detach(py, || self.engine.enable_host_rows(on)).map_err(pjrt_err)
     }
 
     /// From now on, lowers the math primitives (exp, log, atan2, tanh ...) of these ATen ops
@@ -687,19 +685,12 @@ impl Runtime {
         };
         let request = sharding.map(sharding_request).transpose()?;
         let engine = self.engine.clone();
-        let compiled = py
-            .detach(|| {
-                no_panic(|| {
-                    engine.compile_sharded(
-                        &graph.graph,
-                        &bindings,
-                        precision,
-                        &disk,
-                        request.as_ref(),
-                    )
-                })
-            })?
-            .map_err(compile_err)?;
+        let compiled = crate::exit::detach(py, || {
+            no_panic(|| {
+                engine.compile_sharded(&graph.graph, &bindings, precision, &disk, request.as_ref())
+            })
+        })?
+        .map_err(compile_err)?;
         Ok(self.executable(compiled))
     }
 
@@ -723,7 +714,7 @@ impl Runtime {
             max_bytes: cache_max_bytes,
         };
         let engine = self.engine.clone();
-        let results = py.detach(|| {
+        let results = crate::exit::detach(py, || {
             no_panic(|| {
                 engine.compile_many(&graph.graph, &all_bindings, precision, &disk, progress)
             })
@@ -753,7 +744,7 @@ impl Runtime {
         let engine = self.engine.clone();
         let graphs: Vec<Arc<Graph>> = graphs.iter().map(|g| g.graph.clone()).collect();
         let none = HashMap::new();
-        let results = py.detach(|| {
+        let results = crate::exit::detach(py, || {
             no_panic(|| {
                 let jobs: Vec<(&Arc<Graph>, &HashMap<String, i64>)> =
                     graphs.iter().map(|g| (g, &none)).collect();
@@ -903,7 +894,7 @@ impl Executable {
         let compiled = &self.compiled;
         // SAFETY: the Python caller passes live, contiguous tensors' pointers (outputs freshly
         // allocated, so not aliasing inputs) and holds them for the duration of this call.
-        py.detach(|| unsafe { engine.run(compiled, &run_args, &outs) })
+        crate::exit::detach(py, || unsafe { engine.run(compiled, &run_args, &outs) })
             .map_err(compile_err)
     }
 
@@ -936,8 +927,10 @@ impl Executable {
         let compiled = &self.compiled;
         // SAFETY: the Python caller passes live, contiguous tensors' pointers (outputs freshly
         // allocated, so not aliasing inputs) and holds them for the duration of this call.
-        py.detach(|| unsafe { engine.run_sharded(compiled, &run_args, &outs) })
-            .map_err(compile_err)
+        crate::exit::detach(py, || unsafe {
+            engine.run_sharded(compiled, &run_args, &outs)
+        })
+        .map_err(compile_err)
     }
 
     /// `None`, or `(mesh_shape, mesh_axes, input_specs, output_specs)`: the layouts the
@@ -987,7 +980,7 @@ impl Executable {
         n: usize,
     ) -> PyResult<Vec<f64>> {
         let exe = self.compiled.exe.clone();
-        py.detach(|| {
+        crate::exit::detach(py, || {
             let bufs: Vec<&Buffer> = args.iter().map(|d| &d.get().buffer).collect();
             let mut times = Vec::with_capacity(n);
             for _ in 0..n {
@@ -1178,9 +1171,7 @@ fn cache_clear(dir: PathBuf) -> PyResult<usize> {
 /// plugins are never unloaded) without creating a client (GIL released).
 #[pyfunction]
 fn plugin_api_version(py: Python<'_>, path: PathBuf) -> PyResult<(i32, i32)> {
-    let plugin = py
-        .detach(|| tpuc_runtime::load_plugin(&path))
-        .map_err(pjrt_err)?;
+    let plugin = crate::exit::detach(py, || tpuc_runtime::load_plugin(&path)).map_err(pjrt_err)?;
     Ok(plugin.api_version())
 }
 
@@ -1237,6 +1228,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hot::Slot>()?;
     m.add_class::<hot::Unboxed>()?;
     m.add_function(wrap_pyfunction!(hot::plan_executions, m)?)?;
+    m.add_function(wrap_pyfunction!(exit::begin_exit, m)?)?;
+    m.add_function(wrap_pyfunction!(exit::exiting, m)?)?;
     m.add_function(wrap_pyfunction!(writes::write_rows, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::bucket_graph, m)?)?;
     m.add_function(wrap_pyfunction!(bucket::eval_sym, m)?)?;

@@ -35,9 +35,10 @@ impl Target {
         create_options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Target> {
         let options = create_options_of(create_options)?;
-        let engine = py
-            .detach(|| TargetEngine::new(&plugin_path, &topology, &name, &options))
-            .map_err(pjrt_err)?;
+        let engine = crate::exit::detach(py, || {
+            TargetEngine::new(&plugin_path, &topology, &name, &options)
+        })
+        .map_err(pjrt_err)?;
         Ok(Target {
             engine: Arc::new(engine),
         })
@@ -98,13 +99,10 @@ impl Target {
         };
         let request = sharding.map(sharding_request).transpose()?;
         let engine = self.engine.clone();
-        let compiled = py
-            .detach(|| {
-                no_panic(|| {
-                    engine.compile(&graph.graph, &bindings, precision, &disk, request.as_ref())
-                })
-            })?
-            .map_err(compile_err)?;
+        let compiled = crate::exit::detach(py, || {
+            no_panic(|| engine.compile(&graph.graph, &bindings, precision, &disk, request.as_ref()))
+        })?
+        .map_err(compile_err)?;
         report_dict(py, &compiled, text)
     }
 }

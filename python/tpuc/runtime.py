@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import glob
 import importlib.metadata
 import os
@@ -15,6 +16,23 @@ from . import _native, env, host_malloc
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, _native.Runtime] = {}
+_exit_hook = []  # [True] once `_at_exit` is registered
+
+# How long tpuc's atexit hook waits, at most, for other threads to leave tpuc's GIL-free sections
+# and for the host kernels' helper threads to end (it never waits longer: never a hang at exit).
+EXIT_WAIT_S = 10.0
+
+
+def _at_exit() -> dict:
+    """tpuc's part of the interpreter's exit, an atexit hook registered with the first runtime
+    (docs/reliability-and-testing.md, "A clean exit"): from here on a thread other than the
+    exiting one never takes the GIL back inside tpuc (it parks; CPython 3.11 would end it with
+    `pthread_exit` during finalization, which aborts the process in native frames), the host
+    kernels' helper threads are joined, and the runtimes' PJRT clients are kept alive to the end
+    of the process instead of being destroyed wherever the final collection frees them."""
+    # No lock: a thread parked inside tpuc may hold `_lock` (a runtime being created).
+    return dict(_native.begin_exit(list(_runtimes.values()), EXIT_WAIT_S))
+
 
 # Another CPU plugin on PyPI (a newer XLA build), chosen by its wheel's name as the plugin:
 # options={"plugin": "fastatomstruct-xla-cpu"}. tpuc's bytecode and the zoo were checked on it
@@ -264,6 +282,11 @@ def get_runtime(
 
                 conformance.run_for(rt)
             _runtimes[key] = rt
+            if not _exit_hook:
+                # Registered after torch's imports, so it runs before their hooks (last in,
+                # first out) and before the interpreter starts finalizing.
+                atexit.register(_at_exit)
+                _exit_hook.append(True)
         return rt
 
 
