@@ -504,7 +504,8 @@ def test_pointwise_and_patch_product_convolutions_forward_and_backward(tmp_path,
         ln
         for m in tmp_path.glob("*/stablehlo.mlir")
         for ln in m.read_text().splitlines()
-        if "convolution" in ln
+        # The op, not a location naming an FX node such as convolution_backward.
+        if '"stablehlo.convolution"' in ln
     ]
     if runtime.get_runtime(None).host_conv:
         # The 3x3 kernel's gradients are oneDNN's (test_host_conv reruns this with it off).
