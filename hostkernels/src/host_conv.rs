@@ -522,8 +522,8 @@ fn check(status: Status, what: &str) -> Result<(), String> {
 }
 
 /// `shape`'s primitive: made on the first call and kept. It is the implementation oneDNN ranks
-/// first for the shape on this CPU (what any caller of this oneDNN gets, PyTorch's eager
-/// included), never one chosen by timing: implementations sum in different orders, and a choice
+/// first for the shape on this CPU (what any caller of this oneDNN gets; PyTorch's eager takes
+/// its own oneDNN release's first choice the same way), never one chosen by timing: implementations sum in different orders, and a choice
 /// that depends on the load of the moment made the same program's numbers differ from one
 /// process to the next. That is within rounding for each convolution, but not for what follows
 /// it: a ReLU whose input lies within rounding of 0 passes or blocks its whole gradient, and

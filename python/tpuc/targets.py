@@ -157,9 +157,9 @@ def largest_tensors(gm: torch.fx.GraphModule, k: int = 3) -> str:
     return f"; largest tensors: {', '.join(parts)}" if parts else ""
 
 
-def _check_memory(report: dict, spec: TargetSpec, name: str, where: str = "") -> None:
-    """DeviceMemoryError when the graph's footprint per chip exceeds the chip's HBM; `where`:
-    [`largest_tensors`] of the graph."""
+def _check_memory(report: dict, spec: TargetSpec, name: str, gm: torch.fx.GraphModule) -> None:
+    """DeviceMemoryError when the graph `gm`'s footprint per chip exceeds the chip's HBM, naming
+    its [`largest_tensors`] (looked for only then)."""
     need, have = report["footprint_bytes"], spec.hbm_bytes
     if need <= have:
         return
@@ -169,7 +169,7 @@ def _check_memory(report: dict, spec: TargetSpec, name: str, where: str = "") ->
         f"arguments, {fmt_bytes(h['outputs'])} outputs, {fmt_bytes(h['temporaries'])} temporaries, "
         f"{fmt_bytes(h['code'])} code), more than a {spec.generation} chip's {fmt_bytes(have)} of HBM; "
         + _mesh_hint(need, report["devices"], spec)
-        + where
+        + largest_tensors(gm)
     )
 
 
@@ -280,8 +280,7 @@ class TargetGraph:
         if self.opts.dump_dir is not None:
             _dump(self, report)
             report.pop("mlir", None)
-        if report["footprint_bytes"] > self.spec.hbm_bytes:
-            _check_memory(report, self.spec, self.name, largest_tensors(self.gm))
+        _check_memory(report, self.spec, self.name, self.gm)
         return report
 
     def __call__(self, args: list):
