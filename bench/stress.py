@@ -44,6 +44,8 @@ def _row(runs: list[stress_runs.Run]) -> dict:
         "off_eager": sum(1 for r in runs if r.returncode == 0 and not all(r.ok)),
         "bad_exit": sum(1 for r in runs if r.returncode != 0),
         "distinct_results": len({r.digest for r in runs if r.digest}),
+        # Processes whose steady calls did not give the first call's bits.
+        "steady_differs": sum(1 for r in runs if len(set(r.digests)) > 1),
         "worst_error": max((max(r.errors) for r in runs if r.errors), default=float("nan")),
         "seconds_per_run": sum(r.seconds for r in runs) / len(runs),
     }
@@ -78,12 +80,12 @@ def main(argv=None) -> int:
         raw += [vars(r) for r in runs]
     load = os.getloadavg()[0]
     header = (
-        "| model | mode | runs | off eager | bad exits | distinct results | worst error (rel.) | s/run |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "| model | mode | runs | off eager | bad exits | distinct results | steady calls differ | worst error (rel.) | s/run |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
     table = header + "".join(
         f"| {r['model']} | {r['mode']} | {r['runs']} | {r['off_eager']} | {r['bad_exit']} | "
-        f"{r['distinct_results']} | {r['worst_error']:.1e} | {r['seconds_per_run']:.1f} |\n"
+        f"{r['distinct_results']} | {r['steady_differs']} | {r['worst_error']:.1e} | {r['seconds_per_run']:.1f} |\n"
         for r in rows
     )
     print(table)
@@ -96,7 +98,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results_history.write_markdown(args.out / "stress.md", latest)
     (args.out / "stress.json").write_text(json.dumps({"rows": rows, "runs": raw}, indent=1) + "\n")
-    bad = any(r["off_eager"] or r["bad_exit"] or r["distinct_results"] > 1 for r in rows)
+    bad = any(
+        r["off_eager"] or r["bad_exit"] or r["distinct_results"] > 1 or r["steady_differs"] for r in rows
+    )
     return 1 if bad else 0
 
 

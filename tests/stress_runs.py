@@ -7,8 +7,8 @@ zoo model with `backend="tpu"`, calls it three times (the first call, which make
 primitive and buffer, and two steady calls) and compares every result with eager's:
 inference outputs, or for training the loss, every parameter's gradient and the BatchNorm
 statistics (`zoo.assert_close_to_eager_or_float64`, as tests/test_zoo_training.py does). It also
-hashes the first call's results, so that runs of the same program can be checked to be
-bit-identical across processes, and the parent reads each process's exit status, so that an
+hashes every call's results: the steady calls must give the first call's bits (the same
+executable on the same inputs), and runs of the same program the same bits across processes; and the parent reads each process's exit status, so that an
 abort at interpreter exit is a failure too. `busy_core()` keeps another core loaded meanwhile:
 thread timings then differ from one run to the next, as they do on a loaded machine.
 
@@ -48,14 +48,20 @@ class Run:
     # Per call: the worst error relative to the tensor's scale, and whether it was within tolerance.
     errors: list[float]
     ok: list[bool]
-    digest: str
+    # Per call: a hash of its results; `digest` is the first call's.
+    digests: list[str]
     worst: str
     stderr_tail: str
 
     @property
+    def digest(self) -> str:
+        return self.digests[0] if self.digests else ""
+
+    @property
     def clean(self) -> bool:
-        """Every call matched eager and the process exited with status 0."""
-        return self.returncode == 0 and len(self.ok) == CALLS and all(self.ok)
+        """Every call matched eager, every steady call gave the first call's bits, and the
+        process exited with status 0."""
+        return self.returncode == 0 and len(self.ok) == CALLS and all(self.ok) and len(set(self.digests)) == 1
 
 
 def _digest(tensors) -> str:
@@ -85,7 +91,7 @@ def _child_infer(name: str) -> dict:
     return {
         "errors": errors,
         "ok": [e <= INFER_REL for e in errors],
-        "digest": _digest(got[:1]),
+        "digests": [_digest([g]) for g in got],
         "worst": "output",
     }
 
@@ -112,7 +118,7 @@ def _child_train(name: str) -> dict:
     _, exact_grads = step(exact, exact, tuple(x.double() if x.is_floating_point() else x for x in inputs))
     for _ in range(CALLS - 1):
         eager(*inputs)
-    errors, ok, firsts, worst = [], [], None, ""
+    errors, ok, digests, worst = [], [], [], ""
     for _ in range(CALLS):
         loss, grads = step(model, compiled, inputs)
         call_ok, call_err = True, _relative(loss, want_loss)
@@ -127,14 +133,13 @@ def _child_train(name: str) -> dict:
             call_err = max(call_err, err)
         errors.append(call_err)
         ok.append(call_ok)
-        if firsts is None:
-            firsts = [loss, *grads.values()]
+        digests.append(_digest([loss, *grads.values()]))
     buffers_ok = True
     for (bname, b), be in zip(model.named_buffers(), eager.buffers(), strict=True):
         if b.is_floating_point() and _relative(b, be) > 1e-5:
             buffers_ok, worst = False, bname
     ok[-1] = ok[-1] and buffers_ok
-    return {"errors": errors, "ok": ok, "digest": _digest(firsts), "worst": worst}
+    return {"errors": errors, "ok": ok, "digests": digests, "worst": worst}
 
 
 def run_once(name: str, mode: str, timeout: float = 600, debug: str | None = None) -> Run:
@@ -158,7 +163,7 @@ def run_once(name: str, mode: str, timeout: float = 600, debug: str | None = Non
         stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
     seconds = time.perf_counter() - t0
     line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith("{")), None)
-    result = json.loads(line) if line else {"errors": [], "ok": [], "digest": "", "worst": "no result"}
+    result = json.loads(line) if line else {"errors": [], "ok": [], "digests": [], "worst": "no result"}
     return Run(
         name,
         mode,
@@ -166,7 +171,7 @@ def run_once(name: str, mode: str, timeout: float = 600, debug: str | None = Non
         seconds,
         result["errors"],
         result["ok"],
-        result["digest"],
+        result["digests"],
         result["worst"],
         "\n".join(stderr.splitlines()[-15:]),
     )

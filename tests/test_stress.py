@@ -15,7 +15,7 @@ def _check(runs):
     for r in runs:
         assert r.clean, (
             f"{r.model} {r.mode}: exit {r.returncode}, errors per call {r.errors}, ok {r.ok}, "
-            f"worst {r.worst!r}\n{r.stderr_tail}"
+            f"results per call {r.digests}, worst {r.worst!r}\n{r.stderr_tail}"
         )
     digests = {r.digest for r in runs}
     assert len(digests) == 1, (
