@@ -5,7 +5,8 @@ Cases (random weights, float32, CPU):
 * inference: GPT-2 124M (1x128, 8x128 tokens), BERT-base (8x128), ResNet-50 and ViT-B/16 at 224
   (batch 1 and 8), one step of a small diffusion UNet (diffusers' UNet2DConditionModel, 64x64
   latents, when diffusers is installed);
-* training steps (forward, backward, SGD step): GPT-2 124M (1x128), ResNet-50 (batch 8);
+* training steps (forward, backward, SGD step with momentum), the whole step compiled, and for
+  tpuc also the model alone compiled (the step split): GPT-2 124M (1x128), ResNet-50 (batch 8);
 * generation: a Llama-style ~100M decoder generating 64 tokens greedily with a static KV cache
   (`model.generate(cache_implementation="static")` with `model.forward` compiled): tokens/s, and
   the tokens must be identical to eager's.
@@ -229,16 +230,28 @@ def run_infer(torch, model, inputs, pick, plugin, iters, backends, timed) -> dic
     return out
 
 
+# Training: how the step is compiled. "tpuc" and "inductor" compile the whole step function
+# (forward, backward and the optimizer's update: what a user writes; for tpuc one program per
+# step, docs/training.md); "tpuc_split" compiles the model only and runs the step around it in
+# eager (the forward and backward as separate programs, the update in PyTorch).
+SPLIT = "tpuc_split"
+
+
 def run_train(torch, model, inputs, pick, plugin, iters, backends, timed) -> dict:
-    """Forward, loss, backward and an SGD step, each backend on its own copy of the weights."""
+    """Forward, loss, backward and an SGD step with momentum, each backend on its own copy of the
+    weights (see SPLIT for how each is compiled)."""
     import copy
 
     model.train()
+    if "tpuc" in backends:
+        backends = (*backends, SPLIT)
+        timed = (*timed, SPLIT) if "tpuc" in timed else timed
     out = {b: {} for b in backends}
     steps = {}
 
-    def make_step(m, fn):
-        opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+    def make_step(m, b):
+        fn = _compile(torch, m, "tpuc", plugin) if b == SPLIT else m
+        opt = torch.optim.SGD(m.parameters(), lr=1e-4, momentum=0.9)
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -247,17 +260,19 @@ def run_train(torch, model, inputs, pick, plugin, iters, backends, timed) -> dic
             opt.step()
             return loss.detach()
 
-        return step
+        return step if b in ("eager", SPLIT) else _compile(torch, step, b, plugin)
 
     losses = {}
     for b in backends:
         m = copy.deepcopy(model)
         try:
-            step = make_step(m, _compile(torch, m, b, plugin))
+            step = make_step(m, b)
             t0 = time.perf_counter()
             losses[b] = step()
             out[b]["first_call_s"] = time.perf_counter() - t0
             step()
+            if b.startswith("tpuc"):
+                out[b]["programs_per_step"] = _executions(step)
             steps[b] = step
         except Exception as e:
             out[b]["error"] = _error(e)
@@ -268,6 +283,15 @@ def run_train(torch, model, inputs, pick, plugin, iters, backends, timed) -> dic
         out[b]["median_ms"] = statistics.median(times) * 1e3
         out[b]["min_ms"] = min(times) * 1e3
     return out
+
+
+def _executions(step) -> int:
+    """tpuc executions in one call of `step`."""
+    import tpuc
+
+    before = tpuc.stats()["executions"]
+    step()
+    return tpuc.stats()["executions"] - before
 
 
 def run_generate(torch, model, inputs, pick, plugin, iters, backends, timed, new_tokens: int = 64) -> dict:
@@ -364,7 +388,7 @@ def _run_separately(case: str, args, cache: Path) -> dict:
     convolutions their page faults (ResNet-50 b1 under Inductor: 44 ms alone, 33 ms next to
     tpuc), and OpenMP's spinning threads share the cores with XLA's."""
     result: dict = {}
-    rounds = {b: [] for b in BACKENDS}
+    rounds = {b: [] for b in (*BACKENDS, SPLIT)}
     for i in range(args.rounds):
         for b in BACKENDS[i % len(BACKENDS) :] + BACKENDS[: i % len(BACKENDS)]:
             r = _run_child(case, args, cache, backend=b)
@@ -376,6 +400,8 @@ def _run_separately(case: str, args, cache: Path) -> dict:
             result.setdefault("kind", r["kind"])
             result.setdefault("params_m", r["params_m"])
             rounds[b].append(r[b])
+            if b == "tpuc" and SPLIT in r:
+                rounds[SPLIT].append(r[SPLIT])
     for b, rs in rounds.items():
         timed = [x for x in rs if "median_ms" in x]
         if not rs:
@@ -458,6 +484,25 @@ def markdown(report: dict) -> str:
         g = _geomean(ratios)
         if g:
             lines.append(f"- geomean tpuc/Inductor, {kind}: **{g:.2f}x** over {len(ratios)} cases")
+    train = {c: r for c, r in report["cases"].items() if r.get("kind") == "train"}
+    if train:
+        lines += [
+            "",
+            "Training steps (SGD with momentum): tpuc compiling the whole step (one program per step) "
+            "against tpuc compiling the model only (the step around it in eager), and Inductor compiling "
+            "the whole step:",
+            "",
+            "| case | tpuc, whole step ms | tpuc, model only ms | Inductor ms | model only / whole | "
+            "whole / Inductor | tpuc programs per step (whole / model only) |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
+        for case, r in train.items():
+            split, whole = _ratio(r, SPLIT, "tpuc"), _ratio(r, "tpuc", "inductor")
+            programs = " / ".join(str(r.get(b, {}).get("programs_per_step", "-")) for b in ("tpuc", SPLIT))
+            lines.append(
+                f"| {case} | {ms(r, 'tpuc')} | {ms(r, SPLIT)} | {ms(r, 'inductor')} | "
+                f"{f'{split:.2f}x' if split else '-'} | {f'{whole:.2f}x' if whole else '-'} | {programs} |"
+            )
     lines.append(
         "\ntpuc error: largest |tpuc - eager| over the largest |eager| of the output (training: of the"
         " first step's loss)."
