@@ -1,17 +1,14 @@
-"""bench/graph_diff.py, the per-graph and per-op comparison of tpuc with eager (issue 40): its
-errors are the graph's and the op's own, with views and in-place ops in the graph."""
+"""tpuc.graph_diff (`tpuc graph-diff`), the per-graph and per-op comparison of tpuc with eager
+(issue 40): its errors are the graph's and the op's own, with views and in-place ops in the graph."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import re
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-
-import graph_diff  # noqa: E402
+from tpuc import cli, graph_diff
 
 
 def _model(x, w, scale):
@@ -61,3 +58,26 @@ def test_rel_error_scales_by_the_reference_and_sees_mismatches():
     assert graph_diff.rel_error(r, r[:2]) == float("inf")
     assert graph_diff.rel_error(torch.tensor([1, 2]), torch.tensor([1, 3])) == float("inf")
     assert graph_diff.rel_error(torch.tensor([float("nan")]), torch.tensor([float("nan")])) == 0.0
+
+
+def test_the_command_compares_a_factorys_model_and_locates_a_call(tmp_path, monkeypatch, capsys):
+    (tmp_path / "gd_factory.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))\n"
+        "    return m.eval(), (torch.randn(4, 64),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    torch._dynamo.reset()
+    # --threshold -1: every call is beyond it, so the first one is located, op by op.
+    assert cli.main(["graph-diff", "gd_factory:build", "--locate", "--threshold", "-1", "--show", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "final: 1 outputs, worst error" in out
+    assert "graph 0:" in out and "locating graph 0 call 0" in out
+    # The table has the model's three ops, each within float32 rounding of eager's.
+    rows = [line for line in out.splitlines() if re.match(r"\s*\d+ ", line) and "float32" in line]
+    assert any("linear" in r for r in rows) and any("gelu" in r for r in rows), out
+    local = [float(re.search(r"float32\s+(\S+)", r).group(1)) for r in rows]
+    assert len(local) >= 3 and max(local) < 1e-5, out
+    assert cli.main(["graph-diff", "gd_factory"]) == 2  # no FACTORY

@@ -1,12 +1,12 @@
-//! The compile pipeline: symbolic IR -> specialize -> lower -> cache lookup -> PJRT compile, and
-//! running the result with host memory in and out.
+//! The compile pipeline: symbolic IR -> specialize -> lower -> cache lookup -> PJRT compile.
+//! Running the result (uploads, execution, fetching outputs) is the runtime's
+//! ([`tpuc_runtime::Runner`]), on the signature each [`Compiled`] carries.
 
 use crate::executable_store::ExecutableStore;
 pub use crate::executable_store::{CacheOutcome, DiskCacheOptions};
 use crate::host_kernels::HostKernels;
 use crate::lower::{self, LowerError, LowerOptions, Lowered, Precision};
 use rayon::prelude::*;
-use smallvec::SmallVec;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,9 +16,10 @@ use tpuc_cache::{host_cpu_fingerprint, CacheError, CacheKey, DiskCache, KeyBuild
 use tpuc_frontend_fx::{DType, Graph};
 use tpuc_passes::sharding::{ShardingError, ShardingRequest};
 use tpuc_passes::SpecializeError;
+use tpuc_runtime::runner::ArrayType;
 use tpuc_runtime::{
-    self as pjrt, Buffer, Client, CompileOptions, ElementType, HostBufferSemantics,
-    LoadedExecutable, PjrtError, Plugin,
+    self as pjrt, Client, CompileOptions, ElementType, LoadedExecutable, PjrtError, Plugin,
+    Signature,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -55,18 +56,6 @@ pub fn element_type(d: DType) -> ElementType {
     }
 }
 
-/// The buffers to execute with: device arguments as given, host ones as `stage` uploaded them.
-fn arg_refs<'a>(args: &'a [RunArg<'a>], staged: &'a [Option<Buffer>]) -> Vec<&'a Buffer> {
-    args.iter()
-        .zip(staged)
-        .map(|(a, s)| match (a, s) {
-            (RunArg::Device(b), _) => *b,
-            (RunArg::Host(_), Some(b)) => b,
-            (RunArg::Host(_), None) => unreachable!("every host arg was uploaded"),
-        })
-        .collect()
-}
-
 /// One PJRT client with its executable cache. One engine per plugin (and device count) per
 /// process.
 pub struct Engine {
@@ -74,11 +63,6 @@ pub struct Engine {
     /// Executables by cache key, in memory and in the disk caches.
     executables: ExecutableStore,
     platform: String,
-    /// Whether buffers may alias host memory (the CPU plugin): inputs are then never copied.
-    host_zero_copy: bool,
-    /// Whether the plugin makes views of host memory (`CreateViewOfDeviceBuffer`); cleared at
-    /// the first refusal.
-    host_views: std::sync::atomic::AtomicBool,
     /// Whether modules go to the plugin as MLIR text instead of bytecode (see
     /// [`Engine::compile_module`]).
     text_modules: std::sync::atomic::AtomicBool,
@@ -217,42 +201,40 @@ pub struct Compiled {
     pub unpartitioned: bool,
     /// The graph as lowered: the caller's own where it was static already.
     pub specialized: Arc<Graph>,
+    /// What the executable takes and returns, as the runtime runs it.
+    pub signature: Signature,
 }
 
-/// A host array handed to [`Engine::run`]: pointer, byte length, type and shape.
-#[derive(Clone, Debug)]
-pub struct HostArray {
-    pub ptr: usize,
-    pub nbytes: usize,
-    pub dtype: DType,
-    pub shape: Vec<i64>,
+impl Compiled {
+    /// How many devices a sharded executable runs on, and per input the type of one device's
+    /// piece; None where it is not sharded.
+    pub fn shards(&self) -> Option<(usize, Vec<ArrayType>)> {
+        let plan = self.lowered.sharding.as_ref()?;
+        let pieces = self
+            .lowered
+            .inputs
+            .iter()
+            .zip(&plan.inputs)
+            .map(|((shape, dtype), spec)| {
+                (spec.shard_shape(shape, &plan.mesh), element_type(*dtype))
+            })
+            .collect();
+        Some((plan.mesh.size() as usize, pieces))
+    }
 }
 
-/// An argument of a run: host memory (uploaded, or aliased on the CPU plugin) or a buffer
-/// already on the device (parameters kept resident).
-pub enum RunArg<'a> {
-    Host(HostArray),
-    Device(&'a Buffer),
+/// The runtime's signature of a lowered module.
+fn signature(lowered: &Lowered) -> Signature {
+    let types = |ts: &[(Vec<i64>, DType)]| {
+        ts.iter()
+            .map(|(shape, dtype)| (shape.clone(), element_type(*dtype)))
+            .collect()
+    };
+    Signature {
+        inputs: types(&lowered.inputs),
+        outputs: types(&lowered.outputs),
+    }
 }
-
-/// An argument of [`Engine::execute_ptrs`]: the address of a dense host array of exactly the
-/// executable's input type, or a buffer already on the device.
-pub enum PtrArg<'a> {
-    Host(usize),
-    Device(&'a Buffer),
-}
-
-/// Where [`Engine::execute_ptrs`] spent its time: wrapping host arguments as buffers, and
-/// executing (until the outputs are ready).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RunTimings {
-    pub stage: std::time::Duration,
-    pub execute: std::time::Duration,
-}
-
-/// The alignment the CPU plugin requires of memory it computes on in place (XLA's minimum
-/// buffer alignment).
-pub const HOST_VIEW_ALIGN: usize = 64;
 
 /// Whether a compile error says the plugin could not read the module's bytecode (rather than
 /// rejecting what it says).
@@ -350,11 +332,6 @@ fn is_loop_op(op: &str) -> bool {
     !NOT_LOOPS.iter().any(|p| op.starts_with(p))
 }
 
-/// Whether `TPUC_DEBUG=discrete_device` asks to treat every plugin as a discrete device.
-pub fn discrete_device_forced() -> bool {
-    tpuc_runtime::env::debug_flag("discrete_device")
-}
-
 /// Bytes of a dense array of `shape` and `dtype` (shapes of lowered signatures are valid).
 pub fn dense_bytes(shape: &[i64], dtype: DType) -> usize {
     shape
@@ -394,13 +371,6 @@ impl Engine {
         Ok(Engine {
             text_modules: std::sync::atomic::AtomicBool::new(text),
             stablehlo_versions,
-            // TPUC_DEBUG=discrete_device treats the CPU plugin as a device with memory of its own
-            // (inputs uploaded, outputs copied back, resident buffers as copies): the path of
-            // GPUs and TPUs, tested where there are none.
-            host_zero_copy: platform == "cpu" && !discrete_device_forced(),
-            host_views: std::sync::atomic::AtomicBool::new(!tpuc_runtime::env::debug_flag(
-                "no_host_views",
-            )),
             client,
             executables: ExecutableStore::default(),
             machine,
@@ -565,12 +535,6 @@ impl Engine {
         &self.platform
     }
 
-    /// Whether device memory is host memory (the CPU plugin): host arrays can be computed on
-    /// in place.
-    pub fn host_zero_copy(&self) -> bool {
-        self.host_zero_copy
-    }
-
     pub fn cached_executables(&self) -> usize {
         self.executables.len()
     }
@@ -641,6 +605,7 @@ impl Engine {
         tracing::debug!(key = %key, ?outcome, lower_seconds, compile_seconds, unpartitioned, "compiled graph");
         Ok(Compiled {
             exe,
+            signature: signature(&lowered),
             lowered,
             key,
             outcome,
@@ -700,331 +665,4 @@ impl Engine {
         bar.finish();
         out
     }
-
-    /// Uploads host memory to device 0. On the CPU plugin the buffer aliases the memory, which
-    /// must then stay alive and unchanged while the buffer lives.
-    ///
-    /// # Safety
-    /// `a.ptr` must point to `a.nbytes` readable bytes, alive as long as the buffer on the CPU
-    /// plugin.
-    pub unsafe fn upload(&self, a: &HostArray) -> Result<Buffer, PjrtError> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.upload_to(a, 0) }
-    }
-
-    /// [`Engine::upload`] to device `device` (an index into the client's addressable devices).
-    ///
-    /// # Safety
-    /// As for [`Engine::upload`].
-    pub unsafe fn upload_to(&self, a: &HostArray, device: usize) -> Result<Buffer, PjrtError> {
-        let semantics = self.host_semantics();
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            self.client.buffer_from_host(
-                a.ptr as *const u8,
-                a.nbytes,
-                element_type(a.dtype),
-                &a.shape,
-                semantics,
-                device,
-            )
-        }
-    }
-
-    /// Runs `compiled` and writes each output into the host memory given in `outputs`.
-    ///
-    /// # Safety
-    /// Every host pointer must be valid for its byte length for the whole call; outputs must be
-    /// writable and not alias inputs.
-    pub unsafe fn run(
-        &self,
-        compiled: &Compiled,
-        args: &[RunArg],
-        outputs: &[HostArray],
-    ) -> Result<(), CompileError> {
-        let sig = &compiled.lowered;
-        check_arity(sig, args.len(), outputs.len())?;
-        // SAFETY: forwarded from the caller; the buffers are dropped before return.
-        let staged = unsafe {
-            self.stage(args, &sig.inputs, 0, |i, (shape, dtype), h| {
-                format!(
-                    "input {i}: executable expects {dtype}{shape:?}, got {}{:?}",
-                    h.dtype, h.shape
-                )
-            })?
-        };
-        let refs = arg_refs(args, &staged);
-        let results = compiled.exe.execute(&refs)?;
-        if results.len() != outputs.len() {
-            return Err(CompileError::Run(format!(
-                "executable returned {} outputs, expected {}",
-                results.len(),
-                outputs.len()
-            )));
-        }
-        for (buf, out) in results.iter().zip(outputs) {
-            // SAFETY: forwarded from the caller.
-            unsafe { self.fetch(buf, out.ptr, out.nbytes)? };
-        }
-        Ok(())
-    }
-
-    /// [`Engine::run`] for a caller that already knows its arguments have the executable's
-    /// types (a call plan checked them): host arguments are bare addresses, read with the
-    /// signature's shapes and dtypes; nothing per call but the PJRT work. Returns the output
-    /// buffers, ready to read: a caller that can use device memory in place (see
-    /// [`Engine::host_view`]) takes them as they are, others copy them out with
-    /// [`Engine::fetch`].
-    ///
-    /// # Safety
-    /// Every host address must be valid for the dense size of its signature type for the whole
-    /// call.
-    pub unsafe fn execute_ptrs(
-        &self,
-        compiled: &Compiled,
-        args: &[PtrArg],
-        timings: Option<&mut RunTimings>,
-    ) -> Result<Vec<Buffer>, CompileError> {
-        let t0 = timings.as_ref().map(|_| Instant::now());
-        let sig = &compiled.lowered;
-        if args.len() != sig.inputs.len() {
-            return Err(CompileError::Run(format!(
-                "executable takes {} inputs, got {}",
-                sig.inputs.len(),
-                args.len()
-            )));
-        }
-        let mut staged: Vec<Buffer> = Vec::new();
-        for (a, (shape, dtype)) in args.iter().zip(&sig.inputs) {
-            if let PtrArg::Host(ptr) = a {
-                // SAFETY: forwarded from the caller; the buffer is dropped before return.
-                staged.push(unsafe { self.wrap_host(*ptr, shape, *dtype)? });
-            }
-        }
-        let mut next = staged.iter();
-        let refs: SmallVec<[&Buffer; 4]> = args
-            .iter()
-            .map(|a| match a {
-                PtrArg::Device(b) => *b,
-                PtrArg::Host(_) => next.next().expect("one staged buffer per host argument"),
-            })
-            .collect();
-        let t1 = t0.map(|_| Instant::now());
-        let results = compiled.exe.execute(&refs)?;
-        drop(refs);
-        drop(staged);
-        if let (Some(t), Some(t0), Some(t1)) = (timings, t0, t1) {
-            t.stage += t1 - t0;
-            t.execute += t1.elapsed();
-        }
-        if results.len() != sig.outputs.len() {
-            return Err(CompileError::Run(format!(
-                "executable returned {} outputs, expected {}",
-                results.len(),
-                sig.outputs.len()
-            )));
-        }
-        Ok(results)
-    }
-
-    /// The address of `buf`'s memory when the host can read it in place as a dense row-major
-    /// array of `nbytes` (the CPU plugin: device memory is host memory), else None. Valid while
-    /// `buf` lives; the buffer must be ready (as [`Engine::execute_ptrs`] returns them).
-    pub fn host_view(&self, buf: &Buffer, nbytes: usize) -> Result<Option<usize>, PjrtError> {
-        if !self.host_zero_copy || nbytes == 0 || buf.on_device_size()? != nbytes {
-            return Ok(None);
-        }
-        buf.device_pointer().map(Some)
-    }
-
-    /// A buffer over host memory for one execution: on the CPU plugin a view of the memory
-    /// itself (`CreateViewOfDeviceBuffer`: no copy, no event) when it is aligned as the plugin
-    /// requires, else `BufferFromHostBuffer` (zero-copy on the CPU plugin where it can).
-    ///
-    /// # Safety
-    /// `ptr` must point to the dense bytes of `shape` and `dtype`, valid and unmodified while
-    /// the buffer lives.
-    unsafe fn wrap_host(
-        &self,
-        ptr: usize,
-        shape: &[i64],
-        dtype: DType,
-    ) -> Result<Buffer, PjrtError> {
-        let nbytes = dense_bytes(shape, dtype);
-        if self.host_zero_copy
-            && nbytes > 0
-            && ptr.is_multiple_of(HOST_VIEW_ALIGN)
-            && self.host_views.load(std::sync::atomic::Ordering::Relaxed)
-        {
-            // SAFETY: forwarded from the caller; tpuc never donates inputs.
-            match unsafe {
-                self.client
-                    .view_of_device_memory(ptr as *mut u8, element_type(dtype), shape, 0)
-            } {
-                Ok(b) => return Ok(b),
-                Err(e) => {
-                    tracing::debug!("host views unavailable, uploading instead: {e}");
-                    self.host_views
-                        .store(false, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-        }
-        // SAFETY: forwarded from the caller.
-        unsafe {
-            self.client.buffer_from_host(
-                ptr as *const u8,
-                nbytes,
-                element_type(dtype),
-                shape,
-                self.host_semantics(),
-                0,
-            )
-        }
-    }
-
-    fn host_semantics(&self) -> HostBufferSemantics {
-        if self.host_zero_copy {
-            HostBufferSemantics::ImmutableZeroCopy
-        } else {
-            HostBufferSemantics::ImmutableOnlyDuringCall
-        }
-    }
-
-    /// Uploads each host argument to `device` after checking it against `expected` (`mismatch`
-    /// words the error); device arguments are left as they are (`None`).
-    ///
-    /// # Safety
-    /// As for [`Engine::upload`], for every host argument.
-    unsafe fn stage(
-        &self,
-        args: &[RunArg],
-        expected: &[(Vec<i64>, DType)],
-        device: usize,
-        mismatch: impl Fn(usize, &(Vec<i64>, DType), &HostArray) -> String,
-    ) -> Result<Vec<Option<Buffer>>, CompileError> {
-        let mut staged = Vec::with_capacity(args.len());
-        for (i, a) in args.iter().enumerate() {
-            let RunArg::Host(h) = a else {
-                staged.push(None);
-                continue;
-            };
-            let want = &expected[i];
-            if h.shape != want.0 || h.dtype != want.1 {
-                return Err(CompileError::Run(mismatch(i, want, h)));
-            }
-            // SAFETY: forwarded from the caller.
-            staged.push(Some(unsafe { self.upload_to(h, device)? }));
-        }
-        Ok(staged)
-    }
-
-    /// Copies a finished output buffer into `nbytes` of host memory at `ptr`.
-    ///
-    /// # Safety
-    /// `ptr` must be writable for `nbytes` bytes and not alias the buffer.
-    pub unsafe fn fetch(&self, buf: &Buffer, ptr: usize, nbytes: usize) -> Result<(), PjrtError> {
-        if nbytes == 0 {
-            return Ok(()); // an empty tensor's data pointer may be null
-        }
-        match self.host_view(buf, nbytes)? {
-            // CPU plugin: execute has finished, so a plain copy avoids ToHostBuffer's async
-            // round trip (about half of the per-call cost of a small graph).
-            // SAFETY: `src` is valid for `nbytes` while `buf` lives; `ptr` is the caller's
-            // writable, non-aliasing host memory of that length.
-            Some(src) => unsafe {
-                std::ptr::copy_nonoverlapping(src as *const u8, ptr as *mut u8, nbytes);
-                Ok(())
-            },
-            // SAFETY: forwarded from the caller.
-            None => unsafe { buf.to_host(ptr as *mut u8, nbytes) },
-        }
-    }
-
-    /// Runs a sharded executable: `args[d]` are device `d`'s pieces of every input (the shapes
-    /// of its plan's shards), and each `Some` entry of `outputs[d]` receives device `d`'s piece of
-    /// that output (`None`: not read, e.g. a second copy of a replicated piece).
-    ///
-    /// # Safety
-    /// As for [`Engine::run`], for every host array of every device.
-    pub unsafe fn run_sharded(
-        &self,
-        compiled: &Compiled,
-        args: &[Vec<RunArg>],
-        outputs: &[Vec<Option<HostArray>>],
-    ) -> Result<(), CompileError> {
-        let sig = &compiled.lowered;
-        let plan = sig
-            .sharding
-            .as_ref()
-            .ok_or_else(|| CompileError::Run("executable is not sharded".into()))?;
-        let n = plan.mesh.size() as usize;
-        if args.len() != n || outputs.len() != n {
-            return Err(CompileError::Run(format!(
-                "sharded executable runs on {n} devices, got {} argument and {} output lists",
-                args.len(),
-                outputs.len()
-            )));
-        }
-        let mut staged: Vec<Vec<Option<Buffer>>> = Vec::with_capacity(n);
-        for (d, (dev_args, dev_outs)) in args.iter().zip(outputs).enumerate() {
-            if dev_args.len() != sig.inputs.len() || dev_outs.len() != sig.outputs.len() {
-                return Err(CompileError::Run(format!(
-                    "device {d}: executable takes {} inputs and {} outputs, got {} and {}",
-                    sig.inputs.len(),
-                    sig.outputs.len(),
-                    dev_args.len(),
-                    dev_outs.len()
-                )));
-            }
-            let shards: Vec<(Vec<i64>, DType)> = sig
-                .inputs
-                .iter()
-                .zip(&plan.inputs)
-                .map(|((shape, dtype), spec)| (spec.shard_shape(shape, &plan.mesh), *dtype))
-                .collect();
-            // SAFETY: forwarded from the caller; the buffers are dropped before return.
-            staged.push(unsafe {
-                self.stage(dev_args, &shards, d, |i, (want, dtype), h| {
-                    format!(
-                        "device {d}, input {i}: expects a {dtype}{want:?} shard, got {}{:?}",
-                        h.dtype, h.shape
-                    )
-                })?
-            });
-        }
-        let lists: Vec<Vec<&Buffer>> = args
-            .iter()
-            .zip(&staged)
-            .map(|(dev_args, bufs)| arg_refs(dev_args, bufs))
-            .collect();
-        let results = compiled.exe.execute_sharded(&lists)?;
-        for (d, (bufs, outs)) in results.iter().zip(outputs).enumerate() {
-            if bufs.len() != outs.len() {
-                return Err(CompileError::Run(format!(
-                    "device {d} returned {} outputs, expected {}",
-                    bufs.len(),
-                    outs.len()
-                )));
-            }
-            for (buf, out) in bufs.iter().zip(outs) {
-                if let Some(out) = out {
-                    // SAFETY: forwarded from the caller.
-                    unsafe { self.fetch(buf, out.ptr, out.nbytes)? };
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The error for a call with another number of inputs or outputs than the executable has.
-fn check_arity(sig: &Lowered, inputs: usize, outputs: usize) -> Result<(), CompileError> {
-    if inputs != sig.inputs.len() || outputs != sig.outputs.len() {
-        return Err(CompileError::Run(format!(
-            "executable takes {} inputs and {} outputs, got {inputs} and {outputs}",
-            sig.inputs.len(),
-            sig.outputs.len(),
-        )));
-    }
-    Ok(())
 }

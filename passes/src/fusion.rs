@@ -441,6 +441,34 @@ fn rms_norm(gr: &Grower, root: NodeId) -> Option<(&'static str, BTreeSet<NodeId>
         .then_some(("rms_norm", group))
 }
 
+/// The graph as Graphviz DOT text (`tpuc_frontend_fx::dot`), its fusion units drawn as
+/// clusters where `clusters`: `emitted`, the units lowering emitted as composites, where the
+/// graph was lowered; else the units [`fusion_groups`] finds, when the `composites` pass ran.
+pub fn graph_dot(
+    g: &Graph,
+    title: &str,
+    (clusters, legend): (bool, bool),
+    emitted: Option<&[(String, Vec<NodeId>)]>,
+) -> String {
+    let composites = match emitted {
+        _ if !clusters => Vec::new(),
+        Some(units) => units.to_vec(),
+        None if g.lowering.contains("composites") => fusion_groups(g)
+            .into_iter()
+            .map(|u| (u.name.to_string(), u.nodes))
+            .collect(),
+        None => Vec::new(),
+    };
+    let opts = tpuc_frontend_fx::dot::DotOptions {
+        title: title.to_string(),
+        clusters,
+        legend,
+        composites,
+        ..Default::default()
+    };
+    tpuc_frontend_fx::dot::to_dot(g, &opts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -521,6 +549,34 @@ mod tests {
             &["y", "y2", "s", "z", "e", "bt", "z2"],
         );
         insta::assert_snapshot!(listing(&g));
+    }
+
+    #[test]
+    fn pictures_draw_the_units_lowering_emits_or_the_pass_found() {
+        let mut g = graph(
+            &[("x", "[2, 8]")],
+            &[(
+                "p",
+                "aten._softmax.default",
+                r#"[{"node": "x"}, -1, false]"#,
+                "[2, 8]",
+            )],
+            &["p"],
+        );
+        let drawn = |g: &Graph, clusters, emitted| graph_dot(g, "t", (clusters, true), emitted);
+        // Before the `composites` pass ran, no units; after it, the ones it finds.
+        assert!(!drawn(&g, true, None).contains("cluster_composite"));
+        g.lowering.insert("composites".to_string());
+        assert!(drawn(&g, true, None).contains("composite tpuc.softmax"));
+        assert!(!drawn(&g, false, None).contains("cluster_composite"));
+        // Where lowering said what it emitted, those.
+        let p = g.output_nodes().next().unwrap();
+        let emitted = [("mine".to_string(), vec![p])];
+        let text = drawn(&g, true, Some(&emitted[..]));
+        assert!(
+            text.contains("composite tpuc.mine") && !text.contains("tpuc.softmax"),
+            "{text}"
+        );
     }
 
     #[test]

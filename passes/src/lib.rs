@@ -152,5 +152,68 @@ pub fn run_pipeline(
     reports
 }
 
+/// Runs the passes of [`PIPELINE`] named in `enabled` (all when None), in order: each pass's
+/// report, with the graph's text after it where `texts` (printing the graph after every pass
+/// costs more than the passes; only dumps ask for it).
+pub fn run_named(
+    g: &mut Graph,
+    enabled: Option<&[String]>,
+    texts: bool,
+) -> Vec<(PassReport, Option<String>)> {
+    let mut after = Vec::new();
+    let reports = run_pipeline(
+        g,
+        |name| enabled.is_none_or(|e| e.iter().any(|n| n == name)),
+        |_, g| after.push(texts.then(|| g.to_string())),
+    );
+    reports.into_iter().zip(after).collect()
+}
+
 #[cfg(test)]
 mod test_util;
+
+#[cfg(test)]
+mod pipeline_tests {
+    use super::*;
+    use crate::test_util::graph;
+
+    /// `neg(neg(x))` twice over: CSE merges the copies, DCE drops nothing the output reads.
+    fn doubled() -> Graph {
+        graph(
+            &[("x", "[4]")],
+            &[
+                ("a", "aten.neg.default", r#"[{"node": "x"}]"#, "[4]"),
+                ("b", "aten.neg.default", r#"[{"node": "x"}]"#, "[4]"),
+                (
+                    "c",
+                    "aten.add.Tensor",
+                    r#"[{"node": "a"}, {"node": "b"}]"#,
+                    "[4]",
+                ),
+                ("dead", "aten.exp.default", r#"[{"node": "c"}]"#, "[4]"),
+            ],
+            &["c"],
+        )
+    }
+
+    #[test]
+    fn run_named_runs_the_named_passes_in_pipeline_order() {
+        let mut g = doubled();
+        let all = run_named(&mut g.clone(), None, false);
+        let names: Vec<&str> = all.iter().map(|(r, _)| r.name).collect();
+        let order: Vec<&str> = PIPELINE.iter().map(|p| p.name).collect();
+        assert_eq!(names, order);
+        assert!(all.iter().all(|(_, text)| text.is_none()));
+
+        // Named out of order, only those run, in the pipeline's order, each with its text.
+        let (first, second) = (PIPELINE[0].name, PIPELINE[1].name);
+        let wanted = [second.to_string(), first.to_string()];
+        let some = run_named(&mut g, Some(&wanted), true);
+        let names: Vec<&str> = some.iter().map(|(r, _)| r.name).collect();
+        assert_eq!(names, [first, second]);
+        let (last, text) = some.last().unwrap();
+        assert_eq!(last.ops_after, g.op_count());
+        assert_eq!(text.as_deref(), Some(g.to_string().as_str()));
+        assert!(run_named(&mut g, Some(&[]), true).is_empty());
+    }
+}

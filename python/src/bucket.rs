@@ -1,7 +1,8 @@
 //! Python face of the bucketing pass (`tpuc_passes::bucket`): the static graph for one bucket,
 //! and per call the real sizes the caller pads inputs to, passes as scalars and slices outputs by.
 
-use super::{no_panic, FxGraph, TpucError, UnsupportedOpError};
+use crate::errors::{no_panic, TpucError, UnsupportedOpError};
+use crate::graph::FxGraph;
 use pyo3::prelude::*;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

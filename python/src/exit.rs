@@ -14,9 +14,8 @@
 
 use pyo3::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
-use tpuc_compiler::pipeline::Engine;
 
 /// Set by [`begin_exit`]: the interpreter is exiting.
 static EXITING: AtomicBool = AtomicBool::new(false);
@@ -26,10 +25,11 @@ static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 static EXIT_THREAD: OnceLock<std::thread::ThreadId> = OnceLock::new();
 /// Threads parked for good by [`detach`] after the exit began.
 static PARKED: AtomicUsize = AtomicUsize::new(0);
-/// The runtimes' engines, kept from [`begin_exit`] on: their PJRT clients (and XLA's threads)
-/// are deliberately never destroyed, rather than destroyed at whatever point the interpreter's
-/// final collection happens to free the last object that holds one.
-static KEPT: Mutex<Vec<Arc<Engine>>> = Mutex::new(Vec::new());
+/// The runtimes (`Runtime` objects), kept from [`begin_exit`] on: their PJRT clients (and XLA's
+/// threads) are deliberately never destroyed, rather than destroyed at whatever point the
+/// interpreter's final collection happens to free the last object that holds one (a static is
+/// never dropped, so neither is a runtime it holds).
+static KEPT: Mutex<Vec<Py<PyAny>>> = Mutex::new(Vec::new());
 
 fn exiting_elsewhere() -> bool {
     EXITING.load(Ordering::SeqCst) && EXIT_THREAD.get() != Some(&std::thread::current().id())
@@ -79,14 +79,14 @@ where
 #[pyo3(signature = (runtimes, timeout=10.0))]
 pub(crate) fn begin_exit(
     py: Python<'_>,
-    runtimes: Vec<PyRef<'_, crate::Runtime>>,
+    runtimes: Vec<Py<PyAny>>,
     timeout: f64,
 ) -> PyResult<Vec<(&'static str, f64)>> {
     let _ = EXIT_THREAD.set(std::thread::current().id());
     EXITING.store(true, Ordering::SeqCst);
     KEPT.lock()
         .unwrap_or_else(|p| p.into_inner())
-        .extend(runtimes.iter().map(|rt| rt.engine.clone()));
+        .extend(runtimes);
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
     let (in_flight, helpers) = py.detach(|| {

@@ -5,7 +5,7 @@
 //! constants) become inputs after the placeholders, then the size-derived floats, then the
 //! random seed when a random op draws from it.
 
-use crate::GraphImportError;
+use crate::errors::GraphImportError;
 use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;

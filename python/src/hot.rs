@@ -10,7 +10,8 @@
 //! fit the plan (a tensor of another shape, dtype or device, non-contiguous, lazily negated) goes
 //! to the graph's general path (`try_call` returns None instead).
 
-use crate::{compile_err, pjrt_err, DeviceBuffer, Executable};
+use crate::errors::{pjrt_err, run_err};
+use crate::executable::{DeviceBuffer, Executable};
 use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::intern;
@@ -23,9 +24,9 @@ use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tpuc_compiler::pipeline::{dense_bytes, Compiled, Engine, PtrArg, RunTimings};
+use tpuc_compiler::pipeline::{dense_bytes, Compiled};
 use tpuc_frontend_fx::DType;
-use tpuc_runtime::Buffer;
+use tpuc_runtime::{Buffer, PtrArg, RunTimings, Runner};
 
 // DLPack's C ABI (dlpack.h, v0.8 layout, the one `torch._C._from_dlpack` reads).
 #[repr(C)]
@@ -289,7 +290,7 @@ enum ResultItem {
 /// path). A static graph's plan is what AOTAutograd calls, with nothing in between.
 #[pyclass(module = "tpuc._native", frozen)]
 pub struct CallPlan {
-    engine: Arc<Engine>,
+    runner: Arc<Runner>,
     compiled: Arc<Compiled>,
     inputs: Vec<PlanInput>,
     outputs: Vec<PlanOutput>,
@@ -502,7 +503,7 @@ impl CallPlan {
                 .enumerate()
                 .all(|(i, r)| matches!(r, ResultItem::Output(k) if *k == i));
         Ok(CallPlan {
-            engine: exe.engine.clone(),
+            runner: exe.runner.clone(),
             compiled: exe.compiled.clone(),
             inputs: inputs
                 .into_iter()
@@ -712,17 +713,24 @@ impl CallPlan {
         if let (Some(t), Some(t0)) = (timings.as_mut(), t0) {
             t.inputs += t0.elapsed().as_secs_f64();
         }
-        let (engine, compiled) = (&self.engine, &self.compiled);
+        let (runner, compiled) = (&self.runner, &self.compiled);
         let mut run_t = timings.as_ref().map(|_| RunTimings::default());
         // SAFETY: each host pointer is the data of a live (held), CPU, contiguous tensor whose
         // shape and dtype were just checked against the signature.
-        let mut run = || unsafe { engine.execute_ptrs(compiled, &ptr_args, run_t.as_mut()) };
+        let mut run = || unsafe {
+            runner.execute_ptrs(
+                &compiled.exe,
+                &compiled.signature,
+                &ptr_args,
+                run_t.as_mut(),
+            )
+        };
         let buffers = if compiled.exe.last_run().is_some_and(|d| d < HOLD_GIL_BELOW) {
             run()
         } else {
             crate::exit::detach(py, run)
         }
-        .map_err(compile_err)?;
+        .map_err(run_err)?;
         drop(ptr_args);
         drop(held);
         let t2 = timings.as_ref().map(|_| Instant::now());
@@ -831,7 +839,7 @@ impl CallPlan {
                 (_, LEND_IN_PLACE) => Some(buffer.device_pointer().map_err(pjrt_err)?),
                 _ => {
                     let view = self
-                        .engine
+                        .runner
                         .host_view(&buffer, out.nbytes)
                         .map_err(pjrt_err)?;
                     let lend = if view.is_some() {
@@ -862,11 +870,11 @@ impl CallPlan {
                         std::ptr::copy_nonoverlapping(data as *const u8, ptr as *mut u8, out.nbytes)
                     },
                     None => {
-                        let engine = &self.engine;
+                        let runner = &self.runner;
                         // SAFETY: a fresh contiguous tensor of the output's type, held across
                         // the copy.
                         crate::exit::detach(py, || unsafe {
-                            engine.fetch(&buffer, ptr, out.nbytes)
+                            runner.fetch(&buffer, ptr, out.nbytes)
                         })
                         .map_err(pjrt_err)?;
                     }

@@ -9,10 +9,10 @@ use pyo3::types::PyDict;
 use tpuc_compiler::pipeline::{CacheOutcome, DiskCacheOptions};
 use tpuc_compiler::target::{entry_report, entry_target, TargetCompiled, TargetEngine};
 
-use crate::{
-    cache_err, compile_err, create_options_of, no_panic, open_cache, parse_precision, pjrt_err,
-    sharding_request, FxGraph,
-};
+use crate::cache_files::open_cache;
+use crate::errors::{cache_err, compile_err, no_panic, pjrt_err};
+use crate::graph::FxGraph;
+use crate::options::{create_options_of, parse_precision, sharding_request};
 
 /// A compile-only target: one plugin topology (e.g. libtpu's `v5e:2x2`).
 #[pyclass(module = "tpuc._native", frozen)]

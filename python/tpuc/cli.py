@@ -207,6 +207,33 @@ def _dump(args) -> int:
     return 0
 
 
+def _graph_diff(args) -> int:
+    import importlib
+    import os
+
+    import torch
+
+    from . import graph_diff
+
+    module_name, _, factory_name = args.target.partition(":")
+    if not factory_name:
+        print("tpuc graph-diff: expected MODULE:FACTORY", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.getcwd())
+    model, call_args = getattr(importlib.import_module(module_name), factory_name)()
+    if isinstance(call_args, torch.Tensor):
+        call_args = (call_args,)
+    graph_diff.compare(
+        model,
+        tuple(call_args),
+        threshold=args.threshold,
+        locate_call=args.locate,
+        at=tuple(args.at) if args.at else None,
+        show=args.show,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tpuc", description="tpuc: torch.compile backend (Rust, StableHLO, PJRT)"
@@ -257,6 +284,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     dmp.add_argument("--top", type=int, default=5, help="op kinds shown per graph (default 5)")
     dmp.set_defaults(func=_dump)
+
+    gd = sub.add_parser(
+        "graph-diff",
+        help="where a compiled model leaves eager: per Dynamo graph, then per op (tpuc.graph_diff)",
+    )
+    gd.add_argument(
+        "target", metavar="MODULE:FACTORY", help="FACTORY() returns (model, args): one call's arguments"
+    )
+    gd.add_argument("--locate", action="store_true", help="per op of the first call beyond --threshold")
+    gd.add_argument("--threshold", type=float, default=None, help="default: 1e-5 (float32), 1e-12 (float64)")
+    gd.add_argument("--at", nargs=2, type=int, metavar=("GRAPH", "CALL"), help="locate this call instead")
+    gd.add_argument("--show", type=int, default=40, help="rows of the per-op table (default 40)")
+    gd.set_defaults(func=_graph_diff)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

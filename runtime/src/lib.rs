@@ -22,6 +22,7 @@ mod ffi_extension;
 mod hlo_text;
 mod named_values;
 mod plugin;
+pub mod runner;
 mod sys;
 #[cfg(test)]
 mod tests;
@@ -36,6 +37,7 @@ pub use client::Client;
 pub use executable::{executing_on_this_thread, CompileOptions, LoadedExecutable};
 pub use named_values::{cpu_device_options, CreateOptions, OptionValue};
 pub use plugin::{load_plugin, Plugin};
+pub use runner::{HostArray, PtrArg, RunArg, RunError, RunTimings, Runner, Signature};
 pub use topology::{DeviceInfo, Topology, TopologyExecutable};
 
 /// Live PJRT objects held by this process (for leak tests): incremented where a wrapper takes
@@ -182,6 +184,28 @@ impl ElementType {
         }
     }
 
+    /// The name torch gives the type (`float32`, `bool`), as errors word it.
+    pub fn name(self) -> &'static str {
+        use ElementType::*;
+        match self {
+            Pred => "bool",
+            S8 => "int8",
+            S16 => "int16",
+            S32 => "int32",
+            S64 => "int64",
+            U8 => "uint8",
+            U16 => "uint16",
+            U32 => "uint32",
+            U64 => "uint64",
+            F16 => "float16",
+            BF16 => "bfloat16",
+            F32 => "float32",
+            F64 => "float64",
+            C64 => "complex64",
+            C128 => "complex128",
+        }
+    }
+
     fn to_raw(self) -> sys::PJRT_Buffer_Type {
         use ElementType::*;
         match self {
@@ -223,6 +247,12 @@ impl ElementType {
             sys::PJRT_Buffer_Type_C128 => C128,
             _ => return None,
         })
+    }
+}
+
+impl std::fmt::Display for ElementType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -655,3 +655,81 @@ fn execute_with_and_without_polling_the_completion_event() {
     }
     set_execute_spin(old);
 }
+
+/// The runner with host arrays in and out: aliased, viewed or uploaded inputs, outputs copied
+/// into host memory, and a call that does not fit the signature refused with its reason.
+#[test]
+fn runner_runs_with_host_memory_in_and_out() {
+    let c = client();
+    let exe = c.compile(ADD_MUL, &CompileOptions::default()).unwrap();
+    let runner = Runner::new(c.clone()).unwrap();
+    assert_eq!(runner.host_zero_copy(), !runner::discrete_device_forced());
+    let t = (vec![2, 3], ElementType::F32);
+    let sig = Signature {
+        inputs: vec![t.clone(), t.clone()],
+        outputs: vec![t.clone(), t],
+    };
+    let (a, b) = (f32_bytes(&A), f32_bytes(&B));
+    let host = |bytes: &[u8]| HostArray {
+        ptr: bytes.as_ptr() as usize,
+        nbytes: bytes.len(),
+        element: ElementType::F32,
+        shape: vec![2, 3],
+    };
+    let mut sum = vec![0u8; 24];
+    let mut prod = vec![0u8; 24];
+    let outs = [
+        HostArray {
+            ptr: sum.as_mut_ptr() as usize,
+            ..host(&sum)
+        },
+        HostArray {
+            ptr: prod.as_mut_ptr() as usize,
+            ..host(&prod)
+        },
+    ];
+    // A resident `b` on the device, `a` from host memory.
+    // SAFETY: `b` outlives the buffer.
+    let (resident, _) = unsafe { runner.upload_resident(&host(&b), 0) }.unwrap();
+    let args = [RunArg::Host(host(&a)), RunArg::Device(&resident)];
+    // SAFETY: inputs and outputs are live vectors of 24 bytes; outputs alias nothing.
+    unsafe { runner.run(&exe, &sig, &args, &outs) }.unwrap();
+    let want_sum: Vec<f32> = A.iter().zip(&B).map(|(x, y)| x + y).collect();
+    let want_prod: Vec<f32> = A.iter().zip(&B).map(|(x, y)| x * y).collect();
+    assert_eq!(bytes_f32(&sum), want_sum);
+    assert_eq!(bytes_f32(&prod), want_prod);
+
+    // The bare-address path: outputs come back as buffers, read in place or fetched.
+    let ptrs = [PtrArg::Host(a.as_ptr() as usize), PtrArg::Device(&resident)];
+    // SAFETY: `a` is 24 live bytes of the input type.
+    let bufs = unsafe { runner.execute_ptrs(&exe, &sig, &ptrs, None) }.unwrap();
+    let mut got = vec![0u8; 24];
+    // SAFETY: `got` is 24 writable bytes.
+    unsafe { runner.fetch(&bufs[1], got.as_mut_ptr() as usize, 24) }.unwrap();
+    assert_eq!(bytes_f32(&got), want_prod);
+
+    // A host argument of another type is refused before anything runs, with both types.
+    let wrong = HostArray {
+        element: ElementType::S32,
+        ..host(&a)
+    };
+    // SAFETY: nothing is uploaded (the type check fails first).
+    let err = unsafe {
+        runner.run(
+            &exe,
+            &sig,
+            &[RunArg::Host(wrong), RunArg::Device(&resident)],
+            &outs,
+        )
+    }
+    .unwrap_err();
+    assert!(
+        matches!(&err, RunError::Call(m) if m == "input 0: executable expects float32[2, 3], got int32[2, 3]"),
+        "{err}"
+    );
+    // SAFETY: nothing runs (the arity check fails first).
+    let err = unsafe { runner.run(&exe, &sig, &args[..1], &outs) }.unwrap_err();
+    assert!(matches!(err, RunError::Call(_)), "{err}");
+    // SAFETY: nothing is uploaded (no such device).
+    assert!(unsafe { runner.upload_resident(&host(&a), 99) }.is_err());
+}

@@ -1108,3 +1108,13 @@ fn check_results(cx: &NodeCx, results: &[T]) -> R<()> {
 pub fn supported_ops() -> Vec<&'static str> {
     registry::names()
 }
+
+/// The ops of `g` that have no lowering rule, in topological order: `[(op, node name)]`.
+pub fn unsupported_ops(g: &Graph) -> Vec<(String, String)> {
+    g.topo_order()
+        .into_iter()
+        .map(|id| g.node(id))
+        .filter(|n| !n.is_input() && registry::rule(&n.op).is_none())
+        .map(|n| (n.op.clone(), n.name.clone()))
+        .collect()
+}

@@ -9,12 +9,13 @@
 //! FX arguments (positional, keyword, tuples through getitem) reach the rules.
 
 use super::{lower, Device, LowerError, LowerOptions, Precision};
-use crate::pipeline::{Engine, HostArray, RunArg};
+use crate::pipeline::{element_type, Engine};
 use insta::assert_snapshot;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::OnceLock;
 use tpuc_frontend_fx::{import_json, DType, Graph};
+use tpuc_runtime::{HostArray, RunArg, Runner};
 
 // ---------------------------------------------------------------------------------------------
 // Building graphs
@@ -297,7 +298,7 @@ fn run_on(e: &Engine, g: &Graph, inputs: &[Buf]) -> Vec<Buf> {
             RunArg::Host(HostArray {
                 ptr: w.as_ptr() as usize,
                 nbytes: *nbytes,
-                dtype: *dtype,
+                element: element_type(*dtype),
                 shape: shape.clone(),
             })
         })
@@ -313,13 +314,15 @@ fn run_on(e: &Engine, g: &Graph, inputs: &[Buf]) -> Vec<Buf> {
         .map(|(w, (shape, dtype))| HostArray {
             ptr: w.as_mut_ptr() as usize,
             nbytes: numel(shape) * dtype.byte_size(),
-            dtype: *dtype,
+            element: element_type(*dtype),
             shape: shape.clone(),
         })
         .collect();
+    let runner = Runner::new(e.client().clone()).expect("a runner on the engine's client");
     // SAFETY: every input pointer refers to `in_store`, every output pointer to `out_store`;
     // both hold at least `nbytes` bytes, outlive the call and do not overlap.
-    unsafe { e.run(&compiled, &args, &outs) }.unwrap_or_else(|err| panic!("run failed: {err}"));
+    unsafe { runner.run(&compiled.exe, &compiled.signature, &args, &outs) }
+        .unwrap_or_else(|err| panic!("run failed: {err}"));
     out_store
         .iter()
         .zip(&sig.outputs)
@@ -1507,6 +1510,11 @@ fn err_unsupported_op_names_op_and_node() {
     assert!(
         msg.contains("aten.frobnicate.default") && msg.contains("weird"),
         "{msg}"
+    );
+    // Asked before lowering, the graph names the same op and node (and only it).
+    assert_eq!(
+        super::unsupported_ops(&g),
+        [("aten.frobnicate.default".to_string(), "weird".to_string())]
     );
 }
 
