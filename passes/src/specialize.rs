@@ -102,6 +102,16 @@ pub fn specialize<'g>(
         return Ok(Cow::Borrowed(g));
     }
     let mut out = g.clone();
+    specialize_in_place(&mut out, b)?;
+    Ok(Cow::Owned(out))
+}
+
+/// [`specialize`] on `out` itself, its control-flow regions included (they share the graph's
+/// symbols: PyTorch traced them with the same shape environment).
+fn specialize_in_place(out: &mut Graph, b: &HashMap<String, i64>) -> Result<(), SpecializeError> {
+    for r in out.regions.iter_mut() {
+        specialize_in_place(r, b)?;
+    }
     for n in out.dag.node_weights_mut() {
         for r in n.results.iter_mut().flatten() {
             ty(r, b)?;
@@ -120,7 +130,7 @@ pub fn specialize<'g>(
             *o = Output::Int(e.eval(b)?);
         }
     }
-    Ok(Cow::Owned(out))
+    Ok(())
 }
 
 /// Whether any dim, size argument, tensor input or output of `g` is symbolic (what
@@ -144,6 +154,7 @@ fn is_symbolic(g: &Graph) -> bool {
         .iter()
         .any(|i| matches!(&i.kind, InputKind::Tensor(t) if sym_ty(t)))
         || g.outputs.iter().any(|o| matches!(o, Output::Sym(_)))
+        || g.regions.iter().any(is_symbolic)
 }
 
 #[cfg(test)]

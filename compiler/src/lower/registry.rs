@@ -2,7 +2,7 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, bag, bessel, complex, conv, creation, elementwise, gamma, hash, histogram, matrix,
+    attention, bag, bessel, complex, control_flow, conv, creation, elementwise, gamma, hash, histogram, matrix,
     nn, products, random, reduce, sample, shape, special,
 };
 use super::Rule;
@@ -32,6 +32,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(histogram::RULES)
             .chain(hash::RULES)
             .chain(random::RULES)
+            .chain(control_flow::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");
