@@ -79,12 +79,16 @@ def _graphs_of(n: torch.fx.Node) -> list[torch.fx.GraphModule]:
 def _control_flow_supported(n: torch.fx.Node) -> bool:
     """A control-flow node is lowered when tpuc has its rule and lowers every op of the graphs
     it runs (nested control flow included)."""
-    return _op_name(n) in _supported_ops and all(
-        not _unsupported_nodes(g) for g in _graphs_of(n)
-    )
+    return _op_name(n) in _supported_ops and all(not _unsupported_nodes(g) for g in _graphs_of(n))
 
 
 def _supported(n: torch.fx.Node) -> bool:
+    if n.op == "get_attr":
+        # A control-flow op's graph goes into the partition of the op that runs it.
+        graph = getattr(n.graph.owning_module, n.target, None)
+        return (
+            isinstance(graph, torch.fx.GraphModule) and bool(n.users) and all(_supported(u) for u in n.users)
+        )
     if n.op != "call_function":
         return False
     if not _is_tensor_op(n):

@@ -34,6 +34,14 @@ pub enum LowerError {
         node: String,
         message: String,
     },
+    /// An op with a rule, in a setting the rule does not handle yet (control flow on a mesh):
+    /// raised as `UnsupportedOpError`, like an op without a rule.
+    #[error("cannot lower `{op}` (node `{node}`) here: {message}")]
+    NotHere {
+        op: String,
+        node: String,
+        message: String,
+    },
     #[error("{0}")]
     Internal(String),
 }
@@ -455,11 +463,11 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
             .map_or(("control flow".to_string(), "?".to_string()), |n| {
                 (n.op.clone(), n.name.clone())
             });
-        return Err(LowerError::Node {
+        return Err(LowerError::NotHere {
             op: n.0,
             node: n.1,
             message: "control flow (cond, while_loop, scan, map) on an SPMD mesh is not \
-                      supported yet"
+                      supported yet; compile without a mesh, or run it in PyTorch"
                 .into(),
         });
     }
@@ -521,7 +529,13 @@ pub(crate) fn lower_body<'c, 'r>(
             .into_iter()
             .enumerate()
         {
-            values.insert(ValueRef { node: id, result: k }, t);
+            values.insert(
+                ValueRef {
+                    node: id,
+                    result: k,
+                },
+                t,
+            );
         }
     }
     graph

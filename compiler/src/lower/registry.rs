@@ -2,8 +2,8 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, bag, bessel, complex, control_flow, conv, creation, elementwise, gamma, hash, histogram, matrix,
-    nn, products, random, reduce, sample, shape, special,
+    attention, bag, bessel, complex, control_flow, conv, creation, elementwise, gamma, hash,
+    histogram, matrix, nn, products, random, reduce, sample, shape, special,
 };
 use super::Rule;
 use rustc_hash::FxHashMap as HashMap;

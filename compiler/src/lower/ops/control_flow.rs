@@ -75,9 +75,7 @@ fn cond<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> R<Vec<T<'c, 'b>>> {
 fn check_types(cx: &NodeCx, got: &[T], want: &[(Vec<i64>, DType)], what: &str) -> R<()> {
     let got: Vec<(Vec<i64>, DType)> = got.iter().map(|t| (t.shape.clone(), t.dtype)).collect();
     if got != want {
-        return Err(cx.err(format!(
-            "{what} produced {got:?}, the op expects {want:?}"
-        )));
+        return Err(cx.err(format!("{what} produced {got:?}, the op expects {want:?}")));
     }
     Ok(())
 }
