@@ -350,6 +350,21 @@ def test_a_cond_next_to_an_op_that_runs_in_pytorch_stays_in_its_partition():
     assert tpuc.stats()["fallback_ops"] == {"aten.mode.default": 1}
 
 
+def test_topk_indices_that_could_tie_inside_a_body_run_in_pytorch():
+    # Outside control flow a tie check reruns the graph in PyTorch; a loop body cannot be
+    # rerun alone, so the whole map stays PyTorch's (its indices among ties are eager's).
+    def f(xs):
+        return map_fn(lambda x: torch.topk(x, 3).indices, xs)
+
+    xs = torch.tensor([[1.0, 1, 1, 1, 2, 2], [3, 3, 3, 0, 0, 0]])
+    with pytest.raises(tpuc.UnsupportedOpError, match="could tie.*topk"):
+        compiled(f)(xs)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="map_impl"):
+        out = torch.compile(f, backend="tpu", fullgraph=True)(xs)
+    assert torch.equal(out, f(xs))
+
+
 def test_symbolic_sizes_are_specialized_inside_the_bodies():
     def f(xs, h):
         return scan(lambda c, x: (c + x.sin(), c * 2), h, xs)

@@ -78,8 +78,12 @@ def _graphs_of(n: torch.fx.Node) -> list[torch.fx.GraphModule]:
 
 def _control_flow_supported(n: torch.fx.Node) -> bool:
     """A control-flow node is lowered when tpuc has its rule and lowers every op of the graphs
-    it runs (nested control flow included)."""
-    return _op_name(n) in _supported_ops and all(not _unsupported_nodes(g) for g in _graphs_of(n))
+    it runs (nested control flow included), and none of them is a topk/kthvalue whose indices
+    could tie: the tie check (ties.py) reruns a whole graph in PyTorch, which a loop body is
+    not."""
+    return _op_name(n) in _supported_ops and all(
+        not _unsupported_nodes(g) and not ties.checked_nodes(g) for g in _graphs_of(n)
+    )
 
 
 def _supported(n: torch.fx.Node) -> bool:
@@ -127,8 +131,15 @@ def _why_unsupported(n: torch.fx.Node) -> str:
     """The reason `_supported` gives for `n`, for error messages."""
     target = _op_name(n)
     if isinstance(n.target, torch._ops.HigherOrderOperator) and target in _supported_ops:
-        inner = [f"`{m.target}` (node `{m.name}`)" for g in _graphs_of(n) for m in _unsupported_nodes(g)]
-        return "tpuc does not lower every op of the graphs it runs: " + ", ".join(inner)
+        inner = [
+            f"`{m.target}` (node `{m.name}`)"
+            for g in _graphs_of(n)
+            for m in [*_unsupported_nodes(g), *ties.checked_nodes(g)]
+        ]
+        return (
+            "tpuc does not lower every op of the graphs it runs (ops without a rule, or topk/"
+            "kthvalue indices that could tie): " + ", ".join(inner)
+        )
     if ties.pytorch_order(n):
         return (
             "its indices are in an order only PyTorch's own kernel gives (topk sorted=False, "
