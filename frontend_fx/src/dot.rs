@@ -291,6 +291,7 @@ fn literal(a: &Arg, g: &Graph) -> String {
         Arg::DType(d) => d.to_string(),
         Arg::Device(d) => d.clone(),
         Arg::Sym(s) => s.to_string(),
+        Arg::Region(k) => format!("region {k}"),
         Arg::List(items) => format!(
             "[{}]",
             items

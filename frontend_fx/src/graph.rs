@@ -60,6 +60,9 @@ pub enum Arg {
     /// A symbolic integer (a size that depends on input shapes).
     Sym(SymExpr),
     List(Vec<Arg>),
+    /// A nested graph: index `k` into the owning graph's [`Graph::regions`] (a branch or body
+    /// of a control-flow op).
+    Region(usize),
 }
 
 impl Arg {
@@ -155,6 +158,12 @@ pub struct Graph {
     /// own backward graph reads. Derived graphs (bucketed) drop it.
     #[serde(default)]
     pub free_layout_outputs: std::collections::BTreeSet<usize>,
+    /// The nested graphs of control-flow ops (`higher_order.cond`'s branches, a loop's
+    /// condition and body), each closed: it reads only its own inputs, which the op passes
+    /// (see docs/control-flow.md). A node names one by [`Arg::Region`]. The passes leave them
+    /// as imported; specialization substitutes sizes in them too.
+    #[serde(default)]
+    pub regions: Vec<Graph>,
 }
 
 impl Graph {
@@ -212,6 +221,11 @@ impl Graph {
         counts
     }
 
+    /// Whether any node runs a nested graph (a control-flow op), here or inside one.
+    pub fn has_regions(&self) -> bool {
+        !self.regions.is_empty()
+    }
+
     pub fn op_count(&self) -> usize {
         self.dag.node_weights().filter(|n| !n.is_input()).count()
     }
@@ -255,6 +269,14 @@ impl fmt::Display for Graph {
             let names: Vec<&str> = self.lowering.iter().map(String::as_str).collect();
             writeln!(f, "lowering: {}", names.join(", "))?;
         }
+        for (k, r) in self.regions.iter().enumerate() {
+            let ins: Vec<String> = r.inputs.iter().map(|i| format!("%{}", i.name)).collect();
+            writeln!(f, "region {k}({}) {{", ins.join(", "))?;
+            for line in r.to_string().lines() {
+                writeln!(f, "  {line}")?;
+            }
+            writeln!(f, "}}")?;
+        }
         Ok(())
     }
 }
@@ -282,6 +304,7 @@ fn fmt_arg(g: &Graph, a: &Arg) -> String {
         Arg::DType(d) => d.to_string(),
         Arg::Device(d) => format!("device({d})"),
         Arg::Sym(s) => format!("sym({s})"),
+        Arg::Region(k) => format!("region({k})"),
         Arg::List(items) => {
             let parts: Vec<String> = items.iter().map(|i| fmt_arg(g, i)).collect();
             format!("[{}]", parts.join(", "))

@@ -95,6 +95,18 @@ pub fn import(fx: &FxGraph) -> Result<Graph, ImportError> {
                 });
                 env.insert(&n.name, binding);
             }
+            "get_attr" => {
+                // A nested graph (a control-flow op's branch or body): imported on its own,
+                // named by the ops that run it.
+                let sub = fx.subgraphs.get(&n.name).ok_or_else(|| {
+                    ImportError::at(n, "get_attr of something that is not a graph")
+                })?;
+                let region = import(sub).map_err(|e| {
+                    ImportError::at(n, format!("in the graph it names: {e}"))
+                })?;
+                g.regions.push(region);
+                env.insert(&n.name, Binding::Arg(Arg::Region(g.regions.len() - 1)));
+            }
             "call_function" => {
                 let binding = import_call(&mut g, &env, n)?;
                 env.insert(&n.name, binding);
@@ -128,7 +140,7 @@ pub fn import(fx: &FxGraph) -> Result<Graph, ImportError> {
             other => {
                 return Err(ImportError::at(
                     n,
-                    format!("FX node kind `{other}` is not supported (expected placeholder, call_function or output)"),
+                    format!("FX node kind `{other}` is not supported (expected placeholder, get_attr, call_function or output)"),
                 ))
             }
         }
@@ -142,6 +154,10 @@ pub fn import(fx: &FxGraph) -> Result<Graph, ImportError> {
     }
     Ok(g)
 }
+
+/// The prefix of control-flow ops (`higher_order.cond`, `higher_order.scan` ...): PyTorch's
+/// higher-order operators, whose graph arguments are [`Arg::Region`]s.
+pub const HIGHER_ORDER: &str = "higher_order.";
 
 fn is_getitem(target: &str) -> bool {
     target == "<built-in function getitem>" || target == "getitem" || target == "operator.getitem"
@@ -182,7 +198,10 @@ fn import_call<'a>(
             result: idx as usize,
         })));
     }
-    if !(n.target.starts_with("aten.") || n.target.starts_with("prims.")) {
+    if !(n.target.starts_with("aten.")
+        || n.target.starts_with("prims.")
+        || n.target.starts_with(HIGHER_ORDER))
+    {
         return Err(ImportError::at(
             n,
             "only core ATen / prims ops can be imported (is the graph from AOTAutograd with core ATen decompositions?)",

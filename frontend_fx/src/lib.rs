@@ -15,6 +15,6 @@ pub mod wire;
 
 pub use dtype::DType;
 pub use graph::{Arg, Graph, Input, InputKind, Node, NodeId, Output, TensorType, ValueRef};
-pub use import::{import, import_json, ImportError};
+pub use import::{import, import_json, ImportError, HIGHER_ORDER};
 pub use loc::{Frame, SourceLoc};
 pub use symbolic::{Dim, SymExpr, SymbolError};

@@ -10,6 +10,10 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FxGraph {
     pub nodes: Vec<FxNode>,
+    /// The graphs that `get_attr` nodes of this one name (the branches and bodies of
+    /// control-flow ops: `torch.ops.higher_order.cond` ...), by the `get_attr` node's name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub subgraphs: BTreeMap<String, FxGraph>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -104,6 +104,22 @@ type R<T> = Result<T, BucketError>;
 /// Pads `g` to the bucket sizes in `sizes` for the symbols in `dynamic`; every other symbol
 /// must be bound in `sizes` to its real value.
 pub fn bucket(g: &Graph, dynamic: &HashSet<String>, sizes: &HashMap<String, i64>) -> R<Bucketed> {
+    // A loop or branch would need its body padded and masked too: refused, never inexact.
+    if let Some(n) = g.dag.node_weights().find(|n| {
+        n.args
+            .iter()
+            .chain(n.kwargs.values())
+            .any(|a| matches!(a, Arg::Region(_)))
+    }) {
+        return Err(BucketError {
+            op: n.op.clone(),
+            node: n.name.clone(),
+            reason: "control flow (cond, while_loop, scan, map) with bucketed dynamic dims is \
+                     not supported yet; compile without declared maxima (each shape compiled \
+                     once) or run it in PyTorch"
+                .into(),
+        });
+    }
     let mut b = Bucketer {
         g,
         dynamic,

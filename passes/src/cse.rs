@@ -67,6 +67,8 @@ fn hash_arg<H: Hasher>(a: &Arg, h: &mut H) {
         Arg::None => {}
         Arg::Str(s) | Arg::Device(s) => s.hash(h),
         Arg::DType(d) => d.hash(h),
+        // Two control-flow ops merge only when they run the same nested graph.
+        Arg::Region(k) => k.hash(h),
         Arg::Sym(e) => e.hash(h),
         Arg::List(items) => {
             items.len().hash(h);

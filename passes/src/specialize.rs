@@ -102,6 +102,16 @@ pub fn specialize<'g>(
         return Ok(Cow::Borrowed(g));
     }
     let mut out = g.clone();
+    specialize_in_place(&mut out, b)?;
+    Ok(Cow::Owned(out))
+}
+
+/// [`specialize`] on `out` itself, its control-flow regions included (they share the graph's
+/// symbols: PyTorch traced them with the same shape environment).
+fn specialize_in_place(out: &mut Graph, b: &HashMap<String, i64>) -> Result<(), SpecializeError> {
+    for r in out.regions.iter_mut() {
+        specialize_in_place(r, b)?;
+    }
     for n in out.dag.node_weights_mut() {
         for r in n.results.iter_mut().flatten() {
             ty(r, b)?;
@@ -120,7 +130,7 @@ pub fn specialize<'g>(
             *o = Output::Int(e.eval(b)?);
         }
     }
-    Ok(Cow::Owned(out))
+    Ok(())
 }
 
 /// Whether any dim, size argument, tensor input or output of `g` is symbolic (what
@@ -144,6 +154,7 @@ fn is_symbolic(g: &Graph) -> bool {
         .iter()
         .any(|i| matches!(&i.kind, InputKind::Tensor(t) if sym_ty(t)))
         || g.outputs.iter().any(|o| matches!(o, Output::Sym(_)))
+        || g.regions.iter().any(is_symbolic)
 }
 
 #[cfg(test)]
@@ -175,5 +186,30 @@ mod tests {
         let g = import_json(&g).unwrap();
         let e = bindings_from_inputs(&g, &[vec![3, 5]], &[None]).unwrap_err();
         assert!(e.to_string().contains("dim 1"), "{e}");
+    }
+
+    #[test]
+    fn substitutes_sizes_inside_control_flow_graphs() {
+        let g = r#"{"nodes": [
+          {"name": "x", "op": "placeholder", "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}}},
+          {"name": "n", "op": "placeholder", "val": {"symint": "s0"}},
+          {"name": "body", "op": "get_attr", "target": "body"},
+          {"name": "m", "op": "call_function", "target": "higher_order.map_impl", "args": [{"node": "body"}, [{"node": "x"}], [{"node": "n"}]], "val": {"tuple": [{"tensor": {"shape": ["s0", 4], "dtype": "float32"}}]}},
+          {"name": "r", "op": "call_function", "target": "<built-in function getitem>", "args": [{"node": "m"}, 0], "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}}},
+          {"name": "output", "op": "output", "args": [[{"node": "r"}]]}],
+         "subgraphs": {"body": {"nodes": [
+          {"name": "a", "op": "placeholder", "val": {"tensor": {"shape": [4], "dtype": "float32"}}},
+          {"name": "k", "op": "placeholder", "val": {"symint": "s0"}},
+          {"name": "v", "op": "call_function", "target": "aten.view.default", "args": [{"node": "a"}, [2, 2]], "val": {"tensor": {"shape": [2, 2], "dtype": "float32"}}},
+          {"name": "e", "op": "call_function", "target": "aten.expand.default", "args": [{"node": "v"}, [{"node": "k"}, 2, 2]], "val": {"tensor": {"shape": ["s0", 2, 2], "dtype": "float32"}}},
+          {"name": "s", "op": "call_function", "target": "aten.sum.dim_IntList", "args": [{"node": "e"}, [0, 1]], "val": {"tensor": {"shape": [2], "dtype": "float32"}}},
+          {"name": "output", "op": "output", "args": [[{"node": "a"}]]}]}}}"#;
+        let g = import_json(g).unwrap();
+        assert_eq!(g.regions.len(), 1);
+        let b = bindings_from_inputs(&g, &[vec![3, 4]], &[None, None]).unwrap();
+        let s = specialize(&g, &b).unwrap();
+        let text = s.regions[0].to_string();
+        assert!(text.contains("[3, 2, 2]") && !text.contains("s0"), "{text}");
+        assert!(s.to_string().contains("region 0(%a, %k)"), "{s}");
     }
 }

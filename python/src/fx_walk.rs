@@ -57,6 +57,10 @@ struct Torch {
     layout: Py<PyAny>,
     memory_format: Py<PyAny>,
     getitem: Py<PyAny>,
+    /// `torch.fx.GraphModule`: a `get_attr` of one names a control-flow op's branch or body.
+    graph_module: Py<PyType>,
+    /// `torch._ops.HigherOrderOperator`: the control-flow ops' class.
+    higher_order: Py<PyType>,
     /// `meta["tensor_meta"]`'s class, where this torch has it and it is the named tuple whose
     /// first fields are `shape, dtype` (read by index).
     tensor_metadata: Option<Py<PyAny>>,
@@ -155,6 +159,16 @@ impl Torch {
             layout: torch.getattr("layout")?.unbind(),
             memory_format: torch.getattr("memory_format")?.unbind(),
             getitem: py.import("operator")?.getattr("getitem")?.unbind(),
+            graph_module: py
+                .import("torch.fx")?
+                .getattr("GraphModule")?
+                .cast_into::<PyType>()?
+                .unbind(),
+            higher_order: py
+                .import("torch._ops")?
+                .getattr("HigherOrderOperator")?
+                .cast_into::<PyType>()?
+                .unbind(),
             tensor_metadata: py
                 .import("torch.fx.passes.shape_prop")
                 .and_then(|m| m.getattr("TensorMetadata"))
@@ -216,6 +230,7 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
     };
     let (mut inputs, mut attrs, mut ops) = (Vec::new(), Vec::new(), Vec::new());
     let mut attr_targets = Vec::new();
+    let mut subgraphs = BTreeMap::new();
     let mut streams = 0i64;
     let graph = gm.getattr(intern!(py, "graph"))?;
     for n in graph.getattr(intern!(py, "nodes"))?.try_iter()? {
@@ -231,6 +246,19 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
             "get_attr" => {
                 let target: String = w.field(&w.torch.target, &n)?.extract()?;
                 let val = gm.getattr(target.as_str())?;
+                if is_a(&val, w.torch.graph_module.bind(py)) {
+                    subgraphs.insert(name.clone(), walk_region(&val, &name)?);
+                    ops.push(FxNode {
+                        name,
+                        op: op.to_string(),
+                        target,
+                        args: Vec::new(),
+                        kwargs: BTreeMap::new(),
+                        val: None,
+                        loc: None,
+                    });
+                    continue;
+                }
                 if !is_a(&val, w.torch.tensor.bind(py)) {
                     return Err(import_err(format!(
                         "node `{name}`: get_attr of a {}",
@@ -327,11 +355,35 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
         .chain(ops)
         .collect();
     Ok(Walked {
-        graph: FxGraph { nodes },
+        graph: FxGraph { nodes, subgraphs },
         attr_targets,
         uses_rng: streams > 0,
         symfloats: symfloats.into_iter().map(Bound::unbind).collect(),
     })
+}
+
+/// The wire graph of a control-flow op's branch or body (`name`: its `get_attr` node). Such a
+/// graph is closed (PyTorch passes everything it reads as its inputs), so what the walk would
+/// add as extra inputs (lifted constants, size-derived floats, the random seed) has no place
+/// in it: each is an error naming the graph.
+fn walk_region(gm: &Bound<'_, PyAny>, name: &str) -> PyResult<FxGraph> {
+    let walked = walk(gm)?;
+    let extra = if !walked.attr_targets.is_empty() {
+        Some("a lifted constant")
+    } else if walked.uses_rng {
+        Some("a random op")
+    } else if !walked.symfloats.is_empty() {
+        Some("a float computed from sizes")
+    } else {
+        None
+    };
+    if let Some(what) = extra {
+        return Err(import_err(format!(
+            "node `{name}`: the control-flow graph it names reads {what}, which tpuc cannot \
+             pass into a loop or branch yet"
+        )));
+    }
+    Ok(walked.graph)
 }
 
 /// An input node of the wire graph.
@@ -652,6 +704,8 @@ impl<'py> Walker<'py> {
         // Formatted with the lock released: `str()` runs Python, which may switch threads.
         let name = if target.is(self.torch.getitem.bind(self.py)) {
             "<built-in function getitem>".to_string()
+        } else if is_a(target, self.torch.higher_order.bind(self.py)) {
+            format!("{}{}", tpuc_frontend_fx::HIGHER_ORDER, target.str()?)
         } else {
             target.str()?.to_string()
         };

@@ -39,7 +39,7 @@ from . import options as options_mod
 from . import sharding as sharding_mod
 from .compile_hook import compile_graph
 from .compiled_graph import CompiledGraph
-from .decompositions import _decompositions
+from .decompositions import _decompositions, has_control_flow
 from .op_support import _unsupported_nodes
 
 log = logging.getLogger("tpuc")
@@ -218,7 +218,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             fw_compiler=compiler("forward"),
             # Runs inside `loss.backward()`, maybe in a compiled step: never traced by Dynamo.
             bw_compiler=untraced.backward_compiler(compiler("backward")),
-            decompositions=_decompositions(bool(maxima)),
+            decompositions=_decompositions(bool(maxima), has_control_flow(gm)),
             # Writes into inputs stay in an inference graph (mutations.py).
             keep_inference_input_mutations=not needs_grad and shard_ctx is None,
         )

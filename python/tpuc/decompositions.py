@@ -6,6 +6,7 @@ along one dim as selects), and the foreach norm and product of `clip_grad_norm_`
 from __future__ import annotations
 
 import torch
+import torch.fx
 from torch._decomp import core_aten_decompositions
 
 # Core ATen decompositions, minus one that is wrong in torch 2.15: the CPU flash-attention
@@ -171,12 +172,32 @@ for _op in (torch.ops.aten.index_put.default, torch.ops.aten._unsafe_index_put.d
     _BUCKET_DECOMPOSITIONS[_op] = _bucket_index_put
 
 
-def _decompositions(bucketed: bool) -> dict:
+# PyTorch's control-flow operators (torch.ops.higher_order.*) that tpuc lowers.
+CONTROL_FLOW_OPS = frozenset(("cond", "while_loop", "scan", "map_impl"))
+
+
+def has_control_flow(gm: torch.fx.GraphModule) -> bool:
+    """Whether Dynamo's graph calls one of PyTorch's control-flow operators."""
+    return any(
+        n.op == "call_function"
+        and isinstance(n.target, torch._ops.HigherOrderOperator)
+        and str(n.target) in CONTROL_FLOW_OPS
+        for n in gm.graph.nodes
+    )
+
+
+def _decompositions(bucketed: bool, control_flow: bool = False) -> dict:
     """The decomposition table, plus transformers' opaque MoE expert product
     (`transformers::grouped_mm_fallback`: a Python loop over the groups with a host sync, which
     transformers uses under torch.compile where `torch._grouped_mm` has no kernel, e.g. float32
-    on CPU) once transformers has registered it: it is `torch._grouped_mm` without bias."""
+    on CPU) once transformers has registered it: it is `torch._grouped_mm` without bias.
+    `control_flow` (the graph calls `torch.cond`, `scan` ...): without the core table's
+    `detach -> alias`, which makes PyTorch's own check refuse to differentiate a scan ("scan
+    might be aliasing the input or the output"); `detach` is then traced as `detach_copy`
+    inside the bodies (lowered as the identity)."""
     table = _BUCKET_DECOMPOSITIONS if bucketed else _DECOMPOSITIONS
+    if control_flow:
+        table = {op: fn for op, fn in table.items() if op is not torch.ops.aten.detach.default}
     try:
         op = torch.ops.transformers.grouped_mm_fallback.default
     except (AttributeError, RuntimeError):

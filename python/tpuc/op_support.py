@@ -56,13 +56,51 @@ _COMPLEX_OPS = frozenset(
 )
 
 
+def _op_name(n: torch.fx.Node) -> str:
+    """The name tpuc's rules know the node's op by: `str(target)` (`aten.add.Tensor`), and
+    `higher_order.cond` for PyTorch's control-flow operators (whose `str` is `cond`)."""
+    if isinstance(n.target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{n.target}"
+    return str(n.target)
+
+
+def _graphs_of(n: torch.fx.Node) -> list[torch.fx.GraphModule]:
+    """The graphs a control-flow node runs (its `get_attr` arguments naming GraphModules)."""
+    owner = n.graph.owning_module
+    graphs = []
+    for a in n.args:
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            sub = getattr(owner, a.target, None)
+            if isinstance(sub, torch.fx.GraphModule):
+                graphs.append(sub)
+    return graphs
+
+
+def _control_flow_supported(n: torch.fx.Node) -> bool:
+    """A control-flow node is lowered when tpuc has its rule and lowers every op of the graphs
+    it runs (nested control flow included), and none of them is a topk/kthvalue whose indices
+    could tie: the tie check (ties.py) reruns a whole graph in PyTorch, which a loop body is
+    not."""
+    return _op_name(n) in _supported_ops and all(
+        not _unsupported_nodes(g) and not ties.checked_nodes(g) for g in _graphs_of(n)
+    )
+
+
 def _supported(n: torch.fx.Node) -> bool:
+    if n.op == "get_attr":
+        # A control-flow op's graph goes into the partition of the op that runs it.
+        graph = getattr(n.graph.owning_module, n.target, None)
+        return (
+            isinstance(graph, torch.fx.GraphModule) and bool(n.users) and all(_supported(u) for u in n.users)
+        )
     if n.op != "call_function":
         return False
     if not _is_tensor_op(n):
         return False
     if not _representable(n.meta.get("val")):
         return False
+    if isinstance(n.target, torch._ops.HigherOrderOperator):
+        return _control_flow_supported(n)
     target = str(n.target)
     if target in _STORAGE_OPS and not _owns_dense_storage(n.args[0]):
         return False
@@ -91,7 +129,17 @@ def _supported(n: torch.fx.Node) -> bool:
 
 def _why_unsupported(n: torch.fx.Node) -> str:
     """The reason `_supported` gives for `n`, for error messages."""
-    target = str(n.target)
+    target = _op_name(n)
+    if isinstance(n.target, torch._ops.HigherOrderOperator) and target in _supported_ops:
+        inner = [
+            f"`{m.target}` (node `{m.name}`)"
+            for g in _graphs_of(n)
+            for m in [*_unsupported_nodes(g), *ties.checked_nodes(g)]
+        ]
+        return (
+            "tpuc does not lower every op of the graphs it runs (ops without a rule, or topk/"
+            "kthvalue indices that could tie): " + ", ".join(inner)
+        )
     if ties.pytorch_order(n):
         return (
             "its indices are in an order only PyTorch's own kernel gives (topk sorted=False, "

@@ -34,6 +34,14 @@ pub enum LowerError {
         node: String,
         message: String,
     },
+    /// An op with a rule, in a setting the rule does not handle yet (control flow on a mesh):
+    /// raised as `UnsupportedOpError`, like an op without a rule.
+    #[error("cannot lower `{op}` (node `{node}`) here: {message}")]
+    NotHere {
+        op: String,
+        node: String,
+        message: String,
+    },
     #[error("{0}")]
     Internal(String),
 }
@@ -193,6 +201,8 @@ pub struct NodeCx<'x, 'c, 'b> {
     pub node: &'x Node,
     values: &'x HashMap<ValueRef, T<'c, 'b>>,
     used: &'x [bool],
+    /// The nested graphs of the graph this node is in (what [`Arg::Region`] indexes).
+    regions: &'x [Graph],
     /// Folded transposes (`fold_transposes`): permute value -> (its operand, permutation).
     folds: &'x Folds,
 }
@@ -205,7 +215,7 @@ pub type R<X> = Result<X, LowerError>;
 /// A lowering rule: one ATen op's node to its results (the table is [`registry`]'s).
 pub type Rule = for<'x, 'c, 'b> fn(&NodeCx<'x, 'c, 'b>) -> R<Vec<T<'c, 'b>>>;
 
-impl<'c, 'b> NodeCx<'_, 'c, 'b> {
+impl<'x, 'c, 'b> NodeCx<'x, 'c, 'b> {
     pub fn err(&self, message: impl Into<String>) -> LowerError {
         LowerError::Node {
             op: self.node.op.clone(),
@@ -242,6 +252,37 @@ impl<'c, 'b> NodeCx<'_, 'c, 'b> {
         let t = self.tensor(i, name)?;
         let p = (0..t.rank() as i64).collect();
         Ok((t, p))
+    }
+
+    /// Argument `i` as a nested graph (a control-flow op's branch or body).
+    pub fn region(&self, i: usize, name: &str) -> R<&'x Graph> {
+        match self.arg(i, name) {
+            Some(Arg::Region(k)) => self
+                .regions
+                .get(*k)
+                .ok_or_else(|| self.err(format!("`{name}`: region {k} does not exist"))),
+            other => Err(self.err(format!("`{name}`: expected a graph, got {other:?}"))),
+        }
+    }
+
+    /// A list argument whose items are tensors or sizes (a control-flow op's operands, which
+    /// may pass symbolic sizes to its graphs): `Some` per tensor, `None` per size.
+    pub fn operands(&self, i: usize, name: &str) -> R<Vec<Option<T<'c, 'b>>>> {
+        match self.arg(i, name) {
+            Some(Arg::List(items)) => items
+                .iter()
+                .map(|a| match a {
+                    Arg::Value(_) => self.value(a, name).map(Some),
+                    Arg::Int(_) | Arg::Sym(_) | Arg::Bool(_) => Ok(None),
+                    other => Err(self.err(format!(
+                        "`{name}`: expected tensors or sizes, got {other:?}"
+                    ))),
+                })
+                .collect(),
+            other => Err(self.err(format!(
+                "`{name}`: expected a list of operands, got {other:?}"
+            ))),
+        }
     }
 
     pub fn tensor(&self, i: usize, name: &str) -> R<T<'c, 'b>> {
@@ -413,6 +454,28 @@ impl<'c, 'b> NodeCx<'_, 'c, 'b> {
 /// Lowers a graph whose shapes are all static to a StableHLO module with one function, `main`.
 pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
     // Check every op up front so the error names the first unsupported one, not a later symptom.
+    check_rules(graph)?;
+    if options.sharding.is_some() && graph.has_regions() {
+        let n = graph
+            .dag
+            .node_weights()
+            .find(|n| n.op.starts_with(tpuc_frontend_fx::HIGHER_ORDER))
+            .map_or(("control flow".to_string(), "?".to_string()), |n| {
+                (n.op.clone(), n.name.clone())
+            });
+        return Err(LowerError::NotHere {
+            op: n.0,
+            node: n.1,
+            message: "control flow (cond, while_loop, scan, map) on an SPMD mesh is not \
+                      supported yet; compile without a mesh, or run it in PyTorch"
+                .into(),
+        });
+    }
+    with_context(|ctx, diagnostics, attrs| lower_in(ctx, diagnostics, attrs, graph, options))
+}
+
+/// Every op of `graph` and of its nested graphs has a rule (the first one without is the error).
+fn check_rules(graph: &Graph) -> R<()> {
     for id in graph.topo_order() {
         let n = graph.node(id);
         if !n.is_input() && registry::rule(&n.op).is_none() {
@@ -422,7 +485,75 @@ pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
             });
         }
     }
-    with_context(|ctx, diagnostics, attrs| lower_in(ctx, diagnostics, attrs, graph, options))
+    graph.regions.iter().try_for_each(check_rules)
+}
+
+/// Lowers a control-flow op's nested graph into the block `e` appends to (a loop's body, a
+/// branch) and returns the values of its outputs. `inputs` follow `graph.inputs`: a value per
+/// tensor input, `None` per size input (whose uses import already replaced by the size). No
+/// fusion inside: the nested graph's ops are lowered by their plain rules.
+pub(crate) fn lower_body<'c, 'r>(
+    e: &Emitter<'c, 'r>,
+    graph: &Graph,
+    inputs: &[Option<T<'c, 'r>>],
+) -> R<Vec<T<'c, 'r>>> {
+    if inputs.len() != graph.inputs.len() {
+        return Err(LowerError::internal(format!(
+            "a control-flow graph with {} inputs is passed {} operands",
+            graph.inputs.len(),
+            inputs.len()
+        )));
+    }
+    let mut values: HashMap<ValueRef, T<'c, 'r>> = HashMap::default();
+    for (inp, t) in graph.inputs.iter().zip(inputs) {
+        match (&inp.kind, inp.node, t) {
+            (InputKind::Tensor(_), Some(node), Some(t)) => {
+                values.insert(ValueRef { node, result: 0 }, t.clone());
+            }
+            (InputKind::SymInt(_), _, _) => {}
+            _ => {
+                return Err(LowerError::internal(format!(
+                    "control-flow graph input `{}` is a tensor, its operand is not",
+                    inp.name
+                )))
+            }
+        }
+    }
+    let used = used_results(graph);
+    let folds = Folds::default();
+    for id in graph.topo_order() {
+        if graph.node(id).is_input() {
+            continue;
+        }
+        for (k, t) in lower_node(e, graph, id, &values, &used, &folds)?
+            .into_iter()
+            .enumerate()
+        {
+            values.insert(
+                ValueRef {
+                    node: id,
+                    result: k,
+                },
+                t,
+            );
+        }
+    }
+    graph
+        .outputs
+        .iter()
+        .map(|o| match o {
+            Output::Value(v) => values
+                .get(v)
+                .cloned()
+                .ok_or_else(|| LowerError::internal("control-flow graph output not lowered")),
+            Output::Input(k) => inputs.get(*k).cloned().flatten().ok_or_else(|| {
+                LowerError::internal("control-flow graph returns an input that is not a tensor")
+            }),
+            other => Err(LowerError::internal(format!(
+                "a control-flow graph returning {other:?} (not a tensor) is not supported"
+            ))),
+        })
+        .collect()
 }
 
 /// Modules lowered in one context before it is replaced: a context keeps every attribute and
@@ -736,6 +867,7 @@ fn lower_node<'c, 'b>(
         node,
         values,
         used: used.get(&id).unwrap_or(&no_use),
+        regions: &graph.regions,
         folds,
     };
     let own = e.own_math_ops.contains(&node.op);

@@ -2,8 +2,8 @@
 //! `ops/` + a test.
 
 use super::ops::{
-    attention, bag, bessel, complex, conv, creation, elementwise, gamma, hash, histogram, matrix,
-    nn, products, random, reduce, sample, shape, special,
+    attention, bag, bessel, complex, control_flow, conv, creation, elementwise, gamma, hash,
+    histogram, matrix, nn, products, random, reduce, sample, shape, special,
 };
 use super::Rule;
 use rustc_hash::FxHashMap as HashMap;
@@ -32,6 +32,7 @@ fn table() -> &'static HashMap<&'static str, Rule> {
             .chain(histogram::RULES)
             .chain(hash::RULES)
             .chain(random::RULES)
+            .chain(control_flow::RULES)
         {
             let prev = m.insert(name, *rule);
             assert!(prev.is_none(), "two lowering rules for {name}");

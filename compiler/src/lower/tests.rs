@@ -4760,3 +4760,237 @@ fn num_located_module_computes_the_same() {
     let out = run(&g, &[Buf::F32(vec![1.0, 2.0, -3.0, 0.5])]);
     assert_eq!(out[0].f32(), &[2.0, 4.0, -6.0, 1.0]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Control flow: nested graphs as stablehlo.if / stablehlo.while (ops/control_flow.rs)
+// ---------------------------------------------------------------------------------------------
+
+/// A nested graph of the wire format: placeholders `inputs`, the `calls` (name, target, args,
+/// val) and the output node returning `outputs`.
+fn subgraph(inputs: &[In], calls: &[(&str, &str, Value, Value)], outputs: &[&str]) -> Value {
+    let mut nodes: Vec<Value> = inputs
+        .iter()
+        .map(|(name, shape, dtype)| {
+            json!({"name": name, "op": "placeholder", "target": name, "val": t(shape, dtype)})
+        })
+        .collect();
+    for (name, target, args, val) in calls {
+        nodes.push(json!({
+            "name": name, "op": "call_function", "target": target, "args": args, "val": val,
+        }));
+    }
+    let outs: Vec<Value> = outputs.iter().map(|o| n(o)).collect();
+    nodes.push(json!({"name": "output", "op": "output", "target": "output", "args": [outs]}));
+    json!({ "nodes": nodes })
+}
+
+/// A graph that runs nested graphs: `fx`'s nodes with a `get_attr` node per entry of `graphs`
+/// inserted after the placeholders, and the graphs themselves.
+fn with_graphs(fx: Fx, graphs: &[(&str, Value)], outputs: &[&str]) -> Graph {
+    let mut nodes = fx.nodes;
+    let at = nodes
+        .iter()
+        .take_while(|n| n["op"] == "placeholder")
+        .count();
+    for (k, (name, _)) in graphs.iter().enumerate() {
+        nodes.insert(
+            at + k,
+            json!({"name": name, "op": "get_attr", "target": name}),
+        );
+    }
+    let outs: Vec<Value> = outputs.iter().map(|o| n(o)).collect();
+    nodes.push(json!({"name": "output", "op": "output", "target": "output", "args": [outs]}));
+    let subgraphs: serde_json::Map<String, Value> = graphs
+        .iter()
+        .map(|(name, g)| (name.to_string(), g.clone()))
+        .collect();
+    let text = json!({ "nodes": nodes, "subgraphs": subgraphs }).to_string();
+    import_json(&text).unwrap_or_else(|e| panic!("test graph does not import: {e}\n{text}"))
+}
+
+/// `cond(p, neg, identity, [x])`: the false branch returns its input itself.
+fn cond_graph() -> Graph {
+    let x = f32t(&[2, 3]);
+    let on_true = subgraph(
+        &[("a", &[2, 3], "float32")],
+        &[("neg", "aten.neg.default", json!([n("a")]), x.clone())],
+        &["neg"],
+    );
+    let on_false = subgraph(&[("a", &[2, 3], "float32")], &[], &["a"]);
+    let fx = Fx::new(&[("p", &[], "bool"), ("x", &[2, 3], "float32")])
+        .call(
+            "cond",
+            "higher_order.cond",
+            json!([n("p"), n("true_graph_0"), n("false_graph_0"), [n("x")]]),
+            nokw(),
+            tuple(vec![x.clone()]),
+        )
+        .item("r", "cond", 0, x);
+    with_graphs(
+        fx,
+        &[("true_graph_0", on_true), ("false_graph_0", on_false)],
+        &["r"],
+    )
+}
+
+/// `scan(combine, [c], [xs], [w])` with `combine(c, x, w) = (c + x * w, c * x)`: a carry of
+/// shape [3] over 4 steps, and the per-step products stacked to [4, 3].
+fn scan_graph() -> Graph {
+    let v = f32t(&[3]);
+    let combine = subgraph(
+        &[
+            ("c", &[3], "float32"),
+            ("x", &[3], "float32"),
+            ("w", &[3], "float32"),
+        ],
+        &[
+            ("xw", "aten.mul.Tensor", json!([n("x"), n("w")]), v.clone()),
+            (
+                "next",
+                "aten.add.Tensor",
+                json!([n("c"), n("xw")]),
+                v.clone(),
+            ),
+            ("y", "aten.mul.Tensor", json!([n("c"), n("x")]), v.clone()),
+        ],
+        &["next", "y"],
+    );
+    let fx = Fx::new(&[
+        ("c0", &[3], "float32"),
+        ("xs", &[4, 3], "float32"),
+        ("w", &[3], "float32"),
+    ])
+    .call(
+        "scan",
+        "higher_order.scan",
+        json!([n("combine_graph_0"), [n("c0")], [n("xs")], [n("w")]]),
+        nokw(),
+        tuple(vec![v.clone(), f32t(&[4, 3])]),
+    )
+    .item("c", "scan", 0, v)
+    .item("ys", "scan", 1, f32t(&[4, 3]));
+    with_graphs(fx, &[("combine_graph_0", combine)], &["c", "ys"])
+}
+
+/// `while_loop(i < 3, (i + 1, x * 2), (i, x))`.
+fn while_graph() -> Graph {
+    let i = t(&[], "int64");
+    let x = f32t(&[2]);
+    let cond = subgraph(
+        &[("i", &[], "int64"), ("x", &[2], "float32")],
+        &[("lt", "aten.lt.Scalar", json!([n("i"), 3]), t(&[], "bool"))],
+        &["lt"],
+    );
+    let body = subgraph(
+        &[("i", &[], "int64"), ("x", &[2], "float32")],
+        &[
+            ("i1", "aten.add.Tensor", json!([n("i"), 1]), i.clone()),
+            ("x2", "aten.mul.Tensor", json!([n("x"), 2]), x.clone()),
+        ],
+        &["i1", "x2"],
+    );
+    let fx = Fx::new(&[("i0", &[], "int64"), ("x0", &[2], "float32")])
+        .call(
+            "loop",
+            "higher_order.while_loop",
+            json!([n("cond_graph_0"), n("body_graph_0"), [n("i0"), n("x0")], []]),
+            nokw(),
+            tuple(vec![i.clone(), x.clone()]),
+        )
+        .item("i", "loop", 0, i)
+        .item("x", "loop", 1, x);
+    with_graphs(
+        fx,
+        &[("cond_graph_0", cond), ("body_graph_0", body)],
+        &["i", "x"],
+    )
+}
+
+#[test]
+fn snap_cond_as_stablehlo_if() {
+    assert_snapshot!(mlir(&cond_graph()));
+}
+
+#[test]
+fn snap_scan_as_a_while_over_the_leading_dim() {
+    assert_snapshot!(mlir(&scan_graph()));
+}
+
+#[test]
+fn num_cond_runs_the_branch_the_predicate_picks() {
+    let x = ramp(6, 1.0, -2.0);
+    let want: Vec<f64> = to_f64(&x);
+    let neg: Vec<f64> = want.iter().map(|v| -v).collect();
+    let out = run(&cond_graph(), &[Buf::Bool(vec![true]), Buf::F32(x.clone())]);
+    assert_close(out[0].f32(), &neg, 0.0);
+    let out = run(&cond_graph(), &[Buf::Bool(vec![false]), Buf::F32(x)]);
+    assert_close(out[0].f32(), &want, 0.0);
+}
+
+#[test]
+fn num_scan_carries_and_stacks() {
+    let c0 = vec![1.0f32, -2.0, 0.5];
+    let xs = ramp(12, 0.5, -1.0);
+    let w = vec![2.0f32, 3.0, -1.0];
+    let out = run(
+        &scan_graph(),
+        &[
+            Buf::F32(c0.clone()),
+            Buf::F32(xs.clone()),
+            Buf::F32(w.clone()),
+        ],
+    );
+    let mut c: Vec<f64> = to_f64(&c0);
+    let mut ys = Vec::new();
+    for k in 0..4 {
+        for j in 0..3 {
+            let x = xs[k * 3 + j] as f64;
+            ys.push(c[j] * x);
+            c[j] += x * w[j] as f64;
+        }
+    }
+    assert_close(out[0].f32(), &c, 1e-6);
+    assert_close(out[1].f32(), &ys, 1e-6);
+}
+
+#[test]
+fn num_while_loop_runs_until_its_condition_fails() {
+    let out = run(
+        &while_graph(),
+        &[Buf::I64(vec![0]), Buf::F32(vec![1.5, -3.0])],
+    );
+    assert_eq!(out[0].i64(), &[3]);
+    assert_close(out[1].f32(), &[12.0, -24.0], 0.0);
+    // Already past the limit: the body never runs.
+    let out = run(
+        &while_graph(),
+        &[Buf::I64(vec![7]), Buf::F32(vec![1.5, -3.0])],
+    );
+    assert_eq!(out[0].i64(), &[7]);
+    assert_close(out[1].f32(), &[1.5, -3.0], 0.0);
+}
+
+#[test]
+fn err_an_op_without_a_rule_inside_a_body_is_named() {
+    let v = f32t(&[3]);
+    let body = subgraph(
+        &[("x", &[3], "float32")],
+        &[("odd", "aten.no_such_op.default", json!([n("x")]), v.clone())],
+        &["odd"],
+    );
+    let fx = Fx::new(&[("xs", &[2, 3], "float32")])
+        .call(
+            "map",
+            "higher_order.map_impl",
+            json!([n("body_graph_0"), [n("xs")], []]),
+            nokw(),
+            tuple(vec![f32t(&[2, 3])]),
+        )
+        .item("ys", "map", 0, f32t(&[2, 3]));
+    let g = with_graphs(fx, &[("body_graph_0", body)], &["ys"]);
+    let err = lower(&g, &LowerOptions::default()).unwrap_err();
+    assert!(
+        matches!(&err, LowerError::Unsupported { op, node } if op == "aten.no_such_op.default" && node == "odd"),
+        "{err:?}"
+    );
+}

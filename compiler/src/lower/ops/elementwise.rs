@@ -87,6 +87,8 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.alias.default", identity),
     ("aten.lift_fresh_copy.default", identity),
     ("aten.detach.default", identity),
+    ("aten.detach_copy.default", identity),
+    ("aten.alias_copy.default", identity),
     ("aten.contiguous.default", identity),
     ("aten.acos.default", acos),
     ("aten.asin.default", asin),

@@ -4,6 +4,7 @@ pub mod attention;
 pub mod bag;
 pub mod bessel;
 pub mod complex;
+pub mod control_flow;
 pub mod conv;
 pub mod creation;
 pub mod elementwise;
