@@ -89,6 +89,8 @@ def _fresh_dynamo():
 # STAND_IN_TARGET, "stand_in": "cpu"}, docs/tpu-target.md): the tests marked `stand_in` then
 # check against eager exactly what the TPU would run. Needs libtpu.
 STAND_IN_TARGET = "tpu:v5e:2x2"
+# XLA compiles per executable a test sees: through the stand-in, the target's and this machine's.
+COMPILES_PER_EXECUTABLE = 1  # 2 with --stand-in (pytest_configure)
 
 
 def pytest_addoption(parser):
@@ -100,8 +102,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    global COMPILES_PER_EXECUTABLE
     if not config.getoption("--stand-in"):
         return
+    COMPILES_PER_EXECUTABLE = 2
     from tpuc import options as options_mod
 
     parse = options_mod.parse

@@ -38,7 +38,6 @@ def _entries(cache: Path) -> dict[str, str]:
     return {k: _native.cache_entry_target(str(cache), k) for k in keys}
 
 
-@pytest.mark.stand_in
 def test_gpt2_buckets_on_the_target_one_executable_per_bucket_and_eager_results(tmp_path):
     """A 2-layer GPT-2 with a declared maximum of 64 tokens, called at 7 lengths from 5 to 64:
     each result is eager's (run by the stand-in), and the target's executables are one per pow2
@@ -79,7 +78,6 @@ def _train(model, forward, batches):
         opt.step()
 
 
-@pytest.mark.stand_in
 def test_batchnorm_training_on_the_target_matches_eager_statistics_and_parameters(tmp_path):
     """Three training steps of a CNN with BatchNorm through the target's road: the running
     statistics the graph writes into its buffers (mutations) and the parameters after SGD are
@@ -117,7 +115,6 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.stand_in
 def test_a_file_saved_for_the_target_loads_and_runs_through_the_stand_in_in_a_new_process(tmp_path):
     """`save_compiled` with a target writes one file holding the target's executables: a new
     process with an empty cache loads it (no Dynamo trace, the TPU executable from the file,
@@ -157,3 +154,26 @@ def test_the_preparation_table_names_each_step_once_and_each_is_a_pass_switch():
 def test_stand_in_without_a_target_is_refused():
     with pytest.raises(ValueError, match="needs option 'target'"):
         tpuc.options.parse({"stand_in": "cpu"})
+
+
+def test_checks_and_ties_on_the_target_road(tmp_path):
+    """A runtime check (`_assert_async`, hoisted out of the target's graph and checked on the
+    host) raises as eager does, and a topk with ties returns PyTorch's indices (the tie check
+    reruns the call in PyTorch), through the stand-in."""
+
+    def f(x):
+        torch._assert_async(x.sum() > 0, "sum must be positive")
+        return torch.topk(x, 2, dim=1)
+
+    torch._dynamo.reset()
+    fn = torch.compile(f, backend="tpu", dynamic=False, options=_stand_in(tmp_path))
+    x = torch.cat([torch.full((2, 8), 0.5), torch.randint(0, 3, (3, 8)).float()])
+    tpuc.reset_stats()
+    with pytest.warns(UserWarning, match="tied values"):
+        got = fn(x)
+    want = f(x)
+    assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
+    assert tpuc.stats()["eager_reruns"] == 1
+    with pytest.raises(RuntimeError, match="sum must be positive"):
+        fn(-x - 1)
+    assert any(t == V5E for t in _entries(tmp_path).values())

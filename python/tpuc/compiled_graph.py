@@ -22,7 +22,6 @@ from . import (
     fx_export,
     precompile_session,
     residency,
-    runtime,
     structured_trace,
 )
 from . import options as options_mod
@@ -62,22 +61,20 @@ class CompiledGraph:
         gm: torch.fx.GraphModule,
         opts: options_mod.Options,
         name: str,
+        rt: _native.Runtime,
         maxima=None,
         shard=None,
         free_layouts=None,
-        runtime_=None,
     ):
-        """`free_layouts`: (output positions that may come back in their physical layout,
-        called with {position: permutation} of those that did), see handoff.py; `runtime_`:
-        the runtime to compile and run on (road.py resolved it), else `opts.plugin`'s."""
+        """`rt`: the runtime to compile and run on (road.py resolved it once per compile);
+        `free_layouts`: (output positions that may come back in their physical layout, called
+        with {position: permutation} of those that did), see handoff.py."""
         self.opts = opts
         # With fallback="eager", a shape tpuc cannot lower runs this graph in PyTorch instead.
         self.eager = gm if opts.fallback == "eager" else None
         self.name = name
         shard_ctx, shard_kind = shard if shard is not None else (None, None)
-        self.runtime = runtime_ or runtime.get_runtime(
-            opts.plugin, shard_ctx.mesh.size if shard_ctx else None, opts.plugin_options
-        )
+        self.runtime = rt
         # The texts only dumps read: printing the FX graph alone costs more than lowering it.
         dumping = opts.dump_dir is not None
         self.fx_text = gm.print_readable(print_output=False) if dumping else None

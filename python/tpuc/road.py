@@ -82,8 +82,8 @@ class Road:
     def ending(self, gm, name: str, maxima=None, shard=None, free_layouts=None):
         """The boxed callable that ends the road for one prepared graph (or partition)."""
         if self.ending_kind in ("here", "device"):
-            return CompiledGraph(gm, self.opts, name, maxima, shard, free_layouts, self.runtime).entry_point()
+            return CompiledGraph(gm, self.opts, name, self.runtime, maxima, shard, free_layouts).entry_point()
         tg = targets.TargetGraph(gm, self.opts, self.spec, name, maxima, shard)
         if self.ending_kind == "target":
             return tg
-        return targets.StandIn(tg, CompiledGraph(gm, self.opts, name, maxima, shard, None, self.runtime))
+        return targets.StandIn(tg, CompiledGraph(gm, self.opts, name, self.runtime, maxima, shard))
