@@ -5,6 +5,7 @@ here is against eager PyTorch."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -177,3 +178,29 @@ def test_checks_and_ties_on_the_target_road(tmp_path):
     with pytest.raises(RuntimeError, match="sum must be positive"):
         fn(-x - 1)
     assert any(t == V5E for t in _entries(tmp_path).values())
+
+
+def _module_without_locations(folder: Path) -> str:
+    text = (folder / "stablehlo.mlir").read_text()
+    return re.sub(
+        r" loc\([^()]*(\([^()]*\))?[^()]*\)",
+        "",
+        "".join(line for line in text.splitlines(keepends=True) if not line.startswith("#loc")),
+    )
+
+
+def test_the_stand_in_runs_the_very_module_the_target_compiles(tmp_path):
+    """The stand-in's module is the target's (the same StableHLO, locations aside): the
+    target's lowering rules, no CPU host kernels (a product and a layer norm large enough for
+    them on the CPU road), and its results are eager's."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.LayerNorm(512)).eval()
+    x = torch.randn(64, 512)
+    torch._dynamo.reset()
+    options = {"target": V5E, "stand_in": "cpu", "cache_dir": None, "dump_dir": str(tmp_path)}
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="tpu", options=options)(x), model(x))
+    dumps = {json.loads((f / "meta.json").read_text()).get("target"): f for f in tmp_path.iterdir()}
+    assert set(dumps) == {V5E, None}, dumps  # the target's executable, and the stand-in's
+    target, here = (_module_without_locations(dumps[k]) for k in (V5E, None))
+    assert here == target
+    assert "tpuc_" not in here and "stablehlo.composite" not in here
