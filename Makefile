@@ -27,9 +27,18 @@ DISCRETE_TESTS = tests/test_params.py tests/test_hot_path.py tests/test_sharding
 # busy. The second pass is short and led by two-process tests: workers gain it nothing (measured).
 PYTEST_WORKERS = 2
 
+# The families that matter on the TPU road (buckets, mutations, ties, input views, models,
+# training), run once more compiled for a TPU slice and run through its CPU stand-in (`pytest
+# --stand-in`, tests/conftest.py: docs/tpu-target.md): those marked `stand_in` in these files.
+# Regions and saved files on the target road are tests/test_regions.py's and
+# tests/test_target_road.py's own (first pass). Needs libtpu (scripts/setup.sh installs it).
+STAND_IN_TESTS = tests/test_buckets.py tests/test_mutations.py tests/test_ties.py \
+	tests/test_input_views.py tests/test_models.py tests/test_training_step.py
+
 test-python:
 	.venv/bin/python -m pytest -q -n $(PYTEST_WORKERS) tests
 	TPUC_DEBUG=discrete_device .venv/bin/python -m pytest -q -m discrete_device $(DISCRETE_TESTS)
+	.venv/bin/python -m pytest -q --stand-in -m stand_in $(STAND_IN_TESTS)
 
 lint:
 	cargo fmt --all -- --check

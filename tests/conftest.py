@@ -82,3 +82,38 @@ def _fresh_dynamo():
     tpuc.reset_stats()
     yield
     torch._dynamo.reset()
+
+
+# `pytest --stand-in` (make test's third pass): every compile with backend "tpu" that names no
+# target compiles for a TPU slice and runs through its CPU stand-in (options {"target":
+# STAND_IN_TARGET, "stand_in": "cpu"}, docs/tpu-target.md): the tests marked `stand_in` then
+# check against eager exactly what the TPU would run. Needs libtpu.
+STAND_IN_TARGET = "tpu:v5e:2x2"
+# XLA compiles per executable a test sees: through the stand-in, the target's and this machine's.
+COMPILES_PER_EXECUTABLE = 1  # 2 with --stand-in (pytest_configure)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--stand-in",
+        action="store_true",
+        help=f"compile for {STAND_IN_TARGET} and run through the CPU stand-in (tests marked stand_in)",
+    )
+
+
+def pytest_configure(config):
+    global COMPILES_PER_EXECUTABLE
+    if not config.getoption("--stand-in"):
+        return
+    COMPILES_PER_EXECUTABLE = 2
+    from tpuc import options as options_mod
+
+    parse = options_mod.parse
+
+    def through_stand_in(options=None, mode=None):
+        options = dict(options or {})
+        if "target" not in options:
+            options.update(target=STAND_IN_TARGET, stand_in="cpu")
+        return parse(options, mode)
+
+    options_mod.parse = through_stand_in

@@ -130,6 +130,7 @@ def test_saved_parameters_are_the_parameters_themselves(tmp_path, monkeypatch):
     assert len(_executable_outputs(folder)) == len(ret) - len(unchanged)
 
 
+@pytest.mark.stand_in
 def test_conv_net_training_steps_match_eager():
     """Three SGD steps (momentum, weight decay) of a conv net: losses and every parameter and
     running statistic as eager's."""
@@ -176,6 +177,7 @@ def test_saved_conv_weight_changed_in_place_raises_as_in_eager():
     assert errors[0] == errors[1], errors
 
 
+@pytest.mark.stand_in
 def test_input_returned_and_viewed():
     """A graph returning its input and a transposed view of it: eager's aliasing is kept (the
     view shares the input's memory), values and gradients equal."""

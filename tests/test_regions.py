@@ -184,21 +184,8 @@ def test_a_region_is_one_executable_for_a_tpu_target_whatever_the_depth(tmp_path
 def test_on_a_device_the_target_path_runs_regions_and_matches_eager():
     """What a host with the target's devices runs (the CPU plugin standing in for the TPU): the
     same split graphs, forward and backward, equal to eager."""
-    from tpuc import backend, targets
-
-    opts = tpuc.options.parse({"target": _V5E, "cache_dir": None})
-
-    def on_cpu(gm, example_inputs):
-        return targets.compile_for_target(
-            gm,
-            example_inputs,
-            opts,
-            0,
-            backend._decompositions(False),
-            backend._unsupported_nodes,
-            backend.CompiledGraph,
-            run_on="cpu",
-        )
+    on_cpu = "tpu"
+    options = {"target": _V5E, "stand_in": "cpu", "cache_dir": None}
 
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -207,7 +194,7 @@ def test_on_a_device_the_target_path_runs_regions_and_matches_eager():
     tpuc.reset_stats()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="invoke_subgraph traced multiple backward graphs")
-        out, grads = _train_step(model, on_cpu, x)
+        out, grads = _train_step(model, on_cpu, x, options)
     assert 2 <= tpuc.stats()["regions_compiled"] <= 4
     assert tpuc.stats()["fallback_ops"] == {}
     ref_out, ref_grads = _train_step(model, None, x)

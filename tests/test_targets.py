@@ -13,7 +13,7 @@ import zoo
 from torch import nn
 
 import tpuc
-from tpuc import cli, compiled_graph, decompositions, op_support, runtime, targets
+from tpuc import cli, runtime, targets
 
 pytestmark = pytest.mark.skipif(
     runtime._installed_plugin("tpu") is None,
@@ -145,8 +145,10 @@ def test_buckets_compile_one_executable_per_bucket(tmp_path):
     model, (ids,) = zoo.make("gpt2")
     report = _precompile(model, [ids], tmp_path, dynamic={0: {1: 32}}, buckets=[16, 32])
     shapes = sorted(tuple(g["inputs"][-1][0]) for g in report["per_graph"] if g["inputs"])
-    # The example's own length (12) and the two buckets.
-    assert report["executables"] == 3, shapes
+    # The two buckets: the example's own length (12) pads to 16, as every length up to 32 does
+    # on a TPU host.
+    assert report["executables"] == 2, shapes
+    assert sorted(g["bindings"].get(next(iter(g["bindings"]))) for g in report["per_graph"]) == [16, 32]
 
 
 def test_a_model_on_the_meta_device_reports_memory_per_chip_under_fsdp(tmp_path):
@@ -220,28 +222,16 @@ def test_a_new_process_finds_what_precompile_wrote_under_the_same_keys(tmp_path)
 
 
 def test_on_a_device_the_target_path_runs_its_graphs_and_matches_eager():
-    # What a host with the target's devices runs: the same graphs (targets.compile_for_target),
-    # handed to the backend's CompiledGraph with the plugin set. Here the CPU plugin stands in
-    # for the TPU: the outputs and gradients must be eager's.
+    # What a host with the target's devices runs: the same graphs, lowered by the target's rules.
+    # Here the CPU plugin stands in for the TPU (options["stand_in"]): the outputs and gradients
+    # must be eager's.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 17))
     x = torch.randn(33, 64)
-    opts = tpuc.options.parse({"target": V5E})
-
-    def on_cpu(gm, example_inputs):
-        return targets.compile_for_target(
-            gm,
-            example_inputs,
-            opts,
-            0,
-            decompositions._decompositions(False),
-            op_support._unsupported_nodes,
-            compiled_graph.CompiledGraph,
-            run_on="cpu",
-        )
+    on_cpu = dict(backend="tpu", options={"target": V5E, "stand_in": "cpu", "cache_dir": None})
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=on_cpu)
+    compiled = torch.compile(model, **on_cpu)
     got = compiled(x)
     want = model(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -163,7 +163,9 @@ def assert_same_training(got, want, who):
                 assert v == ve, f"{who}: optimizer state {k}.{field}"
 
 
-@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "opt_name", [pytest.param(o, marks=pytest.mark.stand_in) if o == "adamw" else o for o in OPTIMIZERS]
+)
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_compiled_training_step_matches_eager(model_name, opt_name):
     """The whole step is one tpuc program per step (forward, backward and optimizer update; the

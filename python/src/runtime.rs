@@ -28,12 +28,15 @@ pub(crate) struct Runtime {
 impl Runtime {
     /// `create_options`: `PJRT_Client_Create`'s options, `{name: value}` with values of type
     /// bool, int, float, str or list of int (`runtime.create_options` picks them per plugin).
+    /// `lower_for`: a platform ("tpu") whose lowering rules this runtime's modules follow
+    /// instead of its own (a stand-in for a target, road.py); None: the plugin's own.
     #[new]
-    #[pyo3(signature = (plugin_path, create_options=None))]
+    #[pyo3(signature = (plugin_path, create_options=None, lower_for=None))]
     fn new(
         py: Python<'_>,
         plugin_path: PathBuf,
         create_options: Option<&Bound<'_, PyDict>>,
+        lower_for: Option<String>,
     ) -> PyResult<Runtime> {
         let options = create_options_of(create_options)?;
         let (engine, runner) = crate::exit::detach(py, || {
@@ -42,6 +45,12 @@ impl Runtime {
             Ok((engine, runner))
         })
         .map_err(pjrt_err)?;
+        let engine = match lower_for {
+            Some(platform) => {
+                engine.lower_for_device(tpuc_compiler::lower::Device::of_platform(&platform))
+            }
+            None => engine,
+        };
         Ok(Runtime {
             engine: Arc::new(engine),
             runner: Arc::new(runner),

@@ -1,9 +1,10 @@
 """The `torch.compile` backend: `torch.compile(model, backend="tpu")`.
 
 Dynamo hands us its graph; AOTAutograd (core ATen decompositions, decompositions.py) turns it
-into functional forward/backward graphs; each graph goes through `compile_hook.compile_graph`,
-which makes it a `CompiledGraph` (compiled_graph.py): imported into the Rust IR once, then
-specialized, lowered and compiled per concrete shape, and run through PJRT. Ops without a
+into functional forward/backward graphs; each graph goes through `compile_hook.compile_graph`
+on the compile's one road (road.py: here, a target, its stand-in), whose usual ending is a
+`CompiledGraph` (compiled_graph.py): imported into the Rust IR once, then specialized, lowered
+and compiled per concrete shape, and run through PJRT. Ops without a
 lowering rule run in PyTorch (`fallback="eager"`, partitions.py) or raise (`fallback="error"`).
 """
 
@@ -25,22 +26,19 @@ from . import (
     _native,
     autograd_cache,
     buckets,
-    flex,
     handoff,
     input_views,
+    prepare,
     resize,
-    runtime,
     saved,
-    targets,
     untraced,
     whole_step,
 )
 from . import options as options_mod
 from . import sharding as sharding_mod
 from .compile_hook import compile_graph
-from .compiled_graph import CompiledGraph
 from .decompositions import _decompositions, has_control_flow
-from .op_support import _unsupported_nodes
+from .road import Road
 
 log = logging.getLogger("tpuc")
 
@@ -93,23 +91,17 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             f"tpuc: unexpected backend argument(s) {sorted(kwargs)}; pass settings in options={{...}}"
         )
     opts = options_mod.parse(options, mode)
+    # The compile's context: options, target, plugin and runtime resolved once (a bad plugin or
+    # target fails here, before tracing).
+    road = Road(opts)
+    opts, mesh = road.opts, road.mesh
     # Bilinear resizing's coordinates as eager rounds them (XLA would fuse their multiply-add).
     resize.static_bilinear(gm)
-    if opts.target is not None:
-        with _counter_lock:
-            _graph_counter += 1
-            gid = _graph_counter
-        return targets.compile_for_target(
-            gm, example_inputs, opts, gid, _decompositions(False), _unsupported_nodes, CompiledGraph
-        )
-    mesh = sharding_mod.parse_mesh(opts)
-    runtime.get_runtime(
-        opts.plugin, mesh.size if mesh else None, opts.plugin_options
-    )  # a bad plugin fails here
     with _counter_lock:
         _graph_counter += 1
         gid = _graph_counter
     t0 = time.perf_counter()
+    prefix = "g" if road.spec is None else "t"
 
     traces = {n.name: n.meta.get("stack_trace") for n in gm.graph.nodes}
     # torch's AOT precompile (tpuc.save_compiled) turns AOTAutograd's bundled cache on for this
@@ -122,7 +114,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     buckets.check_declared(gm, example_inputs, declared)
     # Otherwise the graphs go into AOTAutograd's cache (autograd_cache.py), where PyTorch allows
     # (not yet for bucketed graphs, whose declared maxima the loader would not know).
-    caching = not saving and not maxima and autograd_cache.enabled(opts, mesh)
+    # Not for a target's graphs (their entries would be the target's executables).
+    caching = not saving and not maxima and road.spec is None and autograd_cache.enabled(opts, mesh)
 
     shard_ctx = None
     if mesh is not None:
@@ -134,18 +127,20 @@ def _compile(gm, example_inputs, options, mode, kwargs):
 
     # What passes from forward to backward in another layout than row-major: saved views of
     # inputs (input_views.py) and channels-last activations (handoff.py); not for sharded,
-    # bucketed or saved compilations.
-    pair = handoff.Handoff() if shard_ctx is None and not maxima and not saving else None
+    # bucketed or saved compilations, nor a target's (its executables take row-major inputs).
+    pair = (
+        handoff.Handoff() if shard_ctx is None and not maxima and not saving and road.spec is None else None
+    )
 
     def compiler(kind: str):
         def compile_one(g, ins):
             shard = (shard_ctx, kind) if shard_ctx else None
-            name = f"g{gid}_{kind}"
+            name = f"{prefix}{gid}_{kind}"
             if caching:
                 # The graph as AOTAutograd made it (FlexAttention inlined, the backward's inputs
                 # in the layouts the forward hands over), for the cache entry: a process that
                 # loads it compiles the same modules (see saving below).
-                flex.inline_flex_attention(g, _decompositions(bool(maxima)))
+                prepare.STEPS[0].run(road, prepare.Job(g, name, maxima, shard, None))
                 free_layouts, permuted_args = layouts(g, kind)
                 graph = _pickled_or_none(g, name)
                 layout = {
@@ -165,10 +160,16 @@ def _compile(gm, example_inputs, options, mode, kwargs):
                 return compile_laid_out(g, ins, kind, shard, name, *layouts(g, kind))
             # Before compile_graph rewrites it, but with FlexAttention already inlined: loading
             # cannot retrace it (the unpickled graph's fake tensors belong to other fake modes).
-            flex.inline_flex_attention(g, _decompositions(bool(maxima)))
+            prepare.STEPS[0].run(road, prepare.Job(g, name, maxima, shard, None))
             graph = saved.pickle_graph(g)
-            compiled = compile_graph(g, ins, opts, name, traces, maxima, shard)
-            return saved.TpucOutputCode.capture(compiled, graph, options, mode, name)
+            if road.spec is None:  # the executables stay in the persistent cache
+                compiled = compile_graph(g, ins, road, name, traces, maxima, shard)
+                return saved.TpucOutputCode.capture(compiled, graph, options, mode, name)
+            # A target's executables travel in the file: a host with its devices loads them.
+            keys: list = []
+            with autograd_cache.collecting(keys):
+                compiled = compile_graph(g, ins, road, name, traces, maxima, shard)
+            return saved.TpucOutputCode.capture(compiled, graph, options, mode, name, keys, opts.cache_dir)
 
         def layouts(g, kind):
             """(free_layouts for compile_graph, {input position: order} for PermutedArgs): what
@@ -189,7 +190,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             return free_layouts, permuted_args
 
         def compile_laid_out(g, ins, kind, shard, name, free_layouts, permuted_args):
-            compiled = compile_graph(g, ins, opts, name, traces, maxima, shard, free_layouts)
+            compiled = compile_graph(g, ins, road, name, traces, maxima, shard, free_layouts)
             if kind == "forward" and shard is None and _plain_inference(gm, grad_enabled):
                 direct.append(compiled)
             return input_views.PermutedArgs(compiled, permuted_args) if permuted_args else compiled
@@ -206,7 +207,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
     # (UNet self-attention at 64x64 latents: 8 heads x 4096^2 scores, 1.8x slower). Bucketed and
     # sharded graphs keep math, which their passes know.
     needs_grad = grad_enabled and any(getattr(t, "requires_grad", False) for t in example_inputs)
-    fused_ok = not needs_grad and not maxima and shard_ctx is None
+    # A target's attention is always math: what XLA:TPU fuses itself (no CPU kernels).
+    fused_ok = not needs_grad and not maxima and shard_ctx is None and road.spec is None
     cache_ctx = autograd_cache.caching(opts, mode, maxima) if caching else contextlib.nullcontext()
     with (
         cache_ctx,

@@ -91,6 +91,46 @@ def choose(size: int, sizes: list[int]) -> int:
     return next(b for b in sizes if b >= size)
 
 
+def with_sizes(maxima: dict | None, buckets) -> dict:
+    """{symbol: (maximum, source, bucket sizes)} for `declared_maxima`'s {symbol: (maximum,
+    source)} and the `buckets` option."""
+    return {sym: (mx, src, bucket_sizes(buckets, mx)) for sym, (mx, src) in (maxima or {}).items()}
+
+
+def bucket_of(maxima: dict, bindings: dict) -> dict:
+    """The bucket sizes for real `bindings` (`maxima`: `with_sizes`); raises ValueError above a
+    declared maximum."""
+    chosen = {}
+    for sym, (mx, src, sizes) in maxima.items():
+        if sym not in bindings:
+            continue
+        n = bindings[sym]
+        if n > mx:
+            raise ValueError(
+                f"tpuc: {describe(src)} has size {n}, above its declared maximum {mx} "
+                "(torch._dynamo.mark_dynamic(..., max=...))"
+            )
+        chosen[sym] = choose(n, sizes)
+    return chosen
+
+
+def key(chosen: dict, bindings: dict) -> tuple:
+    """Identifies one bucket's executable: the bucket sizes and every other symbol's value."""
+    others = tuple(sorted((k, v) for k, v in bindings.items() if k not in chosen))
+    return tuple(sorted(chosen.items())), others
+
+
+def bucket_graph(graph, chosen: dict, bindings: dict):
+    """(key, bucketed graph) of the FxGraph `graph` for the bucket sizes `chosen` (other
+    symbols at their values in `bindings`); raises TpucError when the bucketing pass cannot
+    make this graph exact."""
+    from . import _native
+
+    sizes = {**bindings, **chosen}
+    bg = _native.bucket_graph(graph, [s for s, b in chosen.items() if b > 1], sizes)
+    return key(chosen, bindings), bg
+
+
 # Declared maxima per Dynamo frame: when a size above one comes, Dynamo's guard fails and it
 # traces again; the new trace is where we can tell the user.
 _frame_maxima: dict[int, dict[str, int]] = {}

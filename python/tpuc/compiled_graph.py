@@ -22,7 +22,6 @@ from . import (
     fx_export,
     precompile_session,
     residency,
-    runtime,
     structured_trace,
 )
 from . import options as options_mod
@@ -62,20 +61,20 @@ class CompiledGraph:
         gm: torch.fx.GraphModule,
         opts: options_mod.Options,
         name: str,
+        rt: _native.Runtime,
         maxima=None,
         shard=None,
         free_layouts=None,
     ):
-        """`free_layouts`: (output positions that may come back in their physical layout,
-        called with {position: permutation} of those that did), see handoff.py."""
+        """`rt`: the runtime to compile and run on (road.py resolved it once per compile);
+        `free_layouts`: (output positions that may come back in their physical layout, called
+        with {position: permutation} of those that did), see handoff.py."""
         self.opts = opts
         # With fallback="eager", a shape tpuc cannot lower runs this graph in PyTorch instead.
         self.eager = gm if opts.fallback == "eager" else None
         self.name = name
         shard_ctx, shard_kind = shard if shard is not None else (None, None)
-        self.runtime = runtime.get_runtime(
-            opts.plugin, shard_ctx.mesh.size if shard_ctx else None, opts.plugin_options
-        )
+        self.runtime = rt
         # The texts only dumps read: printing the FX graph alone costs more than lowering it.
         dumping = opts.dump_dir is not None
         self.fx_text = gm.print_readable(print_output=False) if dumping else None
@@ -95,10 +94,7 @@ class CompiledGraph:
         self.device_arg = _residency(self.runtime, opts.residency)
         self.lock = threading.Lock()
         # Symbols with a declared maximum are bucketed: {symbol: (maximum, source, bucket sizes)}.
-        self.maxima = {
-            sym: (mx, src, buckets.bucket_sizes(opts.buckets, mx))
-            for sym, (mx, src) in (maxima or {}).items()
-        }
+        self.maxima = buckets.with_sizes(maxima, opts.buckets)
         self.output_kinds = self.graph.outputs()
         # SPMD over a mesh: compiled per static shape (bucketing does not combine with it yet).
         self.sharded = None
@@ -199,25 +195,11 @@ class CompiledGraph:
 
     def bucket_of(self, bindings: dict) -> dict:
         """The bucket sizes for real `bindings`; raises ValueError above a declared maximum."""
-        chosen = {}
-        for sym, (mx, src, sizes) in self.maxima.items():
-            if sym not in bindings:
-                continue
-            n = bindings[sym]
-            if n > mx:
-                raise ValueError(
-                    f"tpuc: {buckets.describe(src)} has size {n}, above its declared maximum {mx} "
-                    "(torch._dynamo.mark_dynamic(..., max=...))"
-                )
-            chosen[sym] = buckets.choose(n, sizes)
-        return chosen
+        return buckets.bucket_of(self.maxima, bindings)
 
     def bucket_graph(self, chosen: dict, bindings: dict):
-        """(key, bucketed graph) for the bucket sizes `chosen` (other symbols at their values in
-        `bindings`); raises TpucError when the pass cannot make this graph exact."""
-        sizes = {**bindings, **chosen}
-        bg = _native.bucket_graph(self.graph, [s for s, b in chosen.items() if b > 1], sizes)
-        return _bucket_key(chosen, bindings), bg
+        """(key, bucketed graph) for the bucket sizes `chosen` (see `buckets.bucket_graph`)."""
+        return buckets.bucket_graph(self.graph, chosen, bindings)
 
     def add_bucket_executable(self, key, exe, bg) -> None:
         record_compile(exe)
@@ -392,10 +374,7 @@ class CompiledGraph:
 _EAGER = ("eager",)
 
 
-def _bucket_key(chosen: dict, bindings: dict) -> tuple:
-    """Identifies one bucket's executable: the bucket sizes and every other symbol's value."""
-    others = tuple(sorted((k, v) for k, v in bindings.items() if k not in chosen))
-    return tuple(sorted(chosen.items())), others
+_bucket_key = buckets.key
 
 
 def _lowering_fallback(e: Exception, graph_name: str) -> None:

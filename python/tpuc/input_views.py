@@ -142,12 +142,17 @@ def remap_positions(taken: dict, positions: list[int]) -> tuple[list[int], dict[
 def dense_order(val) -> list[int] | None:
     """The dim order in which non-contiguous `val` fills its storage densely from offset 0 (a
     permutation of its dims, not the identity), or None."""
-    if not isinstance(val, torch.Tensor) or val.ndim < 2 or val.is_contiguous():
+    if not isinstance(val, torch.Tensor) or val.ndim < 2:
         return None
     try:
-        if val.storage_offset() != 0 or any(type(d) is not int for d in (*val.shape, *val.stride())):
+        # Symbolic sizes never compared: a comparison adds a guard on them (GPT-2's storage of
+        # `8*s` bytes against 16 broke a declared range min=2 of the token dim).
+        if any(type(d) is not int for d in (*val.shape, *val.stride(), val.storage_offset())):
             return None
-        if val.untyped_storage().nbytes() != val.numel() * val.element_size():
+        if val.is_contiguous() or val.storage_offset() != 0:
+            return None
+        nbytes = val.untyped_storage().nbytes()
+        if type(nbytes) is not int or nbytes != val.numel() * val.element_size():
             return None
     except Exception:  # no storage (sparse, nested)
         return None

@@ -24,6 +24,7 @@ VALID_KEYS = (
     "plugin_options",
     "residency",
     "target",
+    "stand_in",
     "regions",
 )
 RESIDENCIES = ("auto", "versioned", "off")
@@ -43,9 +44,23 @@ def pipeline() -> list[tuple[str, str, str]]:
     return [tuple(p) for p in _native.FxGraph.passes()]
 
 
+#: The FX preparation steps in the order they run (prepare.py's table, which checks it holds
+#: exactly these): `options["passes"]` switches them too, for debugging.
+PREPARE_STEPS = (
+    "flex_attention",
+    "mutations",
+    "input_views",
+    "checks",
+    "storage_rebase",
+    "ties",
+    "inline_regions",
+)
+
+
 def pass_names() -> tuple[str, ...]:
-    """Every name `options["passes"]` accepts: the groups, then each pass in pipeline order."""
-    return PASSES + tuple(name for name, _group, _doc in pipeline())
+    """Every name `options["passes"]` accepts: the groups, then each pass in pipeline order,
+    then the FX preparation steps."""
+    return PASSES + tuple(name for name, _group, _doc in pipeline()) + PREPARE_STEPS
 
 
 DEFAULT_CACHE_MAX_SIZE = "10G"
@@ -70,6 +85,8 @@ class Options:
     residency: str = "auto"
     #: Devices to compile for instead of running here, e.g. "tpu:v5e:2x2" (targets.py).
     target: str | None = None
+    #: With a target: this machine's plugin ("cpu") also runs the target-lowered graphs (road.py).
+    stand_in: str | None = None
     regions: str = "auto"
 
     def pass_enabled(self, name: str) -> bool:
@@ -206,9 +223,20 @@ def parse(options: dict | None, mode: str | None = None) -> Options:
     target = options.get("target")
     if target is not None:
         target = target_spec.parse(target).name
+    stand_in = options.get("stand_in")
+    if stand_in is not None and not isinstance(stand_in, str):
+        raise _bad(
+            "stand_in", stand_in, "\"cpu\" (this machine's plugin that runs a target's graphs) or None"
+        )
+    if stand_in is not None and target is None:
+        raise ValueError(
+            "tpuc: option 'stand_in' runs a target's graphs on this machine: it needs option 'target' "
+            "(e.g. {'target': 'tpu:v5e:2x2', 'stand_in': 'cpu'})"
+        )
 
     return Options(
         target=target,
+        stand_in=stand_in,
         plugin=str(plugin) if plugin is not None else None,
         precision=precision,
         cache_dir=Path(cache_dir) if cache_dir is not None else None,

@@ -10,7 +10,7 @@ import torch
 import torch.fx
 
 from . import _native
-from .compiled_graph import CompiledGraph, _lowering_fallback
+from .compiled_graph import _lowering_fallback
 from .op_support import _supported
 
 _warned_fallback: set[str] = set()
@@ -96,27 +96,27 @@ def replace_pieces(gm: torch.fx.GraphModule, supported, compile_one) -> torch.fx
     return fused
 
 
-def _partitioned(gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None, in_torch=frozenset()):
+def _partitioned(gm: torch.fx.GraphModule, road, name: str, maxima=None, shard=None, in_torch=frozenset()):
     """Splits `gm` into tpuc partitions (supported ops) and eager ops (unsupported ones, and
     the nodes of `in_torch`)."""
     part_shard = (shard[0], "partition") if shard is not None else None
     return replace_pieces(
         gm,
         lambda node: node not in in_torch and _supported(node),
-        lambda sub, piece: _compile_or_fallback(sub, opts, f"{name}.{piece}", maxima, part_shard),
+        lambda sub, piece: _compile_or_fallback(sub, road, f"{name}.{piece}", maxima, part_shard),
     )
 
 
 def _compile_or_fallback(
-    gm: torch.fx.GraphModule, opts, name: str, maxima=None, shard=None, free_layouts=None
-) -> CompiledGraph | _native.CallPlan | None:
-    """A CompiledGraph's entry point, or None (run `gm` eagerly) when lowering fails and
-    fallback="eager".
+    gm: torch.fx.GraphModule, road, name: str, maxima=None, shard=None, free_layouts=None
+):
+    """The road's ending for `gm` (road.Road.ending: a CompiledGraph's entry point here), or
+    None (run `gm` eagerly) when lowering fails and fallback="eager".
     Plugin errors always raise: they are not a matter of op coverage."""
     try:
-        return CompiledGraph(gm, opts, name, maxima, shard, free_layouts).entry_point()
+        return road.ending(gm, name, maxima, shard, free_layouts)
     except _native.TpucError as e:
-        if opts.fallback == "error" or isinstance(e, _native.PjrtError):
+        if road.opts.fallback == "error" or isinstance(e, _native.PjrtError):
             raise
         _lowering_fallback(e, name)
         return None

@@ -244,10 +244,15 @@ def check_plugin_file(path: Path) -> None:
 
 
 def get_runtime(
-    plugin: str | None, mesh_size: int | None = None, plugin_options: dict | None = None
+    plugin: str | None,
+    mesh_size: int | None = None,
+    plugin_options: dict | None = None,
+    lower_for: str | None = None,
 ) -> _native.Runtime:
     """The process's runtime for `plugin` (created on first use; plugins are never unloaded).
-    With a mesh and TPUC_CPU_DEVICES unset, the CPU plugin gets one device per mesh device."""
+    With a mesh and TPUC_CPU_DEVICES unset, the CPU plugin gets one device per mesh device.
+    `lower_for`: a family ("tpu") whose lowering rules the modules follow: a target's stand-in
+    (road.py), which runs what the target would, so with no host kernels."""
     path = resolve_plugin(plugin)
     family = plugin_family(path, plugin)
     devices = cpu_device_count()
@@ -259,7 +264,7 @@ def get_runtime(
     # XLA logs informational lines to stderr at plugin start; keep them unless asked for.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     options = create_options(family, devices, plugin_options)
-    key = (str(path), tuple(sorted((k, repr(v)) for k, v in options.items())))
+    key = (str(path), tuple(sorted((k, repr(v)) for k, v in options.items())), lower_for)
     with _lock:
         rt = _runtimes.get(key)
         if rt is None:
@@ -270,14 +275,16 @@ def get_runtime(
                 # Before the client exists, so that XLA's threads start on the tuned heap.
                 host_malloc.tune_for_xla_cpu()
             try:
-                rt = _native.Runtime(str(path), options)
+                rt = _native.Runtime(str(path), options, lower_for)
             except _native.PjrtError as e:
                 raise _native.PjrtError(_plain_start_error(str(e), path, family)) from None
-            if family == "cpu":
+            if family == "cpu" and lower_for is None:
                 _enable_host_gemm(rt)
                 _enable_host_conv(rt)
                 _enable_host_rows(rt)
-                # The plugin's math against PyTorch, once per plugin build and CPU (conformance.py).
+            if family == "cpu":
+                # The plugin's math against PyTorch, once per plugin build and CPU (conformance.py);
+                # a stand-in too: its results are this plugin's math.
                 from . import conformance
 
                 conformance.run_for(rt)

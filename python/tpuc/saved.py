@@ -29,6 +29,7 @@ from torch._inductor.output_code import OutputCode
 
 from . import autograd_cache, compile_hook, counters, handoff, input_views
 from . import options as options_mod
+from .road import Road
 
 FORMAT = 1  # bump when the saved state changes
 
@@ -108,7 +109,8 @@ class TpucOutputCode(OutputCode):
         positions, orders = layout.get("free_positions"), layout.get("permuted_args")
         # The same module as the first compile: it returns the same layouts the backward takes.
         free = (positions, _count_channels_last) if positions else None
-        compiled = compile_hook.compile_graph(gm, example_inputs, opts, state["name"], free_layouts=free)
+        road = Road(opts)
+        compiled = compile_hook.compile_graph(gm, example_inputs, road, state["name"], free_layouts=free)
         self.compiled = input_views.PermutedArgs(compiled, orders) if orders else compiled
 
     def set_triton_bundle(self, triton_bundle) -> None:

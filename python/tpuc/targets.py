@@ -7,27 +7,29 @@ loads the executable instead of compiling. XLA's plan for each executable (memor
 flops, bytes accessed) is reported before any TPU is rented. Calling a function compiled for a
 target raises `TargetUnavailableError` once its executables are written; `tpuc.precompile`
 runs the graphs in PyTorch instead (on the inputs' device, `meta` included) so that a whole
-training step can be compiled.
+training step can be compiled. With `options["stand_in"]` (`StandIn`) the same target-lowered
+graphs also run on this machine's plugin, so calls return results.
+
+This is an ending of the one road (road.py): the graphs come here prepared as for every other
+device (prepare.py), and dims with a declared maximum compile one executable per bucket.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import linecache
 import os
 import re
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _native, counters, dump, flex, fx_export, regions, runtime, untraced
+from . import _native, autograd_cache, buckets, counters, dump, fx_export, runtime
 from . import sharding as sharding_mod
-from .target_spec import TargetSpec, parse
+from .target_spec import TargetSpec
 
 
 class TargetUnavailableError(_native.TpucError):
@@ -205,11 +207,13 @@ def _dense_bytes(shape, dtype: str) -> int:
 
 
 class TargetGraph:
-    """One AOTAutograd graph compiled for a target, once per distinct input shape. Called boxed."""
+    """One AOTAutograd graph compiled for a target: once for static shapes (when it is made),
+    else per bucket of its declared dynamic dims (buckets.py; per shape where the bucketing
+    pass cannot make it exact, or nothing is declared). Called boxed."""
 
     _boxed_call = True
 
-    def __init__(self, gm: torch.fx.GraphModule, opts, spec: TargetSpec, name: str, shard=None):
+    def __init__(self, gm: torch.fx.GraphModule, opts, spec: TargetSpec, name: str, maxima=None, shard=None):
         self.gm = gm
         self.opts = opts
         self.spec = spec
@@ -227,11 +231,22 @@ class TargetGraph:
         if shard is not None:
             ctx, kind = shard
             self.sharded = sharding_mod.ShardedGraph(ctx, kind, gm, self.inputs, self.graph.outputs(), None)
+            maxima = None  # a mesh compiles each shape statically, as on the CPU
+        symbolic = any(k[0] == "symint" or any(isinstance(d, str) for d in k[1]) for k in self.inputs)
+        self.maxima = buckets.with_sizes(maxima, opts.buckets) if symbolic else {}
         self.reports: dict[tuple, dict] = {}
         self.lock = threading.Lock()
+        # A static graph compiles now, as the CPU's does: saving and tracing then write its
+        # executable without a call.
+        self.static = None if symbolic else self._compile({}, self.graph)
+        self.static_reported = False
 
     def compile_for(self, args) -> dict:
-        """The target report for `args`' shapes, compiling on first sight."""
+        """The target report for `args`' shapes (their bucket's), compiling on first sight."""
+        if self.static is not None:
+            with self.lock:  # the first call reports how the compile went, later ones "memory"
+                first, self.static_reported = not self.static_reported, True
+            return self.static if first else {**self.static, "cache": "memory"}
         shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
         with self.lock:
             report = self.reports.get(shapes)
@@ -241,18 +256,43 @@ class TargetGraph:
                 [list(a.shape) if isinstance(a, torch.Tensor) else None for a in args],
                 [int(a) if not isinstance(a, torch.Tensor) else None for a in args],
             )
-            report = self._compile(bindings)
+            report = self._bucket_report(bindings) if self.maxima else None
+            if report is None:
+                report = self._compile(bindings, self.graph)
             self.reports[shapes] = report
             return report
 
-    def _compile(self, bindings: dict) -> dict:
+    def _bucket_report(self, bindings: dict) -> dict | None:
+        """The report of the bucket executable serving `bindings` (one per bucket, shared by
+        every shape in it); None when the bucketing pass cannot make this graph exact."""
+        chosen = buckets.bucket_of(self.maxima, bindings)
+        key = buckets.key(chosen, bindings)
+        hit = self.reports.get(key)
+        if hit is not None:
+            return hit
+        try:
+            _key, bg = buckets.bucket_graph(self.graph, chosen, bindings)
+        except _native.TpucError as e:
+            self.maxima = {}
+            warnings.warn(
+                f"tpuc: graph {self.name} is compiled for {self.spec.name} per shape instead of per bucket: {e}",
+                stacklevel=6,
+            )
+            return None
+        tagged = {**{k: v for k, v in bindings.items() if k not in chosen}}
+        tagged.update({f"{k}_bucket": v for k, v in chosen.items()})
+        report = self._compile({}, bg.graph, tagged)
+        self.reports[key] = report
+        return report
+
+    def _compile(self, bindings: dict, graph, tag: dict | None = None) -> dict:
         cache_dir = str(self.opts.cache_dir) if self.opts.cache_dir is not None else None
         cache_max = self.opts.cache_max_bytes
         request = self.sharded.request() if self.sharded is not None else None
         t = time.perf_counter()
         try:
             report = self.target.compile(
-                self.graph,
+                graph,
                 bindings,
                 self.opts.precision,
                 cache_dir,
@@ -262,13 +302,14 @@ class TargetGraph:
             )
         except _native.PjrtError as e:
             devices = self.sharded.ctx.mesh.size if self.sharded is not None else 1
-            oom = _compile_oom(e, self.spec, self.name, self.graph, devices, largest_tensors(self.gm))
+            oom = _compile_oom(e, self.spec, self.name, graph, devices, largest_tensors(self.gm))
             if oom is not None:
                 raise oom from None
             raise
         seconds = time.perf_counter() - t
         if self.sharded is not None and report.get("sharding") is not None:
             self.sharded.record_specs(report["sharding"])
+        autograd_cache.record(_Keyed(report["key"]))  # a saved file carries the entry
         miss = report["cache"] == "miss"
         counters.add(
             xla_compiles=int(miss),
@@ -276,7 +317,7 @@ class TargetGraph:
             lower_seconds=report["lower_seconds"],
             compile_seconds=seconds - report["lower_seconds"],
         )
-        report = {"name": self.name, "bindings": bindings, **report}
+        report = {"name": self.name, "bindings": tag if tag is not None else bindings, **report}
         if self.opts.dump_dir is not None:
             _dump(self, report)
             report.pop("mlir", None)
@@ -295,79 +336,42 @@ class TargetGraph:
             f"has no {self.spec.family.upper()} to run it. On a host with the devices, the same tpuc and the "
             f"same libtpu ({self.target.platform_version.splitlines()[0]}), the same call with the same "
             "options (target and cache_dir included) loads them instead of compiling and runs; "
-            "tpuc.precompile(..., options={'target': ...}) compiles a model without calling it"
+            "tpuc.precompile(..., options={'target': ...}) compiles a model without calling it; "
+            "options={'stand_in': 'cpu'} runs the same graphs on this machine's CPU"
         )
 
 
-def compile_for_target(
-    gm: torch.fx.GraphModule,
-    example_inputs,
-    opts,
-    gid: int,
-    decompositions: dict,
-    unsupported_nodes,
-    device_graph,
-    run_on: str | None = None,
-):
-    """The backend's path for `options["target"]`: AOTAutograd (with the backend's
-    `decompositions`) and compilers that compile for the target (see TargetGraph);
-    `unsupported_nodes(gm)` lists a graph's nodes without a lowering rule.
+class _Keyed:
+    """What `autograd_cache.record` reads of an executable: its cache key."""
 
-    On a host with the target's devices (or with `run_on`, a plugin family to run on instead),
-    each graph goes to `device_graph(gm, opts, name, shard=...)` (the backend's CompiledGraph)
-    with the plugin set: the same graphs, lowered the same way, so the engine there computes the
-    keys the target's compile stored its executables under and loads them."""
+    __slots__ = ("key",)
 
-    spec = parse(opts.target)
-    if run_on is None and runtime.hardware_present(spec.family):
-        run_on = spec.family
-    if run_on is None:
-        get_target(spec)  # a missing libtpu or a bad topology fails here, before tracing
-    else:
-        # Started before tracing, as the backend does: the CPU plugin's known-answer check cannot
-        # run inside AOTAutograd's compile (fake tensors).
-        runtime.get_runtime(run_on, None, opts.plugin_options)
-    mesh = sharding_mod.parse_mesh(opts)
-    if mesh is not None and mesh.size > spec.chips:
-        raise ValueError(
-            f"tpuc: mesh {list(mesh.shape)} needs {mesh.size} devices; target {spec.name} has {spec.chips} chips"
-        )
-    shard_ctx = (
-        sharding_mod.Context.for_dynamo_graph(gm, example_inputs, mesh, opts.sharding) if mesh else None
-    )
-
-    def compiler(kind: str):
-        def compile_one(g, _ins):
-            flex.inline_flex_attention(g, decompositions)
-            shard = (shard_ctx, kind) if shard_ctx is not None else None
-            name = f"t{gid}_{kind}"
-            # Marked regions (regions.py) are one executable each, launched per call site (on a
-            # host with the devices too: the same executables).
-            if regions.inlined(opts, "target"):
-                regions.inline_regions(g)
-            in_regions = set(regions.call_sites(g))
-            _check_lowerable([n for n in unsupported_nodes(g) if n not in in_regions], name, spec)
-            piece_shard = (shard_ctx, "partition") if shard_ctx is not None and in_regions else shard
-            if run_on is not None:
-                on = dataclasses.replace(opts, plugin=run_on)
-                return regions.compile_split(g, name, lambda p, n: device_graph(p, on, n, shard=piece_shard))
-            return regions.compile_split(g, name, lambda p, n: TargetGraph(p, opts, spec, n, piece_shard))
-
-        return compile_one
-
-    # Attention through the math path: what XLA:TPU fuses itself (no CPU kernels).
-    with sdpa_kernel(SDPBackend.MATH):
-        return aot_module_simplified(
-            gm,
-            example_inputs,
-            fw_compiler=compiler("forward"),
-            bw_compiler=untraced.backward_compiler(compiler("backward")),
-            decompositions=decompositions,
-            keep_inference_input_mutations=False,
-        )
+    def __init__(self, key: str):
+        self.key = key
 
 
-def _check_lowerable(bad: list, name: str, spec: TargetSpec) -> None:
+class StandIn:
+    """A target's graph that also runs here (`options["stand_in"]`): each call compiles (or
+    finds) the target's executable for its shapes or bucket, as a TargetGraph does, then runs
+    the same graph lowered by the target's rules (no host kernels) on this machine's plugin
+    (`here`, a CompiledGraph on road.py's stand-in runtime). In a precompile session the
+    graph runs in PyTorch, as without a stand-in."""
+
+    _boxed_call = True
+
+    def __init__(self, target: TargetGraph, here):
+        self.target = target
+        self.here = here
+
+    def __call__(self, args: list):
+        report = self.target.compile_for(args)
+        if _in_session():
+            _session.reports.append(report)
+            return list(self.target.gm(*args))
+        return self.here(args)
+
+
+def check_lowerable(bad: list, name: str, spec: TargetSpec) -> None:
     """UnsupportedOpError for nodes without a lowering rule: a target's graphs have no PyTorch
     pieces (the device host would have to run them between executables)."""
     if not bad:
