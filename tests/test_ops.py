@@ -355,6 +355,85 @@ def test_max_pool_gradient(shape, args):
     assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
 
 
+@pytest.mark.parametrize(
+    "shape,args,kwargs",
+    [
+        ((2, 3, 13, 12), (2,), {}),  # the training CNN's pooling
+        (
+            (2, 3, 13, 12),
+            (3, 2, 1),
+            {"ceil_mode": True, "count_include_pad": False},
+        ),  # a last window past the input
+        ((2, 3, 11, 10), ((2, 3), (1, 2), (1, 0)), {"divisor_override": 5}),  # overlapping, asymmetric
+        ((3, 10, 11), (3, 1), {}),  # unbatched, stride 1
+        ((1, 2, 6, 7, 8), (3, 2, 1), {"ceil_mode": True}),  # 3-D
+    ],
+)
+def test_avg_pool_gradient(shape, args, kwargs):
+    """avg_pool2d/3d_backward: one pad and one windowed sum (a target has no PyTorch escape)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    pool = F.avg_pool3d if len(shape) == 5 else F.avg_pool2d
+
+    def f(x):
+        y = pool(x, *args, **kwargs)
+        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
+        xg = x.clone().requires_grad_()
+        fn(xg).sum().backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-4)
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
+
+
+def _grad_vs_eager(f, x, rtol=1e-5, atol=1e-5):
+    """x's gradient of sum(f(x) * ramp) compiled (no fallback) and eager."""
+
+    def weighted(x):
+        y = f(x)
+        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
+
+    grads = []
+    for fn in (
+        weighted,
+        torch.compile(weighted, backend="tpu", dynamic=False, options={"fallback": "error"}),
+    ):
+        xg = x.clone().requires_grad_()
+        fn(xg).sum().backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=rtol, atol=atol)
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
+
+
+def test_max_pool3d_and_adaptive_max_pool_gradients():
+    """By their indices (a scatter); integer-valued inputs make ties, so the gradient must
+    follow the forward's chosen indices exactly."""
+    g = torch.Generator().manual_seed(5)
+    x3 = torch.randint(-3, 4, (2, 2, 6, 7, 5), generator=g).float()
+    _grad_vs_eager(lambda x: F.max_pool3d(x, 3, 2, 1), x3, rtol=0, atol=0)
+    x2 = torch.randint(-3, 4, (2, 3, 9, 7), generator=g).float()
+    _grad_vs_eager(lambda x: F.adaptive_max_pool2d(x, (4, 3)), x2, rtol=0, atol=0)
+    _grad_vs_eager(lambda x: F.adaptive_max_pool3d(x, (3, 2, 4)), x3, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "shape,pad",
+    [
+        ((2, 3, 9), (2, 3)),
+        ((2, 3, 6, 5), (1, 2, 3, 0)),
+        ((2, 3, 6, 5), (-1, 2, 3, -2)),  # negative: the input is cropped
+        ((1, 2, 4, 5, 3), (1, 1, 2, 0, 0, 2)),
+        ((2, 1, 4), (3, 3)),  # more padding than input on each side
+    ],
+)
+def test_replication_pad_gradient(shape, pad):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    _grad_vs_eager(lambda x: F.pad(x, pad, mode="replicate"), x, atol=1e-4)
+
+
 def test_depthwise_convolutions_as_tap_sums(tmp_path):
     # groups == channels is lowered as a sum over the kernel's taps (XLA's CPU grouped convolution
     # is slow): strides, dilations, asymmetric kernels, 1-D, low precision, and a grouped

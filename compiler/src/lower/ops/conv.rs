@@ -890,6 +890,18 @@ fn weight_grad_by_patches(g_shape: &[i64], groups: i64) -> bool {
     groups == 1 && g_shape[0] * g_shape[2..].iter().product::<i64>() <= 8 * g_shape[1]
 }
 
+/// Whether a TPU's weight gradient is a patch product ([`patch_weight_grad`]) rather than a
+/// convolution: float32 at HIGHEST precision, ungrouped. XLA:TPU compiles such a convolution
+/// (its window the whole output gradient, each operand split into bf16 parts) in tens of
+/// seconds: 55 s for a 3->16 3x3 kernel over 8x32x32, 3.7 s as the patch product, 1.6 s at
+/// DEFAULT precision (bench/results/backward_compile.md).
+fn tpu_weight_grad_by_patches(e: &crate::lower::emit::Emitter, dtype: DType, groups: i64) -> bool {
+    e.device == crate::lower::Device::Tpu
+        && e.precision == crate::lower::emit::Precision::Highest
+        && dtype == DType::Float32
+        && groups == 1
+}
+
 /// A convolution's weight gradient as the output gradient `[O, batch x positions]` times the
 /// input's patches (contracting batch and positions), which is the kernel's own layout
 /// `[O, C x tap]`. Operands in the accumulation dtype.
@@ -920,6 +932,40 @@ fn patch_weight_grad<'c, 'b>(
         g.dtype,
     )?;
     e.reshape(&product, w_shape)
+}
+
+/// [`patch_weight_grad`] for a TPU: the output gradient `[N, O, P]` times the input's tap
+/// slices `[N, tap x C, P]`, contracting batch and positions, with no transpose of either (the
+/// CPU form's `[C x tap, N x P]` patches come from `[C, 1, N x P]` pieces, whose unit dim XLA:TPU
+/// pads to a tile of 8: 1.5x the backward's bytes accessed).
+fn tpu_patch_weight_grad<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    g: &T<'c, 'b>,
+    x: &T<'c, 'b>,
+    geometry: Window,
+    w_shape: &[i64],
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let (n, o, c) = (g.shape[0], g.shape[1], x.shape[1]);
+    let p: i64 = g.shape[2..].iter().product();
+    let taps = geometry.taps();
+    let t = taps.len() as i64;
+    let window = TapWindow::new(x, geometry, &g.shape);
+    let slices: Vec<T<'c, 'b>> = taps
+        .iter()
+        .map(|tap| e.reshape(&window.slice(cx, tap)?, &[n, c, p]))
+        .collect::<R<_>>()?;
+    let patches = e.concatenate(&slices.iter().collect::<Vec<_>>(), 1)?;
+    let product = e.dot_general(
+        &e.reshape(g, &[n, o, p])?,
+        &patches,
+        (&[], &[]),
+        (&[0, 2], &[0, 2]),
+        &[o, t * c],
+        g.dtype,
+    )?;
+    let per_channel = e.transpose(&e.reshape(&product, &[o, t, c])?, &[0, 2, 1])?;
+    e.reshape(&per_channel, w_shape)
 }
 
 /// The window arguments shared by `convolution` and `convolution_backward`: `stride, padding,
@@ -1094,20 +1140,24 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     if mask.get(1).copied().unwrap_or(true) {
         let (shape, out) = cx.out(1)?;
         let pointwise = cpu && is_pointwise(&w.shape, &padding, groups);
-        if cpu && !pointwise && weight_grad_by_patches(&g.shape, groups) {
+        let patches = if cpu {
+            !pointwise && weight_grad_by_patches(&g.shape, groups)
+        } else {
+            tpu_weight_grad_by_patches(e, g.dtype, groups)
+        };
+        if patches {
             let geometry = Window {
                 kernel: kernel.clone(),
                 stride: stride.clone(),
                 padding: padding.clone(),
                 dilation: dilation.clone(),
             };
-            let r = patch_weight_grad(
-                cx,
-                &e.convert(&g, acc)?,
-                &e.convert(&x, acc)?,
-                geometry,
-                &shape,
-            )?;
+            let (ga, xa) = (e.convert(&g, acc)?, e.convert(&x, acc)?);
+            let r = if cpu {
+                patch_weight_grad(cx, &ga, &xa, geometry, &shape)?
+            } else {
+                tpu_patch_weight_grad(cx, &ga, &xa, geometry, &shape)?
+            };
             results.push(e.convert(&r, out)?);
         } else if pointwise {
             let r = pointwise_weight_grad(
