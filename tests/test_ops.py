@@ -434,6 +434,45 @@ def test_replication_pad_gradient(shape, pad):
     _grad_vs_eager(lambda x: F.pad(x, pad, mode="replicate"), x, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "xs,ws,kw",
+    [
+        ((2, 4, 5, 5), (4, 3, 3, 3), {"stride": 2, "padding": 1}),
+        (
+            (2, 4, 5, 6),
+            (4, 3, 3, 2),
+            {"stride": (2, 1), "padding": (1, 0), "output_padding": (1, 0), "groups": 2, "dilation": (1, 2)},
+        ),
+        ((2, 6, 7), (6, 2, 4), {"stride": 3, "padding": 2, "output_padding": 2, "groups": 3}),
+        ((1, 2, 3, 4, 3), (2, 3, 2, 3, 2), {"stride": 2, "padding": (0, 1, 0), "output_padding": 1}),
+    ],
+)
+def test_transposed_convolution_gradients(xs, ws, kw):
+    """Input, weight and bias gradients of conv_transpose1d/2d/3d: the input gradient is the
+    forward convolution by the same weight, the weight gradient that convolution's weight
+    gradient with input and output gradient swapped (a target has no PyTorch escape)."""
+    conv = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose3d}[len(xs)]
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (
+        torch.randn(xs, generator=g),
+        torch.randn(ws, generator=g),
+        torch.randn(ws[1] * kw.get("groups", 1)),
+    )
+
+    def f(x, w, b):
+        y = conv(x, w, b, **kw)
+        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) / y.numel()
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        fn(*leaves).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert tpuc.stats()["fallback_ops"] == {}
+
+
 def test_depthwise_convolutions_as_tap_sums(tmp_path):
     # groups == channels is lowered as a sum over the kernel's taps (XLA's CPU grouped convolution
     # is slow): strides, dilations, asymmetric kernels, 1-D, low precision, and a grouped
