@@ -473,6 +473,27 @@ def test_transposed_convolution_gradients(xs, ws, kw):
     assert tpuc.stats()["fallback_ops"] == {}
 
 
+def test_batch_norm_with_update_gradients_and_running_statistics():
+    """`_batch_norm_with_update` (training BatchNorm as export traces it): its backward
+    (`batch_norm_backward`) is PyTorch's decomposition, so a target can lower it."""
+    g = torch.Generator().manual_seed(6)
+    x, w, b = torch.randn(4, 3, 5, 5, generator=g), torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g)
+
+    def f(x, w, b, rm, rv):
+        y, *_ = torch.ops.aten._batch_norm_with_update(x, w, b, rm, rv, 0.1, 1e-5)
+        return (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) / y.numel()).sum()
+
+    results = []
+    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        rm, rv = torch.zeros(3), torch.ones(3)
+        fn(*leaves, rm, rv).backward()
+        results.append([t.grad for t in leaves] + [rm, rv])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert tpuc.stats()["fallback_ops"] == {}
+
+
 def test_depthwise_convolutions_as_tap_sums(tmp_path):
     # groups == channels is lowered as a sum over the kernel's taps (XLA's CPU grouped convolution
     # is slow): strides, dilations, asymmetric kernels, 1-D, low precision, and a grouped

@@ -30,6 +30,20 @@ def _cnn(pool: nn.Module) -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), pool, nn.Flatten(), nn.LazyLinear(4))
 
 
+class _WithUpdate(nn.Module):
+    """Training BatchNorm as export traces it (`_batch_norm_with_update`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(3) + 0.5)
+        self.bias = nn.Parameter(torch.zeros(3))
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("var", torch.ones(3))
+
+    def forward(self, x):
+        return torch.ops.aten._batch_norm_with_update(x, self.weight, self.bias, self.mean, self.var, 0.1, 1e-5)[0]
+
+
 # name: (module, input shape)
 CASES = {
     "avg_pool2d": (lambda: _cnn(nn.AvgPool2d(2)), (2, 3, 12, 12)),
@@ -51,6 +65,7 @@ CASES = {
         lambda: nn.Sequential(nn.ConvTranspose2d(3, 4, 3, 2, 1, output_padding=1)),
         (2, 3, 5, 6),
     ),
+    "batch_norm_with_update": (lambda: _WithUpdate(), (4, 3, 5, 5)),
     # Weight gradients over 32x32 positions: patch products on a TPU at HIGHEST precision.
     "conv_32x32": (lambda: _cnn(nn.MaxPool2d(2)), (2, 3, 32, 32)),
 }
