@@ -477,7 +477,11 @@ def test_batch_norm_with_update_gradients_and_running_statistics():
     """`_batch_norm_with_update` (training BatchNorm as export traces it): its backward
     (`batch_norm_backward`) is PyTorch's decomposition, so a target can lower it."""
     g = torch.Generator().manual_seed(6)
-    x, w, b = torch.randn(4, 3, 5, 5, generator=g), torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g)
+    x, w, b = (
+        torch.randn(4, 3, 5, 5, generator=g),
+        torch.rand(3, generator=g) + 0.5,
+        torch.randn(3, generator=g),
+    )
 
     def f(x, w, b, rm, rv):
         y, *_ = torch.ops.aten._batch_norm_with_update(x, w, b, rm, rv, 0.1, 1e-5)

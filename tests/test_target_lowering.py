@@ -41,7 +41,9 @@ class _WithUpdate(nn.Module):
         self.register_buffer("var", torch.ones(3))
 
     def forward(self, x):
-        return torch.ops.aten._batch_norm_with_update(x, self.weight, self.bias, self.mean, self.var, 0.1, 1e-5)[0]
+        return torch.ops.aten._batch_norm_with_update(
+            x, self.weight, self.bias, self.mean, self.var, 0.1, 1e-5
+        )[0]
 
 
 # name: (module, input shape)

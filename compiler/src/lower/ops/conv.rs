@@ -891,8 +891,8 @@ fn weight_grad_by_patches(g_shape: &[i64], groups: i64) -> bool {
 }
 
 /// Whether a TPU's weight gradient is a patch product ([`tpu_patch_weight_grad`]) rather than
-/// a convolution: float32 at HIGHEST precision, ungrouped, over more than
-/// [`TPU_CONV_WEIGHT_GRAD_MAX_POSITIONS`] output positions. XLA:TPU compiles such a
+/// a convolution: 2-D (the measured and tested case), float32 at HIGHEST precision, ungrouped,
+/// over more than [`TPU_CONV_WEIGHT_GRAD_MAX_POSITIONS`] output positions. XLA:TPU compiles such a
 /// convolution (its window the whole output gradient, each operand split into bf16 parts) in
 /// a time that grows with that window: 55 s for a 3->16 3x3 kernel over 8x32x32 (3.7 s as the
 /// patch product, 1.6 s at DEFAULT precision), 16-20 s at 32x32 with 8-16 channels, 5-8 s at
@@ -907,6 +907,7 @@ fn tpu_weight_grad_by_patches(
         && e.precision == crate::lower::emit::Precision::Highest
         && dtype == DType::Float32
         && groups == 1
+        && g_shape.len() == 4
         && g_shape[2..].iter().product::<i64>() > TPU_CONV_WEIGHT_GRAD_MAX_POSITIONS
 }
 
