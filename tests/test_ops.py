@@ -355,6 +355,149 @@ def test_max_pool_gradient(shape, args):
     assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
 
 
+@pytest.mark.parametrize(
+    "shape,args,kwargs",
+    [
+        ((2, 3, 13, 12), (2,), {}),  # the training CNN's pooling
+        (
+            (2, 3, 13, 12),
+            (3, 2, 1),
+            {"ceil_mode": True, "count_include_pad": False},
+        ),  # a last window past the input
+        ((2, 3, 11, 10), ((2, 3), (1, 2), (1, 0)), {"divisor_override": 5}),  # overlapping, asymmetric
+        ((3, 10, 11), (3, 1), {}),  # unbatched, stride 1
+        ((1, 2, 6, 7, 8), (3, 2, 1), {"ceil_mode": True}),  # 3-D
+    ],
+)
+def test_avg_pool_gradient(shape, args, kwargs):
+    """avg_pool2d/3d_backward: one pad and one windowed sum (a target has no PyTorch escape)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    pool = F.avg_pool3d if len(shape) == 5 else F.avg_pool2d
+
+    def f(x):
+        y = pool(x, *args, **kwargs)
+        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
+        xg = x.clone().requires_grad_()
+        fn(xg).sum().backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-4)
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
+
+
+def _grad_vs_eager(f, x, rtol=1e-5, atol=1e-5):
+    """x's gradient of sum(f(x) * ramp) compiled (no fallback) and eager."""
+
+    def weighted(x):
+        y = f(x)
+        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
+
+    grads = []
+    for fn in (
+        weighted,
+        torch.compile(weighted, backend="tpu", dynamic=False, options={"fallback": "error"}),
+    ):
+        xg = x.clone().requires_grad_()
+        fn(xg).sum().backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=rtol, atol=atol)
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
+
+
+def test_max_pool3d_and_adaptive_max_pool_gradients():
+    """By their indices (a scatter); integer-valued inputs make ties, so the gradient must
+    follow the forward's chosen indices exactly."""
+    g = torch.Generator().manual_seed(5)
+    x3 = torch.randint(-3, 4, (2, 2, 6, 7, 5), generator=g).float()
+    _grad_vs_eager(lambda x: F.max_pool3d(x, 3, 2, 1), x3, rtol=0, atol=0)
+    x2 = torch.randint(-3, 4, (2, 3, 9, 7), generator=g).float()
+    _grad_vs_eager(lambda x: F.adaptive_max_pool2d(x, (4, 3)), x2, rtol=0, atol=0)
+    _grad_vs_eager(lambda x: F.adaptive_max_pool3d(x, (3, 2, 4)), x3, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "shape,pad",
+    [
+        ((2, 3, 9), (2, 3)),
+        ((2, 3, 6, 5), (1, 2, 3, 0)),
+        ((2, 3, 6, 5), (-1, 2, 3, -2)),  # negative: the input is cropped
+        ((1, 2, 4, 5, 3), (1, 1, 2, 0, 0, 2)),
+        ((2, 1, 4), (3, 3)),  # more padding than input on each side
+    ],
+)
+def test_replication_pad_gradient(shape, pad):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    _grad_vs_eager(lambda x: F.pad(x, pad, mode="replicate"), x, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "xs,ws,kw",
+    [
+        ((2, 4, 5, 5), (4, 3, 3, 3), {"stride": 2, "padding": 1}),
+        (
+            (2, 4, 5, 6),
+            (4, 3, 3, 2),
+            {"stride": (2, 1), "padding": (1, 0), "output_padding": (1, 0), "groups": 2, "dilation": (1, 2)},
+        ),
+        ((2, 6, 7), (6, 2, 4), {"stride": 3, "padding": 2, "output_padding": 2, "groups": 3}),
+        ((1, 2, 3, 4, 3), (2, 3, 2, 3, 2), {"stride": 2, "padding": (0, 1, 0), "output_padding": 1}),
+    ],
+)
+def test_transposed_convolution_gradients(xs, ws, kw):
+    """Input, weight and bias gradients of conv_transpose1d/2d/3d: the input gradient is the
+    forward convolution by the same weight, the weight gradient that convolution's weight
+    gradient with input and output gradient swapped (a target has no PyTorch escape)."""
+    conv = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose3d}[len(xs)]
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (
+        torch.randn(xs, generator=g),
+        torch.randn(ws, generator=g),
+        torch.randn(ws[1] * kw.get("groups", 1)),
+    )
+
+    def f(x, w, b):
+        y = conv(x, w, b, **kw)
+        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) / y.numel()
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        fn(*leaves).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert tpuc.stats()["fallback_ops"] == {}
+
+
+def test_batch_norm_with_update_gradients_and_running_statistics():
+    """`_batch_norm_with_update` (training BatchNorm as export traces it): its backward
+    (`batch_norm_backward`) is PyTorch's decomposition, so a target can lower it."""
+    g = torch.Generator().manual_seed(6)
+    x, w, b = (
+        torch.randn(4, 3, 5, 5, generator=g),
+        torch.rand(3, generator=g) + 0.5,
+        torch.randn(3, generator=g),
+    )
+
+    def f(x, w, b, rm, rv):
+        y, *_ = torch.ops.aten._batch_norm_with_update(x, w, b, rm, rv, 0.1, 1e-5)
+        return (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape) / y.numel()).sum()
+
+    results = []
+    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        rm, rv = torch.zeros(3), torch.ones(3)
+        fn(*leaves, rm, rv).backward()
+        results.append([t.grad for t in leaves] + [rm, rv])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert tpuc.stats()["fallback_ops"] == {}
+
+
 def test_depthwise_convolutions_as_tap_sums(tmp_path):
     # groups == channels is lowered as a sum over the kernel's taps (XLA's CPU grouped convolution
     # is slow): strides, dilations, asymmetric kernels, 1-D, low precision, and a grouped

@@ -27,7 +27,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--twin", required=True, choices=["gpt2", "resnet18"])
+    ap.add_argument("--twin", required=True, choices=["gpt2", "resnet18", "cnn"])
     ap.add_argument("--dump", required=True)
     ap.add_argument("--topology", default="v5e:2x2")
     ap.add_argument("--train", action="store_true")

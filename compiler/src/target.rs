@@ -115,24 +115,28 @@ impl TargetEngine {
         &self.devices
     }
 
-    /// Specializes `graph` to `bindings`, lowers it for the target's devices and compiles it
-    /// for them (over a mesh with `sharding`), or finds it in the disk cache.
-    pub fn compile(
+    /// Specializes `graph` to `bindings` and lowers it for the target's devices, without the
+    /// target's compiler: what checks that every op of a graph lowers for the target in
+    /// milliseconds (bench/backward_sweep.py), where XLA:TPU takes seconds per graph.
+    pub fn lower(
         &self,
         graph: &Arc<Graph>,
         bindings: &HashMap<String, i64>,
         precision: Precision,
-        disk: &DiskCacheOptions,
+    ) -> Result<Lowered, CompileError> {
+        Ok(self.prepare(graph, bindings, precision, None)?.lowered)
+    }
+
+    fn prepare(
+        &self,
+        graph: &Arc<Graph>,
+        bindings: &HashMap<String, i64>,
+        precision: Precision,
         sharding: Option<&ShardingRequest>,
-    ) -> Result<TargetCompiled, CompileError> {
+    ) -> Result<Prepared, CompileError> {
         let device = lower::Device::of_platform(&self.platform);
         let device_ids: Vec<i64> = self.devices.iter().map(|d| i64::from(d.id)).collect();
-        let Prepared {
-            lowered,
-            options,
-            lower_seconds,
-            ..
-        } = prepare(
+        prepare(
             graph,
             bindings,
             sharding,
@@ -145,7 +149,25 @@ impl TargetEngine {
                 sharding,
                 ..LowerOptions::default()
             },
-        )?;
+        )
+    }
+
+    /// Specializes `graph` to `bindings`, lowers it for the target's devices and compiles it
+    /// for them (over a mesh with `sharding`), or finds it in the disk cache.
+    pub fn compile(
+        &self,
+        graph: &Arc<Graph>,
+        bindings: &HashMap<String, i64>,
+        precision: Precision,
+        disk: &DiskCacheOptions,
+        sharding: Option<&ShardingRequest>,
+    ) -> Result<TargetCompiled, CompileError> {
+        let Prepared {
+            lowered,
+            options,
+            lower_seconds,
+            ..
+        } = self.prepare(graph, bindings, precision, sharding)?;
         let plugin = self.topology.plugin();
         let key = executable_key(
             &lowered,

@@ -105,6 +105,24 @@ impl Target {
         .map_err(compile_err)?;
         report_dict(py, &compiled, text)
     }
+
+    /// The StableHLO text of `graph` lowered for the target's devices, without compiling it
+    /// (GIL released): a `LowerError` names the op that has no lowering here.
+    fn lower(
+        &self,
+        py: Python<'_>,
+        graph: &FxGraph,
+        bindings: HashMap<String, i64>,
+        precision: &str,
+    ) -> PyResult<String> {
+        let precision = parse_precision(precision)?;
+        let engine = self.engine.clone();
+        let lowered = crate::exit::detach(py, || {
+            no_panic(|| engine.lower(&graph.graph, &bindings, precision))
+        })?
+        .map_err(compile_err)?;
+        lowered.text().map_err(compile_err_lower)
+    }
 }
 
 fn report_dict<'py>(

@@ -12,9 +12,14 @@ from torch._decomp import core_aten_decompositions
 # Core ATen decompositions, minus one that is wrong in torch 2.15: the CPU flash-attention
 # decomposition returns the attention weights where the op's second result is the logsumexp.
 _DECOMPOSITIONS = {
-    op: fn
-    for op, fn in core_aten_decompositions().items()
-    if op is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    **{
+        op: fn
+        for op, fn in core_aten_decompositions().items()
+        if op is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    },
+    # The backward of `_batch_norm_with_update` (training BatchNorm as export traces it), which
+    # the core table keeps whole: PyTorch's own decomposition (to native_batch_norm_backward's).
+    **torch._decomp.get_decompositions([torch.ops.aten.batch_norm_backward]),
 }
 # With bucketing, compound ops that reduce over a (possibly padded) batch or sequence dim are
 # decomposed into primitive reductions, which the bucketing pass knows how to mask.

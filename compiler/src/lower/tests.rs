@@ -2637,9 +2637,13 @@ fn check_convolution_backward_on(e: &Engine) {
     // (input [2, 4, 6, 6], weight [6, 2, 3, 3], groups 2, stride 2, padding 1) -> [2, 6, 3, 3]:
     // the stride leaves one input row unused, which the input gradient must still cover.
     // Then dilation 2 with padding 2 and no bias gradient wanted.
+    // The last two have more output positions than TPU_CONV_WEIGHT_GRAD_MAX_POSITIONS: on a
+    // TPU their weight gradients are patch products (strided; dilated).
     for (xs, ws, os, stride, pad, dil, groups) in [
         ([2, 4, 6, 6], [6, 2, 3, 3], (3, 3), 2, 1, 1, 2),
         ([1, 2, 7, 7], [3, 2, 3, 3], (7, 7), 1, 2, 2, 1),
+        ([2, 3, 35, 34], [4, 3, 3, 3], (18, 17), 2, 1, 1, 1),
+        ([1, 2, 20, 20], [3, 2, 3, 3], (18, 18), 1, 1, 2, 1),
     ] {
         let nx: usize = xs.iter().product();
         let nw: usize = ws.iter().product();
@@ -4547,6 +4551,61 @@ fn accelerator_convolutions_are_plain_convolutions() {
     // The CPU's own forms, for contrast (the snapshot `snap_conv_net_cpu` holds them exactly).
     let cpu = conv_net_mlir(Device::Cpu);
     assert!(ops_named(&cpu, "convolution") < 8 && ops_named(&cpu, "optimization_barrier") > 0);
+}
+
+#[test]
+fn tpu_highest_weight_gradients_of_large_windows_are_patch_products() {
+    // XLA:TPU compiles a HIGHEST weight-gradient convolution whose window (the output
+    // gradient) is large in tens of seconds; a patch product in a few.
+    let graph = |hw: i64| {
+        op(
+            &[
+                ("g", &[2, 4, hw, hw], "float32"),
+                ("x", &[2, 3, hw, hw], "float32"),
+                ("w", &[4, 3, 3, 3], "float32"),
+            ],
+            "aten.convolution_backward.default",
+            json!([
+                n("g"),
+                n("x"),
+                n("w"),
+                [4],
+                [1, 1],
+                [1, 1],
+                [1, 1],
+                false,
+                [0, 0],
+                1,
+                [true, true, false]
+            ]),
+            nokw(),
+            tuple(vec![
+                f32t(&[2, 3, hw, hw]),
+                f32t(&[4, 3, 3, 3]),
+                Value::Null,
+            ]),
+        )
+    };
+    let text = |hw: i64, device: Device, precision: Precision| {
+        let opts = LowerOptions {
+            device,
+            precision,
+            ..LowerOptions::default()
+        };
+        lower(&graph(hw), &opts).unwrap().text().unwrap()
+    };
+    let tpu = text(32, Device::Tpu, Precision::Highest);
+    assert_eq!(ops_named(&tpu, "convolution"), 1, "{tpu}"); // the input gradient
+    assert_eq!(ops_named(&tpu, "dot_general"), 1, "{tpu}");
+    // A small window, another precision or a GPU: the weight gradient stays a convolution.
+    for t in [
+        text(16, Device::Tpu, Precision::Highest),
+        text(32, Device::Tpu, Precision::Default),
+        text(32, Device::Gpu, Precision::Highest),
+    ] {
+        assert_eq!(ops_named(&t, "convolution"), 2, "{t}");
+        assert_eq!(ops_named(&t, "dot_general"), 0, "{t}");
+    }
 }
 
 /// Inputs of the conv net: ramps scaled to keep every value near 1.

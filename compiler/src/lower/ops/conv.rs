@@ -890,6 +890,32 @@ fn weight_grad_by_patches(g_shape: &[i64], groups: i64) -> bool {
     groups == 1 && g_shape[0] * g_shape[2..].iter().product::<i64>() <= 8 * g_shape[1]
 }
 
+/// Whether a TPU's weight gradient is a patch product ([`tpu_patch_weight_grad`]) rather than
+/// a convolution: 2-D (the measured and tested case), float32 at HIGHEST precision, ungrouped,
+/// over more than [`TPU_CONV_WEIGHT_GRAD_MAX_POSITIONS`] output positions. XLA:TPU compiles such a
+/// convolution (its window the whole output gradient, each operand split into bf16 parts) in
+/// a time that grows with that window: 55 s for a 3->16 3x3 kernel over 8x32x32 (3.7 s as the
+/// patch product, 1.6 s at DEFAULT precision), 16-20 s at 32x32 with 8-16 channels, 5-8 s at
+/// 16x16, under 1 s at 8x8 (bench/results/backward_compile.md).
+fn tpu_weight_grad_by_patches(
+    e: &crate::lower::emit::Emitter,
+    g_shape: &[i64],
+    dtype: DType,
+    groups: i64,
+) -> bool {
+    e.device == crate::lower::Device::Tpu
+        && e.precision == crate::lower::emit::Precision::Highest
+        && dtype == DType::Float32
+        && groups == 1
+        && g_shape.len() == 4
+        && g_shape[2..].iter().product::<i64>() > TPU_CONV_WEIGHT_GRAD_MAX_POSITIONS
+}
+
+/// Output positions (per image) up to which a TPU's HIGHEST weight gradient stays a
+/// convolution: there it compiles in seconds and reads its operands once, where the patch
+/// product reads the input once per kernel tap (5x the bytes accessed at 16x16, 64 channels).
+const TPU_CONV_WEIGHT_GRAD_MAX_POSITIONS: i64 = 16 * 16;
+
 /// A convolution's weight gradient as the output gradient `[O, batch x positions]` times the
 /// input's patches (contracting batch and positions), which is the kernel's own layout
 /// `[O, C x tap]`. Operands in the accumulation dtype.
@@ -920,6 +946,40 @@ fn patch_weight_grad<'c, 'b>(
         g.dtype,
     )?;
     e.reshape(&product, w_shape)
+}
+
+/// [`patch_weight_grad`] for a TPU: the output gradient `[N, O, P]` times the input's tap
+/// slices `[N, tap x C, P]`, contracting batch and positions, with no transpose of either (the
+/// CPU form's `[C x tap, N x P]` patches come from `[C, 1, N x P]` pieces, whose unit dim XLA:TPU
+/// pads to a tile of 8: 1.5x the backward's bytes accessed).
+fn tpu_patch_weight_grad<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    g: &T<'c, 'b>,
+    x: &T<'c, 'b>,
+    geometry: Window,
+    w_shape: &[i64],
+) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let (n, o, c) = (g.shape[0], g.shape[1], x.shape[1]);
+    let p: i64 = g.shape[2..].iter().product();
+    let taps = geometry.taps();
+    let t = taps.len() as i64;
+    let window = TapWindow::new(x, geometry, &g.shape);
+    let slices: Vec<T<'c, 'b>> = taps
+        .iter()
+        .map(|tap| e.reshape(&window.slice(cx, tap)?, &[n, c, p]))
+        .collect::<R<_>>()?;
+    let patches = e.concatenate(&slices.iter().collect::<Vec<_>>(), 1)?;
+    let product = e.dot_general(
+        &e.reshape(g, &[n, o, p])?,
+        &patches,
+        (&[], &[]),
+        (&[0, 2], &[0, 2]),
+        &[o, t * c],
+        g.dtype,
+    )?;
+    let per_channel = e.transpose(&e.reshape(&product, &[o, t, c])?, &[0, 2, 1])?;
+    e.reshape(&per_channel, w_shape)
 }
 
 /// The window arguments shared by `convolution` and `convolution_backward`: `stride, padding,
@@ -1017,9 +1077,6 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         transposed,
         ..
     } = ConvWindow::parse(cx, x.rank(), 4)?;
-    if transposed {
-        return Err(cx.err("the backward of a transposed convolution is not supported yet"));
-    }
     let mask: Vec<bool> = match cx.arg(10, "output_mask") {
         Some(Arg::List(items)) => items
             .iter()
@@ -1027,6 +1084,15 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             .collect(),
         _ => vec![true; 3],
     };
+    if transposed {
+        let window = Window {
+            kernel: w.shape[2..].to_vec(),
+            stride,
+            padding,
+            dilation,
+        };
+        return transposed_convolution_backward(cx, &g, &x, &w, &window, groups, &mask);
+    }
     let e = cx.e;
     // On a GPU or TPU both gradients are `stablehlo.convolution`s (as the forward, see
     // [`convolution`]): the 1x1 products and patch products below are for XLA's CPU compiler.
@@ -1094,20 +1160,24 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     if mask.get(1).copied().unwrap_or(true) {
         let (shape, out) = cx.out(1)?;
         let pointwise = cpu && is_pointwise(&w.shape, &padding, groups);
-        if cpu && !pointwise && weight_grad_by_patches(&g.shape, groups) {
+        let patches = if cpu {
+            !pointwise && weight_grad_by_patches(&g.shape, groups)
+        } else {
+            tpu_weight_grad_by_patches(e, &g.shape, g.dtype, groups)
+        };
+        if patches {
             let geometry = Window {
                 kernel: kernel.clone(),
                 stride: stride.clone(),
                 padding: padding.clone(),
                 dilation: dilation.clone(),
             };
-            let r = patch_weight_grad(
-                cx,
-                &e.convert(&g, acc)?,
-                &e.convert(&x, acc)?,
-                geometry,
-                &shape,
-            )?;
+            let (ga, xa) = (e.convert(&g, acc)?, e.convert(&x, acc)?);
+            let r = if cpu {
+                patch_weight_grad(cx, &ga, &xa, geometry, &shape)?
+            } else {
+                tpu_patch_weight_grad(cx, &ga, &xa, geometry, &shape)?
+            };
             results.push(e.convert(&r, out)?);
         } else if pointwise {
             let r = pointwise_weight_grad(
@@ -1145,6 +1215,88 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let (_, out) = cx.out(2)?;
         let dims: Vec<i64> = (0..g.rank() as i64).filter(|&d| d != 1).collect();
         let s = e.reduce(&e.convert(&g, acc)?, &dims, ReduceKind::Sum, false)?;
+        results.push(e.convert(&s, out)?);
+    } else {
+        results.push(placeholder()?);
+    }
+    Ok(results)
+}
+
+/// The gradients of a transposed convolution `y = conv_transpose(x, w)` (`w` is
+/// `[C_in, C_out / groups, k..]`), which is the input gradient of the convolution from `y`'s
+/// channels to `x`'s by `w`. So `x`'s gradient is that forward convolution of `g` (same stride,
+/// padding, dilation and groups; `output_padding` only adds trailing rows it never reads), and
+/// `w`'s is that convolution's weight gradient with the roles of input and output gradient
+/// swapped (input `g`, output gradient `x`), which comes out as `[C_in, C_out / groups, k..]`.
+fn transposed_convolution_backward<'c, 'b>(
+    cx: &NodeCx<'_, 'c, 'b>,
+    g: &T<'c, 'b>,
+    x: &T<'c, 'b>,
+    w: &T<'c, 'b>,
+    window: &Window,
+    groups: i64,
+    mask: &[bool],
+) -> V<'c, 'b> {
+    let e = cx.e;
+    let nsp = window.kernel.len();
+    let sp = spatial_list(nsp);
+    let acc = acc_dtype(g.dtype);
+    let ones = vec![1; nsp];
+    let placeholder = || e.splat(Scalar::Int(0), &[], DType::Float32);
+    let mut results = Vec::new();
+    if mask.first().copied().unwrap_or(true) {
+        let (shape, out) = cx.out(0)?;
+        let pads: Vec<(i64, i64)> = window.padding.iter().map(|&p| (p, p)).collect();
+        let r = conv_general(
+            cx,
+            g,
+            &e.convert(w, g.dtype)?,
+            format!("#stablehlo.conv<[b, f, {sp}]x[o, i, {sp}]->[b, f, {sp}]>"),
+            &window.stride,
+            &pads,
+            &ones,
+            &window.dilation,
+            groups,
+            1,
+            &shape,
+            acc,
+        )?;
+        results.push(e.convert(&r, out)?);
+    } else {
+        results.push(placeholder()?);
+    }
+    if mask.get(1).copied().unwrap_or(true) {
+        let (shape, out) = cx.out(1)?;
+        let pads = weight_grad_pads(
+            &window.kernel,
+            &window.stride,
+            &window.padding,
+            &window.dilation,
+            &g.shape[2..],
+            &x.shape[2..],
+        );
+        let r = conv_general(
+            cx,
+            g,
+            &e.convert(x, g.dtype)?,
+            format!("#stablehlo.conv<[f, b, {sp}]x[i, o, {sp}]->[f, b, {sp}]>"),
+            &window.dilation,
+            &pads,
+            &ones,
+            &window.stride,
+            1,
+            groups,
+            &shape,
+            acc,
+        )?;
+        results.push(e.convert(&r, out)?);
+    } else {
+        results.push(placeholder()?);
+    }
+    if mask.get(2).copied().unwrap_or(true) {
+        let (_, out) = cx.out(2)?;
+        let dims: Vec<i64> = (0..g.rank() as i64).filter(|&d| d != 1).collect();
+        let s = e.reduce(&e.convert(g, acc)?, &dims, ReduceKind::Sum, false)?;
         results.push(e.convert(&s, out)?);
     } else {
         results.push(placeholder()?);

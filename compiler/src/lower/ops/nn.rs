@@ -20,6 +20,8 @@ pub static RULES: &[(&str, Rule)] = &[
     ),
     ("aten.avg_pool2d.default", avg_pool),
     ("aten.avg_pool3d.default", avg_pool),
+    ("aten.avg_pool2d_backward.default", avg_pool_backward),
+    ("aten.avg_pool3d_backward.default", avg_pool_backward),
     ("aten.native_group_norm.default", native_group_norm),
     (
         "aten._batch_norm_with_update_functional.default",
@@ -52,6 +54,30 @@ pub static RULES: &[(&str, Rule)] = &[
     (
         "aten.max_pool2d_with_indices_backward.default",
         max_pool2d_with_indices_backward,
+    ),
+    (
+        "aten.max_pool3d_with_indices_backward.default",
+        max_pool2d_with_indices_backward,
+    ),
+    (
+        "aten.adaptive_max_pool2d_backward.default",
+        adaptive_max_pool_backward,
+    ),
+    (
+        "aten.adaptive_max_pool3d_backward.default",
+        adaptive_max_pool_backward,
+    ),
+    (
+        "aten.replication_pad1d_backward.default",
+        replication_pad_backward,
+    ),
+    (
+        "aten.replication_pad2d_backward.default",
+        replication_pad_backward,
+    ),
+    (
+        "aten.replication_pad3d_backward.default",
+        replication_pad_backward,
     ),
 ];
 
@@ -479,33 +505,91 @@ fn avg_pool<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let acc = acc_dtype(out);
     let xf = e.convert(&x, acc)?;
     let s = pool(cx, &xf, &w, ReduceKind::Sum, &shape)?;
-    let r = x.rank();
-    let div = if divisor != 0 {
-        e.splat(Scalar::Int(divisor), &[], acc)?
-    } else {
-        // Separable: the divisor is the product of per-dim window lengths.
-        let mut div = e.splat(Scalar::Int(1), &shape, acc)?;
-        for k in 0..nsp {
-            let d = r - nsp + k;
-            let (n, p) = (x.shape[d], w.padding[k]);
-            let counts: Vec<i64> = (0..shape[d])
-                .map(|o| {
-                    let start = o * w.stride[k] - p;
-                    let end = (start + w.kernel[k]).min(n + p);
-                    if count_include_pad {
-                        end - start
-                    } else {
-                        end.min(n) - start.max(0)
-                    }
-                })
-                .collect();
-            let c = e.convert(&e.constant_i64(&counts, &[shape[d]], DType::Int64)?, acc)?;
-            div = e.mul(&div, &e.broadcast_in_dim(&c, &shape, &[d as i64])?)?;
-        }
-        div
-    };
+    let div = avg_divisor(e, &x.shape, &w, &shape, count_include_pad, divisor, acc)?;
     let r = e.div(&s, &div)?;
     Ok(vec![e.convert(&r, out)?])
+}
+
+/// What average pooling divides each output (of `out_shape`, from an input of `x_shape`) by:
+/// `divisor` when not 0, else the window clipped to the padded input (`count_include_pad`) or
+/// to the input itself, as PyTorch's kernel counts it.
+fn avg_divisor<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    x_shape: &[i64],
+    w: &Window,
+    out_shape: &[i64],
+    count_include_pad: bool,
+    divisor: i64,
+    acc: DType,
+) -> R<T<'c, 'b>> {
+    if divisor != 0 {
+        return e.splat(Scalar::Int(divisor), &[], acc);
+    }
+    let r = x_shape.len();
+    let nsp = w.kernel.len();
+    // Separable: the divisor is the product of per-dim window lengths.
+    let mut div = e.splat(Scalar::Int(1), out_shape, acc)?;
+    for k in 0..nsp {
+        let d = r - nsp + k;
+        let (n, p) = (x_shape[d], w.padding[k]);
+        let counts: Vec<i64> = (0..out_shape[d])
+            .map(|o| {
+                let start = o * w.stride[k] - p;
+                let end = (start + w.kernel[k]).min(n + p);
+                if count_include_pad {
+                    end - start
+                } else {
+                    end.min(n) - start.max(0)
+                }
+            })
+            .collect();
+        let c = e.convert(
+            &e.constant_i64(&counts, &[out_shape[d]], DType::Int64)?,
+            acc,
+        )?;
+        div = e.mul(&div, &e.broadcast_in_dim(&c, out_shape, &[d as i64])?)?;
+    }
+    Ok(div)
+}
+
+/// `avg_pool2d_backward` / `avg_pool3d_backward(grad_output, self, kernel, stride, padding,
+/// ceil_mode, count_include_pad, divisor_override)`: each input element gets the sum of
+/// `grad / divisor` over the windows that cover it. The scaled gradient is spread onto the
+/// input grid (interior padding `stride - 1`, shifted by `kernel - 1 - padding`) and summed
+/// over a `kernel` window at stride 1: one pad and one reduce_window, the transpose of the
+/// forward's windowed sum (what XLA's own reduce_window gradient is).
+fn avg_pool_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let nsp = if cx.node.op.contains("3d") { 3 } else { 2 };
+    let g = cx.tensor(0, "grad_output")?;
+    let x = cx.tensor(1, "self")?;
+    let w = window_at(cx, 2, None, nsp)?;
+    let count_include_pad = cx.bool_or(6, "count_include_pad", true)?;
+    let divisor = cx.int_or(7, "divisor_override", 0)?;
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let acc = acc_dtype(out);
+    let div = avg_divisor(e, &x.shape, &w, &g.shape, count_include_pad, divisor, acc)?;
+    let scaled = e.div(&e.convert(&g, acc)?, &div)?;
+    let r = g.rank();
+    let (mut lo, mut hi, mut interior) = (vec![0; r], vec![0; r], vec![0; r]);
+    for k in 0..nsp {
+        let d = r - nsp + k;
+        let spread = (g.shape[d] - 1) * w.stride[k] + 1;
+        lo[d] = w.kernel[k] - 1 - w.padding[k];
+        // Negative where ceil_mode's last windows reach past the input: cropped.
+        hi[d] = shape[d] + w.kernel[k] - 1 - lo[d] - spread;
+        interior[d] = w.stride[k] - 1;
+    }
+    let zero = e.splat(Scalar::Int(0), &[], acc)?;
+    let spread = e.pad(&scaled, &zero, &lo, &hi, &interior)?;
+    let sum_window = Window {
+        kernel: w.kernel.clone(),
+        stride: vec![1; nsp],
+        padding: vec![0; nsp],
+        dilation: vec![1; nsp],
+    };
+    let grad = pool(cx, &spread, &sum_window, ReduceKind::Sum, &shape)?;
+    Ok(vec![e.convert(&grad, out)?])
 }
 
 /// The windows of adaptive pooling from `n` inputs to `o` outputs: output i reads
@@ -742,6 +826,7 @@ fn max_pool_with_indices<'c, 'b>(
 /// Gradient of max pooling: each output gradient goes to the input element its index names
 /// (summed where windows overlap on the same maximum).
 fn max_pool2d_with_indices_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let nsp = if cx.node.op.contains("3d") { 3 } else { 2 };
     let g = cx.tensor(0, "grad_output")?;
     let x = cx.tensor(1, "self")?;
     let indices = cx.tensor(7, "indices")?;
@@ -749,25 +834,101 @@ fn max_pool2d_with_indices_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b
     let e = cx.e;
     let acc = acc_dtype(out);
     let ga = e.convert(&g, acc)?;
-    let w = window_at(cx, 2, Some(5), 2)?;
-    if w.taps().len() <= MAX_POOL_GRAD_TAPS {
+    let w = window_at(cx, 2, Some(5), nsp)?;
+    if nsp == 2 && w.taps().len() <= MAX_POOL_GRAD_TAPS {
         let grad = max_pool_grad_by_taps(e, &ga, &indices, &w, &x.shape)?;
         return Ok(vec![e.convert(&grad, out)?]);
     }
-    let r = x.rank();
-    let plane = x.shape[r - 2] * x.shape[r - 1];
-    let lead: Vec<i64> = x.shape[..r - 2].to_vec();
+    let grad = scatter_by_flat_indices(e, &ga, &indices, &shape, nsp)?;
+    Ok(vec![e.convert(&grad, out)?])
+}
+
+/// `adaptive_max_pool2d_backward` / `adaptive_max_pool3d_backward(grad_output, self,
+/// indices)`: each output gradient added at the input element its index names.
+fn adaptive_max_pool_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let nsp = if cx.node.op.contains("3d") { 3 } else { 2 };
+    let g = cx.tensor(0, "grad_output")?;
+    let indices = cx.tensor(2, "indices")?;
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let ga = e.convert(&g, acc_dtype(out))?;
+    let grad = scatter_by_flat_indices(e, &ga, &indices, &shape, nsp)?;
+    Ok(vec![e.convert(&grad, out)?])
+}
+
+/// `replication_pad{1,2,3}d_backward(grad_output, self, padding)`: per padded dim (the last
+/// first, as `padding` pairs them), the gradient of the kept positions, plus the sums over
+/// each edge's padding added to that edge's element. A negative pad cropped the input: the
+/// cropped elements' gradient is zero.
+fn replication_pad_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let g = cx.tensor(0, "grad_output")?;
+    let pad = cx.ints(2, "padding")?;
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let acc = acc_dtype(out);
+    let r = g.rank();
+    if pad.len() % 2 != 0 || pad.len() / 2 > r {
+        return Err(cx.err("padding must hold a (before, after) pair per padded dim"));
+    }
+    let zero = e.splat(Scalar::Int(0), &[], acc)?;
+    let mut t = e.convert(&g, acc)?;
+    for (k, pair) in pad.chunks(2).enumerate() {
+        let d = r - 1 - k;
+        let n = shape[d];
+        let (mut before, mut after) = (pair[0], pair[1]);
+        if before < 0 || after < 0 {
+            let (mut lo, mut hi) = (vec![0; r], vec![0; r]);
+            lo[d] = (-before).max(0);
+            hi[d] = (-after).max(0);
+            t = e.pad(&t, &zero, &lo, &hi, &vec![0; r])?;
+            before = before.max(0);
+            after = after.max(0);
+        }
+        let along = |from: i64, to: i64| {
+            let (mut start, mut limit) = (vec![0; r], t.shape.clone());
+            start[d] = from;
+            limit[d] = to;
+            e.slice(&t, &start, &limit, &vec![1; r])
+        };
+        let mut kept = along(before, before + n)?;
+        // Each edge's padding summed onto the edge element (a 1-long sum padded out to n).
+        for (from, to, at) in [(0, before, 0), (before + n, before + n + after, n - 1)] {
+            if to > from {
+                let sum = e.reduce(&along(from, to)?, &[d as i64], ReduceKind::Sum, true)?;
+                let (mut lo, mut hi) = (vec![0; r], vec![0; r]);
+                lo[d] = at;
+                hi[d] = n - 1 - at;
+                kept = e.add(&kept, &e.pad(&sum, &zero, &lo, &hi, &vec![0; r])?)?;
+            }
+        }
+        t = kept;
+    }
+    Ok(vec![e.convert(&t, out)?])
+}
+
+/// A pooling gradient by its indices: `g`'s values added (overlapping windows sum) into zeros
+/// of `x_shape` at `indices`, each flat within the last `nsp` dims (the plane or volume).
+fn scatter_by_flat_indices<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    g: &T<'c, 'b>,
+    indices: &T<'c, 'b>,
+    x_shape: &[i64],
+    nsp: usize,
+) -> R<T<'c, 'b>> {
+    let r = x_shape.len();
+    let plane: i64 = x_shape[r - nsp..].iter().product();
+    let lead: Vec<i64> = x_shape[..r - nsp].to_vec();
     let mut flat_x = lead.clone();
     flat_x.push(plane);
-    let mut flat_g = lead.clone();
-    flat_g.push(g.shape[r - 2] * g.shape[r - 1]);
-    let gf = e.reshape(&ga, &flat_g)?;
-    let idx = e.reshape(&indices, &flat_g)?;
-    let coords = along_dim_coords(e, &idx, r - 2, plane)?;
-    let zeros = e.splat(Scalar::Int(0), &flat_x, acc)?;
+    let mut flat_g = lead;
+    flat_g.push(g.shape[r - nsp..].iter().product());
+    let gf = e.reshape(g, &flat_g)?;
+    let idx = e.reshape(indices, &flat_g)?;
+    let coords = along_dim_coords(e, &idx, r - nsp, plane)?;
+    let zeros = e.splat(Scalar::Int(0), &flat_x, g.dtype)?;
     let all: Vec<i64> = (0..flat_x.len() as i64).collect();
     let s = e.scatter(&zeros, &coords, &gf, &[], &all, &all, true)?;
-    Ok(vec![e.convert(&e.reshape(&s, &shape)?, out)?])
+    e.reshape(&s, x_shape)
 }
 
 /// Windows up to this many taps take their gradient tap by tap (ResNet's 3x3 stem pooling);
