@@ -45,7 +45,7 @@ from functorch.compile import make_boxed_func  # noqa: E402
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from tpuc import fx_export, targets  # noqa: E402
+from tpuc import fx_export, target_spec, targets  # noqa: E402
 from tpuc.decompositions import _decompositions  # noqa: E402
 from tpuc.op_support import _supported_ops, _unsupported_nodes, _why_unsupported  # noqa: E402
 
@@ -59,7 +59,7 @@ class Checker:
     {op: first node} without a rule and [(message)] lowering errors."""
 
     def __init__(self, target_name: str):
-        self.spec = targets.parse(target_name)
+        self.spec = target_spec.parse(target_name)
         self.target = targets.get_target(self.spec)
         self.reset()
 
