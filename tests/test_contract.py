@@ -223,7 +223,7 @@ def _help(argv: list[str]) -> str:
 
 def test_cli_commands_and_flags():
     rows = _rows("Command line")
-    commands = set(re.search(r"\{([a-z,]+)\}", _help([])).group(1).split(","))
+    commands = set(re.search(r"\{([a-z,-]+)\}", _help([])).group(1).split(","))
     assert set(rows) == commands, _diff("CLI commands", commands, set(rows))
     for command in commands:
         text = _help([command])

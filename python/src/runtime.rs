@@ -19,7 +19,7 @@ use tpuc_runtime::Runner;
 #[pyclass(module = "tpuc._native", frozen)]
 pub(crate) struct Runtime {
     /// Compiles (and keeps the executables).
-    pub(crate) engine: Arc<Engine>,
+    engine: Arc<Engine>,
     /// Runs what `engine` compiled, on the same PJRT client.
     runner: Arc<Runner>,
 }
