@@ -1689,12 +1689,13 @@ fn err_unread_result_is_fine_but_read_one_is_not() {
 fn registry_names_are_sorted_aten_ops() {
     let names = super::supported_ops();
     assert!(names.windows(2).all(|w| w[0] < w[1]));
-    // Rules are keyed by the FX target's name: core ATen, plus the prims that survive
-    // AOTAutograd's decompositions (prims.convert_element_type).
+    // Rules are keyed by the FX target's name: core ATen, the prims that survive
+    // AOTAutograd's decompositions (prims.convert_element_type) and PyTorch's control-flow
+    // operators (higher_order.cond, ...).
     assert!(
-        names
-            .iter()
-            .all(|n| n.starts_with("aten.") || n.starts_with("prims.")),
+        names.iter().all(|n| n.starts_with("aten.")
+            || n.starts_with("prims.")
+            || n.starts_with("higher_order.")),
         "{names:?}"
     );
     assert!(names.contains(&"aten.addmm.default"));
