@@ -108,6 +108,8 @@ _CHILD = textwrap.dedent(
     _compile = backend._compile
     backend._compile = lambda *a, **k: (calls.append(1), _compile(*a, **k))[1]
     model, (x,) = models.make("preln", seed=1)  # other weights: inputs, read from this model
+    if torch.get_float32_matmul_precision() != sys.argv[4]:  # the saving process's (a guard)
+        torch.set_float32_matmul_precision(sys.argv[4])
     fn = tpuc.load_compiled(sys.argv[1], model, options={"stand_in": "cpu", "cache_dir": sys.argv[2]})
     with torch.no_grad():
         err = (fn(x) - model(x)).abs().max().item()
@@ -130,7 +132,15 @@ def test_a_file_saved_for_the_target_loads_and_runs_through_the_stand_in_in_a_ne
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUC_")}
     cache = tmp_path / "b"
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), str(cache), str(TESTS)],
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(path),
+            str(cache),
+            str(TESTS),
+            torch.get_float32_matmul_precision(),
+        ],
         capture_output=True,
         text=True,
         env=env,
