@@ -149,6 +149,9 @@ def test_buckets_compile_one_executable_per_bucket(tmp_path):
     # on a TPU host.
     assert report["executables"] == 2, shapes
     assert sorted(g["bindings"].get(next(iter(g["bindings"]))) for g in report["per_graph"]) == [16, 32]
+    # The report lists each graph's buckets, as on the CPU road.
+    (per_graph_buckets,) = report["buckets"].values()
+    assert sorted(v for b in per_graph_buckets for v in b.values()) == [16, 32]
 
 
 def test_a_model_on_the_meta_device_reports_memory_per_chip_under_fsdp(tmp_path):

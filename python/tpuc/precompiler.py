@@ -201,6 +201,11 @@ def _precompile_for_target(model, example_inputs, dynamic, opts_dict, opts, trai
             seen.add(r["key"])
             per_graph.append(r)
     misses = sum(r["cache"] == "miss" for r in per_graph)
+    # Per graph, the sizes of its dynamic dims each executable was compiled for (its buckets).
+    buckets: dict[str, list[dict]] = {}
+    for r in per_graph:
+        if r.get("bindings"):
+            buckets.setdefault(r["name"], []).append(dict(r["bindings"]))
     return {
         "target": opts.target,
         "per_graph": per_graph,
@@ -208,7 +213,7 @@ def _precompile_for_target(model, example_inputs, dynamic, opts_dict, opts, trai
         "compiled": misses,
         "from_cache": len(per_graph) - misses,
         "graphs": len({r["name"] for r in per_graph}),
-        "buckets": {},
+        "buckets": buckets,
         "compile_seconds": sum(r["compile_seconds"] for r in per_graph if r["cache"] == "miss"),
         "processes": 1,
         "seconds": time.perf_counter() - t0,
