@@ -78,7 +78,12 @@ def _doctor(args) -> int:
             fixed = "tpuc's own expansion from now on" if op in report.repaired else "NOT REPAIRED"
             print(f"  WRONG {conformance.describe(op, where)} -> {fixed}")
     print(f"cache dir: {options_mod.parse({}).cache_dir}")
-    print(f"lowering rules: {len(_native.supported_ops())} ATen ops")
+    ops = _native.supported_ops()
+    kinds = {k: sum(o.startswith(k + ".") for o in ops) for k in ("aten", "prims", "higher_order")}
+    print(
+        f"lowering rules: {kinds['aten']} ATen ops, {kinds['prims']} prims, "
+        f"{kinds['higher_order']} control-flow operators"
+    )
     return 0
 
 
