@@ -395,3 +395,58 @@ def test_tpu_compiled_model_inside_a_disabled_region_of_a_compiled_function():
             _assert_grads(model, want, "tpu")
     assert_tpuc_untraced(files)
     torch.testing.assert_close(out, F.mse_loss(model(x), y).detach() + 1)
+
+
+# A step as written at a script's top level: `model`, `opt`, `x` and `y` are module globals, and
+# after `zero_grad` it names no `torch` module, so Dynamo's resume function after that graph
+# break has no tensors by its own test ("no tensor-related objects found in frame").
+_TOP_LEVEL_STEP = """
+def step():
+    opt.zero_grad(set_to_none=True)
+    loss = (model(x) - y).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+"""
+
+
+class _UserMLP(nn.Module):
+    """A model of the user's own (its forward is not PyTorch's code, which Dynamo would run
+    eagerly as a frame of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _top_level_training(backend, steps=4):
+    torch.manual_seed(0)
+    model = _UserMLP()
+    ns = {
+        "model": model,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        "x": torch.randn(16, 32),
+        "y": torch.randn(16, 8),
+    }
+    exec(_TOP_LEVEL_STEP, ns)  # noqa: S102 - the step's source above, defined among its globals
+    step = ns["step"] if backend is None else torch.compile(ns["step"], backend=backend)
+    per_call = []
+    for _ in range(steps):
+        before = tpuc.stats()["executions"]
+        step()
+        per_call.append(tpuc.stats()["executions"] - before)
+    return model, per_call
+
+
+def test_step_written_at_top_level_is_one_program():
+    """The resume functions Dynamo makes in tpuc's frames are traced even when they name only
+    globals (whole_step.py, item 5): one program per step, equal to eager."""
+    torch._dynamo.reset()
+    want, _ = _top_level_training(None)
+    got, per_call = _top_level_training("tpu")
+    assert per_call == [1] * len(per_call), f"tpuc executions per step: {per_call}"
+    for p, pe in zip(got.parameters(), want.parameters(), strict=True):
+        assert_close_scaled(p, pe, "parameter after the steps")

@@ -32,6 +32,14 @@ and tpuc removes each cut, but only while Dynamo traces a frame whose backend is
    file Dynamo skips; in tpuc's frames that wrapper's work is done in the trace instead
    (`_scheduler_wrapped_step`).
 
+5. After a graph break (the `zero_grad` below), Dynamo continues in a generated resume
+   function, and skips it unless it "has tensors": a tensor or module among its locals, or a
+   `torch` module among the globals it names. A step written at a script's top level whose rest
+   names only globals (`loss = model(ids).logits.square().mean()`, with `model`, `opt` and `ids`
+   module globals) has neither, so its forward, backward and update ran as three frames (three
+   programs). The resume functions Dynamo creates while tracing tpuc's frames are marked to be
+   traced always (`_trace_resume_functions`), as a `torch.compile`d function's own code is.
+
 `Optimizer.zero_grad` stays a skipped function: Dynamo runs it eagerly before the rest of the
 frame, which costs no program. Anything else that breaks the graph (a hook, `.item()`, a print)
 splits the step as before; `tpuc.stats()["graph_breaks"]` lists the reasons in tpuc's frames.
@@ -109,6 +117,7 @@ def install(backend_fn) -> None:
         return
 
     _hook_translator(InstructionTranslator, dynamo_config, backend_fn)
+    _trace_resume_functions()
     _hook_graph_break(SkipFunctionVariable, ConstantVariable, _use_grad_for_differentiable)
     OptimizerVariable.tp_methods["_init_group"] = Method(_traced_grads_init_group(init_group.handler))
     TensorVariable.tp_methods["backward"] = Method(_backward_within_frame(backward.handler))
@@ -151,6 +160,26 @@ def _short(reason: str) -> str:
     lines = [line.strip() for line in reason.splitlines() if line.strip()]
     why = next((line[len("Explanation:") :].strip() for line in lines if line.startswith("Explanation:")), "")
     return f"{lines[0]}: {why}" if lines and why else (lines[0] if lines else reason)
+
+
+def _trace_resume_functions() -> None:
+    """Marks the resume functions Dynamo generates while tracing a frame for tpuc as code to
+    trace always (item 5 of the module docs); other backends' resume functions are untouched."""
+    try:
+        from torch._dynamo.eval_frame import always_optimize_code_objects
+        from torch._dynamo.resume_execution import ContinueExecutionCache
+    except ImportError as e:
+        log.warning("tpuc: this torch lacks Dynamo's resume-function cache (%s); a step may split", e)
+        return
+    lookup = ContinueExecutionCache.lookup.__func__
+
+    def lookup_for_backend(cls, *args, **kwargs):
+        code = lookup(cls, *args, **kwargs)
+        if _tracing_tpuc():
+            always_optimize_code_objects[code] = True
+        return code
+
+    ContinueExecutionCache.lookup = classmethod(lookup_for_backend)
 
 
 def _hook_graph_break(skip_fn_cls, constant_cls, use_grad_for_differentiable) -> None:
