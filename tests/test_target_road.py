@@ -110,6 +110,10 @@ _CHILD = textwrap.dedent(
     model, (x,) = models.make("preln", seed=1)  # other weights: inputs, read from this model
     if torch.get_float32_matmul_precision() != sys.argv[4]:  # the saving process's (a guard)
         torch.set_float32_matmul_precision(sys.argv[4])
+    # Guarded too, and not restored by the above: a process that set "high" and then "highest"
+    # again has "ieee" where a fresh one has "none".
+    if torch.backends.cuda.matmul.fp32_precision != sys.argv[5]:
+        torch.backends.cuda.matmul.fp32_precision = sys.argv[5]
     fn = tpuc.load_compiled(sys.argv[1], model, options={"stand_in": "cpu", "cache_dir": sys.argv[2]})
     with torch.no_grad():
         err = (fn(x) - model(x)).abs().max().item()
@@ -140,6 +144,7 @@ def test_a_file_saved_for_the_target_loads_and_runs_through_the_stand_in_in_a_ne
             str(cache),
             str(TESTS),
             torch.get_float32_matmul_precision(),
+            torch.backends.cuda.matmul.fp32_precision,
         ],
         capture_output=True,
         text=True,
