@@ -1212,14 +1212,21 @@ fn convolution_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     }
 
     if mask.get(2).copied().unwrap_or(true) {
-        let (_, out) = cx.out(2)?;
-        let dims: Vec<i64> = (0..g.rank() as i64).filter(|&d| d != 1).collect();
-        let s = e.reduce(&e.convert(&g, acc)?, &dims, ReduceKind::Sum, false)?;
-        results.push(e.convert(&s, out)?);
+        results.push(bias_grad(cx, &g, acc)?);
     } else {
         results.push(placeholder()?);
     }
     Ok(results)
+}
+
+/// The bias gradient of a channels-first convolution backward (output 2): the output
+/// gradient `g` summed in `acc` over every dim but the channels (dim 1).
+fn bias_grad<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, g: &T<'c, 'b>, acc: DType) -> R<T<'c, 'b>> {
+    let e = cx.e;
+    let (_, out) = cx.out(2)?;
+    let dims: Vec<i64> = (0..g.rank() as i64).filter(|&d| d != 1).collect();
+    let s = e.reduce(&e.convert(g, acc)?, &dims, ReduceKind::Sum, false)?;
+    e.convert(&s, out)
 }
 
 /// The gradients of a transposed convolution `y = conv_transpose(x, w)` (`w` is
@@ -1294,10 +1301,7 @@ fn transposed_convolution_backward<'c, 'b>(
         results.push(placeholder()?);
     }
     if mask.get(2).copied().unwrap_or(true) {
-        let (_, out) = cx.out(2)?;
-        let dims: Vec<i64> = (0..g.rank() as i64).filter(|&d| d != 1).collect();
-        let s = e.reduce(&e.convert(g, acc)?, &dims, ReduceKind::Sum, false)?;
-        results.push(e.convert(&s, out)?);
+        results.push(bias_grad(cx, g, acc)?);
     } else {
         results.push(placeholder()?);
     }
