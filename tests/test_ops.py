@@ -326,6 +326,26 @@ def test_pooling_variants_and_transposed_convolution():
     check(f, x, w, gw, gb, rtol=1e-4, atol=1e-4, fallback="error")
 
 
+def _grad_vs_eager(f, x, rtol=1e-5, atol=1e-5):
+    """x's gradient of sum(f(x) * ramp) compiled (no fallback) and eager."""
+
+    def weighted(x):
+        y = f(x)
+        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
+
+    grads = []
+    for fn in (
+        weighted,
+        torch.compile(weighted, backend="tpu", dynamic=False, options={"fallback": "error"}),
+    ):
+        xg = x.clone().requires_grad_()
+        fn(xg).sum().backward()
+        grads.append(xg.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=rtol, atol=atol)
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
+
+
 @pytest.mark.parametrize(
     "shape,args",
     [
@@ -340,19 +360,7 @@ def test_max_pool_gradient(shape, args):
     gradient must follow the forward's chosen indices exactly."""
     g = torch.Generator().manual_seed(11)
     x = torch.randint(-3, 4, shape, generator=g).float()
-
-    def f(x):
-        y = F.max_pool2d(x, *args)
-        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
-
-    grads = []
-    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
-        xg = x.clone().requires_grad_()
-        fn(xg).sum().backward()
-        grads.append(xg.grad)
-    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
-    stats = tpuc.stats()
-    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
+    _grad_vs_eager(lambda x: F.max_pool2d(x, *args), x, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -373,39 +381,7 @@ def test_avg_pool_gradient(shape, args, kwargs):
     """avg_pool2d/3d_backward: one pad and one windowed sum (a target has no PyTorch escape)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     pool = F.avg_pool3d if len(shape) == 5 else F.avg_pool2d
-
-    def f(x):
-        y = pool(x, *args, **kwargs)
-        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
-
-    grads = []
-    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
-        xg = x.clone().requires_grad_()
-        fn(xg).sum().backward()
-        grads.append(xg.grad)
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-4)
-    stats = tpuc.stats()
-    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
-
-
-def _grad_vs_eager(f, x, rtol=1e-5, atol=1e-5):
-    """x's gradient of sum(f(x) * ramp) compiled (no fallback) and eager."""
-
-    def weighted(x):
-        y = f(x)
-        return y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)
-
-    grads = []
-    for fn in (
-        weighted,
-        torch.compile(weighted, backend="tpu", dynamic=False, options={"fallback": "error"}),
-    ):
-        xg = x.clone().requires_grad_()
-        fn(xg).sum().backward()
-        grads.append(xg.grad)
-    torch.testing.assert_close(grads[1], grads[0], rtol=rtol, atol=atol)
-    stats = tpuc.stats()
-    assert stats["fallback_ops"] == {} and stats["graphs_compiled"] >= 2  # forward and backward
+    _grad_vs_eager(lambda x: pool(x, *args, **kwargs), x, rtol=1e-5, atol=1e-4)
 
 
 def test_max_pool3d_and_adaptive_max_pool_gradients():
