@@ -55,15 +55,13 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// A lowering error as a Python exception; `op` and `node` attributes name the failing node.
 pub(crate) fn lower_err(e: LowerError) -> PyErr {
     let (op, node) = match &e {
-        LowerError::Unsupported { op, node }
-        | LowerError::Node { op, node, .. }
-        | LowerError::NotHere { op, node, .. } => (Some(op.clone()), Some(node.clone())),
+        LowerError::Unsupported { op, node } | LowerError::Node { op, node, .. } => {
+            (Some(op.clone()), Some(node.clone()))
+        }
         LowerError::Internal(_) => (None, None),
     };
     let err = match e {
-        LowerError::Unsupported { .. } | LowerError::NotHere { .. } => {
-            UnsupportedOpError::new_err(e.to_string())
-        }
+        LowerError::Unsupported { .. } => UnsupportedOpError::new_err(e.to_string()),
         other => TpucError::new_err(other.to_string()),
     };
     Python::attach(|py| {

@@ -34,14 +34,6 @@ pub enum LowerError {
         node: String,
         message: String,
     },
-    /// An op with a rule, in a setting the rule does not handle yet (control flow on a mesh):
-    /// raised as `UnsupportedOpError`, like an op without a rule.
-    #[error("cannot lower `{op}` (node `{node}`) here: {message}")]
-    NotHere {
-        op: String,
-        node: String,
-        message: String,
-    },
     #[error("{0}")]
     Internal(String),
 }
@@ -455,22 +447,6 @@ impl<'x, 'c, 'b> NodeCx<'x, 'c, 'b> {
 pub fn lower(graph: &Graph, options: &LowerOptions) -> R<Lowered> {
     // Check every op up front so the error names the first unsupported one, not a later symptom.
     check_rules(graph)?;
-    if options.sharding.is_some() && graph.has_regions() {
-        let n = graph
-            .dag
-            .node_weights()
-            .find(|n| n.op.starts_with(tpuc_frontend_fx::HIGHER_ORDER))
-            .map_or(("control flow".to_string(), "?".to_string()), |n| {
-                (n.op.clone(), n.name.clone())
-            });
-        return Err(LowerError::NotHere {
-            op: n.0,
-            node: n.1,
-            message: "control flow (cond, while_loop, scan, map) on an SPMD mesh is not \
-                      supported yet; compile without a mesh, or run it in PyTorch"
-                .into(),
-        });
-    }
     with_context(|ctx, diagnostics, attrs| lower_in(ctx, diagnostics, attrs, graph, options))
 }
 
