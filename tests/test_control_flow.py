@@ -6,6 +6,8 @@ executable with the loop in it."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch._higher_order_ops import associative_scan, scan, while_loop
@@ -309,18 +311,94 @@ def test_pytorchs_control_flow_opinfo_samples(op, dtype):
 # what is refused
 
 
-def test_bucketed_dynamic_dims_fall_back_to_one_executable_per_shape():
-    # Bucketing would have to pad and mask inside the bodies too: it refuses, naming the op,
-    # and the graph is compiled per real shape (exact), as for any op bucketing cannot pad.
+# bucketed dynamic dims (declared maxima): one executable per bucket, exact at every real size
+
+W8 = torch.randn(8, 8) * 0.3
+
+
+def _bucket_cases():
+    rows = lambda n: (torch.randn(n, 8),)  # noqa: E731
+    steps = lambda n: (torch.randn(6, n, 8), torch.randn(n, 8))  # noqa: E731
+    return {
+        # no mask needed inside: the padded rows only flow through
+        "scan_rnn": (lambda xs, h: scan(lambda c, x: (torch.tanh(c @ W8 + x), c.sum(-1)), h, xs), steps),
+        "map": (lambda x: map_fn(lambda r: torch.relu(r @ W8), x.expand(3, -1, -1)), rows),
+        # masks inside the bodies read the real size, passed in as an extra operand
+        "scan_sum_over_rows": (lambda xs, h: scan(lambda c, x: (c + x, c.sum(0)), h, xs), steps),
+        "cond_mean": (
+            lambda x: torch.cond(
+                x.mean() > 0, lambda x: x.sin() - x.mean(0), lambda x: x.softmax(0) @ W8, (x,)
+            ),
+            rows,
+        ),
+        "while_loop_until_large": (
+            lambda x: while_loop(
+                lambda i, h: h.abs().sum() < 1e4,
+                lambda i, h: (i + 1, h * 1.7 + h.mean(0)),
+                (torch.tensor(0), x),
+            )[1],
+            rows,
+        ),
+        "cond_in_scan": (
+            lambda xs, h: scan(
+                lambda c, x: (
+                    torch.cond(x.sum() > 0, lambda c, x: c + x.mean(0), lambda c, x: c - x, (c, x)),
+                    c.sum(0),
+                ),
+                h,
+                xs,
+            ),
+            steps,
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bucket_cases()))
+def test_bucketed_dims_flow_through_control_flow(case, tmp_path):
+    # Rows 5 and 7 share the bucket of 8, 12 is in the bucket of 16: two executables, each
+    # exact at every real size, with no warning that the graph went per shape.
+    f, make = _bucket_cases()[case]
+    fn = torch.compile(f, backend="tpu", fullgraph=True, options={**STRICT, "cache_dir": str(tmp_path)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (5, 7, 12):
+            args = make(n)
+            torch._dynamo.mark_dynamic(args[-1], 0, min=2, max=16)
+            if len(args) == 2:
+                torch._dynamo.mark_dynamic(args[0], 1, min=2, max=16)
+            torch.testing.assert_close(fn(*args), f(*args), rtol=1e-4, atol=1e-5)
+    assert tpuc.stats()["xla_compiles"] == 2
+
+
+def test_a_bucketed_scan_trains(tmp_path):
+    # The backward's reverse scan (a flip of xs, a contraction over the padded rows for the
+    # weight's gradient) is bucketed too: forward and backward, one executable each per bucket.
+    w = (torch.randn(8, 8) * 0.3).requires_grad_()
+
+    def f(xs, h, w):
+        return scan(lambda c, x: (torch.tanh(c @ w + x), c.sum(-1)), h, xs)
+
+    fn = torch.compile(f, backend="tpu", fullgraph=True, options={**STRICT, "cache_dir": str(tmp_path)})
+    for n in (5, 7, 12):
+        xs, h = torch.randn(6, n, 8), torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(xs, 1, min=2, max=16)
+        torch._dynamo.mark_dynamic(h, 0, min=2, max=16)
+        got, want = (torch.autograd.grad(sum(o.square().sum() for o in g(xs, h, w)), w)[0] for g in (fn, f))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert tpuc.stats()["xla_compiles"] == 4
+
+
+def test_a_bucketed_scanned_dim_falls_back_to_one_executable_per_shape():
+    # Padding the scanned dim would run the padded steps too: refused, naming the op, and the
+    # graph is compiled per real shape (exact), as for any op bucketing cannot pad.
     def f(xs, h):
         return scan(lambda c, x: (c + x, c * 2), h, xs)
 
     fn = torch.compile(f, backend="tpu", fullgraph=True, options=STRICT)
-    with pytest.warns(UserWarning, match="per shape instead of per bucket.*scan.*control flow"):
+    with pytest.warns(UserWarning, match="per shape instead of per bucket.*scan.*scanned"):
         for n in (5, 7):
-            xs, h = torch.randn(6, n, 8), torch.randn(n, 8)
-            torch._dynamo.mark_dynamic(xs, 1, min=2, max=16)
-            torch._dynamo.mark_dynamic(h, 0, min=2, max=16)
+            xs, h = torch.randn(n, 4, 8), torch.randn(4, 8)
+            torch._dynamo.mark_dynamic(xs, 0, min=2, max=16)
             torch.testing.assert_close(fn(xs, h), f(xs, h))
     assert tpuc.stats()["xla_compiles"] == 2
 

@@ -104,86 +104,7 @@ type R<T> = Result<T, BucketError>;
 /// Pads `g` to the bucket sizes in `sizes` for the symbols in `dynamic`; every other symbol
 /// must be bound in `sizes` to its real value.
 pub fn bucket(g: &Graph, dynamic: &HashSet<String>, sizes: &HashMap<String, i64>) -> R<Bucketed> {
-    // A loop or branch would need its body padded and masked too: refused, never inexact.
-    if let Some(n) = g.dag.node_weights().find(|n| {
-        n.args
-            .iter()
-            .chain(n.kwargs.values())
-            .any(|a| matches!(a, Arg::Region(_)))
-    }) {
-        return Err(BucketError {
-            op: n.op.clone(),
-            node: n.name.clone(),
-            reason: "control flow (cond, while_loop, scan, map) with bucketed dynamic dims is \
-                     not supported yet; compile without declared maxima (each shape compiled \
-                     once) or run it in PyTorch"
-                .into(),
-        });
-    }
-    let mut b = Bucketer {
-        g,
-        dynamic,
-        sizes,
-        out: Graph {
-            lowering: g.lowering.clone(),
-            ..Graph::default()
-        },
-        map: HashMap::new(),
-        layouts: HashMap::new(),
-        scalars: Vec::new(),
-        scalar_ids: HashMap::new(),
-        masks: HashMap::new(),
-        cur: String::new(),
-        cur_op: String::new(),
-        cur_loc: None,
-        fresh: 0,
-    };
-    let mut input_layouts = vec![None; g.inputs.len()];
-    let mut new_inputs: Vec<Input> = g
-        .inputs
-        .iter()
-        .map(|i| Input {
-            node: None,
-            ..i.clone()
-        })
-        .collect();
-    for id in g.topo_order() {
-        let n = g.node(id);
-        b.cur = n.name.clone();
-        b.cur_op = n.op.clone();
-        b.cur_loc = n.loc.clone();
-        if n.is_input() {
-            let new = b.out.add_node(n.clone());
-            let ty = n.results[0].clone().expect("inputs are tensors");
-            let layout = b.input_layout(&ty)?;
-            let pos = g
-                .inputs
-                .iter()
-                .position(|i| i.node == Some(id))
-                .expect("input node listed");
-            input_layouts[pos] = Some(layout.clone());
-            new_inputs[pos].node = Some(new);
-            b.map.insert(
-                ValueRef {
-                    node: id,
-                    result: 0,
-                },
-                ValueRef {
-                    node: new,
-                    result: 0,
-                },
-            );
-            b.layouts.insert(
-                ValueRef {
-                    node: id,
-                    result: 0,
-                },
-                layout,
-            );
-            continue;
-        }
-        b.node(id, n)?;
-    }
+    let (mut b, input_layouts, mut new_inputs) = Bucketer::walk(g, dynamic, sizes, None)?;
     let outputs: Vec<Output> = g
         .outputs
         .iter()
@@ -352,6 +273,24 @@ const ELEMENTWISE: &[&str] = &[
     "xlogy",
 ];
 
+/// View ops whose functional `_copy` twins share their bucketing rules.
+const VIEW_TWINS: &[&str] = &[
+    "alias",
+    "detach",
+    "expand",
+    "permute",
+    "select",
+    "slice",
+    "split",
+    "split_with_sizes",
+    "squeeze",
+    "t",
+    "transpose",
+    "unsqueeze",
+    "view",
+    "_unsafe_view",
+];
+
 const CREATION: &[&str] = &[
     "arange",
     "empty",
@@ -393,6 +332,86 @@ fn broadcast_shape(a: &[i64], b: &[i64]) -> Vec<i64> {
 }
 
 impl<'a> Bucketer<'a> {
+    /// Walks `g` in topological order into a new graph at bucket sizes. An input's layout is
+    /// `given` (a control-flow body's operands, as the op passes them) or read off its type.
+    #[allow(clippy::type_complexity)]
+    fn walk(
+        g: &'a Graph,
+        dynamic: &'a HashSet<String>,
+        sizes: &'a HashMap<String, i64>,
+        given: Option<&[Option<Layout>]>,
+    ) -> R<(Bucketer<'a>, Vec<Option<Layout>>, Vec<Input>)> {
+        let mut b = Bucketer {
+            g,
+            dynamic,
+            sizes,
+            out: Graph {
+                lowering: g.lowering.clone(),
+                // Control-flow nodes keep their graphs' indices; a body that bucketing
+                // rewrites is added after them.
+                regions: g.regions.clone(),
+                ..Graph::default()
+            },
+            map: HashMap::new(),
+            layouts: HashMap::new(),
+            scalars: Vec::new(),
+            scalar_ids: HashMap::new(),
+            masks: HashMap::new(),
+            cur: String::new(),
+            cur_op: String::new(),
+            cur_loc: None,
+            fresh: 0,
+        };
+        let mut input_layouts = vec![None; g.inputs.len()];
+        let mut new_inputs: Vec<Input> = g
+            .inputs
+            .iter()
+            .map(|i| Input {
+                node: None,
+                ..i.clone()
+            })
+            .collect();
+        for id in g.topo_order() {
+            let n = g.node(id);
+            b.cur = n.name.clone();
+            b.cur_op = n.op.clone();
+            b.cur_loc = n.loc.clone();
+            if n.is_input() {
+                let new = b.out.add_node(n.clone());
+                let ty = n.results[0].clone().expect("inputs are tensors");
+                let pos = g
+                    .inputs
+                    .iter()
+                    .position(|i| i.node == Some(id))
+                    .expect("input node listed");
+                let layout = match given.and_then(|l| l.get(pos).cloned().flatten()) {
+                    Some(l) => {
+                        b.check(&l, &ty)?;
+                        l
+                    }
+                    None => b.input_layout(&ty)?,
+                };
+                input_layouts[pos] = Some(layout.clone());
+                new_inputs[pos].node = Some(new);
+                let v = ValueRef {
+                    node: id,
+                    result: 0,
+                };
+                b.map.insert(
+                    v,
+                    ValueRef {
+                        node: new,
+                        result: 0,
+                    },
+                );
+                b.layouts.insert(v, layout);
+                continue;
+            }
+            b.node(id, n)?;
+        }
+        Ok((b, input_layouts, new_inputs))
+    }
+
     fn err(&self, reason: impl Into<String>) -> BucketError {
         BucketError {
             op: self.cur_op.clone(),
@@ -933,6 +952,12 @@ impl<'a> Bucketer<'a> {
 
     fn node(&mut self, id: NodeId, n: &Node) -> R<()> {
         let (base, overload) = split_op(&n.op);
+        // Functionalization writes the view ops' functional twins inside control-flow bodies
+        // (`t_copy`, `detach_copy`): the same values as the views, so the same rules.
+        let base = base
+            .strip_suffix("_copy")
+            .filter(|b| VIEW_TWINS.contains(b))
+            .unwrap_or(base);
         let any_padded = n
             .operands()
             .iter()
@@ -1015,9 +1040,180 @@ impl<'a> Bucketer<'a> {
             "index_select" | "gather" | "scatter" | "scatter_add" => self.gather(id, n, base),
             "index" => self.index(id, n),
             "constant_pad_nd" => self.constant_pad(id, n),
+            "flip" => self.flip(id, n),
             "slice_scatter" | "select_scatter" => self.slice_scatter(id, n),
+            "higher_order" => self.control_flow(id, n, overload),
             _ => Err(self.err("no bucketing rule for this op, and it reads a padded dim")),
         }
+    }
+
+    /// A control-flow op whose operands are padded: each graph it runs is bucketed with its
+    /// inputs laid out as the op passes them (a scan's step reads `xs[k]`: the layout of `xs`
+    /// without its leading dim), by the same rules as the outer graph. The real sizes its masks
+    /// read become extra operands of the op (after its last operand list), which every graph of
+    /// the op takes as its last inputs. A loop's carried values must come out of the body laid
+    /// out as they went in, both branches of a `cond` must agree, and a scan's scanned dim must
+    /// be real (else the graph is compiled per shape).
+    fn control_flow(&mut self, id: NodeId, n: &Node, op: &str) -> R<()> {
+        let lists = |i: usize| -> Vec<Arg> {
+            match n.args.get(i) {
+                Some(Arg::List(items)) => items.clone(),
+                _ => Vec::new(),
+            }
+        };
+        // (position of each graph argument, the operand lists its graph takes, in order);
+        // the number of leading operands whose layouts loop around (carries); whether the
+        // graph's inputs after the carries read one step of `xs` (the list at `xs`).
+        let (graphs, carries, xs): (&[usize], Vec<Arg>, Option<usize>) = match op {
+            "cond" => (&[1, 2], lists(3), None),
+            "while_loop" => (&[0, 1], lists(2), None),
+            "scan" => (&[0], lists(1), Some(2)),
+            "map_impl" => (&[0], Vec::new(), Some(1)),
+            _ => return Err(self.err("no bucketing rule for this control-flow op")),
+        };
+        let mut operands: Vec<Option<Layout>> = Vec::new();
+        let layout = |b: &Self, a: &Arg| -> R<Option<Layout>> {
+            match a {
+                Arg::Value(v) => b.layout_of(*v).map(Some),
+                _ => Ok(None),
+            }
+        };
+        let carried: Vec<Option<Layout>> =
+            carries.iter().map(|a| layout(self, a)).collect::<R<_>>()?;
+        operands.extend(carried.iter().cloned());
+        if op == "cond" || op == "while_loop" {
+            // cond's operands are all it takes; a while_loop's additional inputs follow.
+            if op == "while_loop" {
+                for a in lists(3) {
+                    operands.push(layout(self, &a)?);
+                }
+            }
+        } else {
+            let xs_at = xs.expect("scan and map scan xs");
+            for a in lists(xs_at) {
+                operands.push(match layout(self, &a)? {
+                    Some(l) if l.first().is_some_and(dim_padded) => {
+                        return Err(self.err(
+                            "the scanned (leading) dim of xs is bucketed: the loop would run \
+                             the padded steps too",
+                        ))
+                    }
+                    Some(l) => Some(l[1..].to_vec()),
+                    None => None,
+                });
+            }
+            for a in lists(xs_at + 1) {
+                operands.push(layout(self, &a)?);
+            }
+        }
+        let mut outs: Vec<Vec<Layout>> = Vec::new();
+        let mut bucketed = Vec::new();
+        for &pos in graphs {
+            let Some(Arg::Region(k)) = n.args.get(pos) else {
+                return Err(self.err(format!("argument {pos} is not a graph")));
+            };
+            let body = &self.g.regions[*k];
+            let (sub, _, new_inputs) =
+                Bucketer::walk(body, self.dynamic, self.sizes, Some(&operands)).map_err(|e| {
+                    self.err(format!(
+                        "in its graph, `{}` (node `{}`): {}",
+                        e.op, e.node, e.reason
+                    ))
+                })?;
+            let layouts: Vec<Layout> = body
+                .outputs
+                .iter()
+                .filter_map(|o| match o {
+                    Output::Value(v) => Some(sub.layouts[v].clone()),
+                    _ => None,
+                })
+                .collect();
+            let outputs: Vec<Output> = body
+                .outputs
+                .iter()
+                .map(|o| match o {
+                    Output::Value(v) => Output::Value(sub.map[v]),
+                    other => other.clone(),
+                })
+                .collect();
+            bucketed.push((pos, sub, new_inputs, outputs));
+            outs.push(layouts);
+        }
+        // The real sizes the graphs' masks read: extra operands after the op's last list,
+        // the same for every graph of the op (a while_loop's cond_fn and body_fn, both
+        // branches of a cond take the same inputs).
+        let mut sizes: Vec<SymExpr> = Vec::new();
+        for (_, sub, _, _) in &bucketed {
+            for e in &sub.scalars {
+                if !sizes.contains(e) {
+                    sizes.push(e.clone());
+                }
+            }
+        }
+        let mut graphs_out: Vec<(usize, Graph)> = Vec::new();
+        for (pos, mut sub, mut inputs, outputs) in bucketed {
+            for e in &sizes {
+                let v = sub.scalar(e);
+                inputs.push(Input {
+                    name: sub.out.node(v.node).name.clone(),
+                    kind: InputKind::Tensor(TensorType::new_static(&[], DType::Int64)),
+                    node: Some(v.node),
+                });
+            }
+            let mut g = std::mem::take(&mut sub.out);
+            g.inputs = inputs;
+            g.outputs = outputs;
+            graphs_out.push((pos, g));
+        }
+        let same = |a: &[Layout], b: &[Layout]| {
+            a.len() == b.len()
+                && a.iter().zip(b).all(|(x, y)| {
+                    x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_dim(p, q))
+                })
+        };
+        let results: Vec<Option<Layout>> = match op {
+            "cond" => {
+                if !same(&outs[0], &outs[1]) {
+                    return Err(self.err("its branches lay out their results differently"));
+                }
+                outs[0].iter().cloned().map(Some).collect()
+            }
+            _ => {
+                // The body (the last graph) returns the next carries first.
+                let body = outs.last().expect("a loop has a body");
+                let carried: Vec<Layout> = carried.iter().flatten().cloned().collect();
+                if body.len() < carried.len() || !same(&body[..carried.len()], &carried) {
+                    return Err(self.err(
+                        "a carried value comes out of the body padded differently than it went in",
+                    ));
+                }
+                let mut r: Vec<Option<Layout>> = carried.into_iter().map(Some).collect();
+                if op != "while_loop" {
+                    let first_y = r.len();
+                    for (k, y) in body[first_y..].iter().enumerate() {
+                        let ty = self.result_type(n, first_y + k)?;
+                        let mut l = vec![clean(self.dim_size(&ty.shape[0])?)];
+                        l.extend(y.iter().cloned());
+                        r.push(Some(l));
+                    }
+                }
+                r
+            }
+        };
+        let new = self.copy_node(n, &HashMap::new(), false)?;
+        for (pos, g) in graphs_out {
+            self.out.regions.push(g);
+            self.out.dag[new].args[pos] = Arg::Region(self.out.regions.len() - 1);
+        }
+        if !sizes.is_empty() {
+            let last = if op == "map_impl" { 2 } else { 3 };
+            let extra: Vec<Arg> = sizes.iter().map(|e| Arg::Value(self.scalar(e))).collect();
+            match self.out.dag[new].args.get_mut(last) {
+                Some(Arg::List(items)) => items.extend(extra),
+                _ => return Err(self.err(format!("argument {last} is not an operand list"))),
+            }
+        }
+        self.finish(id, new, results)
     }
 
     fn arg_has_dyn(&self, a: &Arg) -> bool {
@@ -1529,6 +1725,17 @@ impl<'a> Bucketer<'a> {
         let replace = HashMap::from([(x, masked)]);
         let new = self.copy_node(n, &replace, false)?;
         self.finish(id, new, vec![Some(lx)])
+    }
+
+    /// `flip` moves elements only along its dims: exact when none of them is padded (the
+    /// padding would move to the front).
+    fn flip(&mut self, id: NodeId, n: &Node) -> R<()> {
+        let lx = self.layout_of(self.operand(n, 0)?)?;
+        let dims = self.dims_arg(n.args.get(1).or(n.kwargs.get("dims")), lx.len())?;
+        if dims.iter().any(|&d| dim_padded(&lx[d])) {
+            return Err(self.err("flip along a bucketed dim"));
+        }
+        self.copy_with(id, n, vec![Some(lx)])
     }
 
     fn softmax_backward(&mut self, id: NodeId, n: &Node, base: &str) -> R<()> {
@@ -2201,5 +2408,48 @@ mod tests {
             "{}",
             b.graph
         );
+    }
+    #[test]
+    fn a_loop_body_that_reduces_a_padded_dim_takes_the_real_size() {
+        // map over xs[3, s0, 4]: each step sums its [s0, 4] slice over the padded rows.
+        let g = import_json(
+            r#"{"nodes": [
+          {"name": "xs", "op": "placeholder", "val": {"tensor": {"shape": [3, "s0", 4], "dtype": "float32"}}},
+          {"name": "body", "op": "get_attr", "target": "body"},
+          {"name": "m", "op": "call_function", "target": "higher_order.map_impl", "args": [{"node": "body"}, [{"node": "xs"}], []], "val": {"tuple": [{"tensor": {"shape": [3, 4], "dtype": "float32"}}]}},
+          {"name": "r", "op": "call_function", "target": "<built-in function getitem>", "args": [{"node": "m"}, 0], "val": {"tensor": {"shape": [3, 4], "dtype": "float32"}}},
+          {"name": "output", "op": "output", "args": [[{"node": "r"}]]}],
+         "subgraphs": {"body": {"nodes": [
+          {"name": "x", "op": "placeholder", "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}}},
+          {"name": "s", "op": "call_function", "target": "aten.sum.dim_IntList", "args": [{"node": "x"}, [0]], "val": {"tensor": {"shape": [4], "dtype": "float32"}}},
+          {"name": "output", "op": "output", "args": [[{"node": "s"}]]}]}}}"#,
+        )
+        .unwrap();
+        let b = run(&g, 8).unwrap();
+        let outer = b.graph.to_string();
+        let body = b.graph.regions.last().unwrap().to_string();
+        // The body masks its padded rows with the real size, an extra operand of the op.
+        assert!(body.contains("aten.where.self"), "{body}");
+        assert_eq!(b.graph.regions.last().unwrap().inputs.len(), 2, "{body}");
+        assert!(outer.contains("[%tpuc_size0]"), "{outer}");
+        assert_eq!(b.output_layouts, vec![vec![clean(3), clean(4)]]);
+    }
+
+    #[test]
+    fn a_scan_over_a_padded_dim_is_reported() {
+        let g = import_json(
+            r#"{"nodes": [
+          {"name": "xs", "op": "placeholder", "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}}},
+          {"name": "body", "op": "get_attr", "target": "body"},
+          {"name": "m", "op": "call_function", "target": "higher_order.map_impl", "args": [{"node": "body"}, [{"node": "xs"}], []], "val": {"tuple": [{"tensor": {"shape": ["s0", 4], "dtype": "float32"}}]}},
+          {"name": "r", "op": "call_function", "target": "<built-in function getitem>", "args": [{"node": "m"}, 0], "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}}},
+          {"name": "output", "op": "output", "args": [[{"node": "r"}]]}],
+         "subgraphs": {"body": {"nodes": [
+          {"name": "x", "op": "placeholder", "val": {"tensor": {"shape": [4], "dtype": "float32"}}},
+          {"name": "output", "op": "output", "args": [[{"node": "x"}]]}]}}}"#,
+        )
+        .unwrap();
+        let e = run(&g, 8).unwrap_err();
+        assert!(e.reason.contains("scanned (leading) dim"), "{e}");
     }
 }
