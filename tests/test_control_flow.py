@@ -388,19 +388,27 @@ def test_a_bucketed_scan_trains(tmp_path):
     assert tpuc.stats()["xla_compiles"] == 4
 
 
-def test_a_bucketed_scanned_dim_falls_back_to_one_executable_per_shape():
-    # Padding the scanned dim would run the padded steps too: refused, naming the op, and the
-    # graph is compiled per real shape (exact), as for any op bucketing cannot pad.
-    def f(xs, h):
-        return scan(lambda c, x: (c + x, c * 2), h, xs)
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_a_bucketed_number_of_steps(reverse, tmp_path):
+    # A sequence of 5, 7 or 12 steps in buckets of 8 and 16: the loop stops at the real number
+    # of steps (a runtime trip count); a reverse scan flips the real steps only; the backward's
+    # reverse scan too. Outputs and the weight's gradient equal eager's.
+    w = (torch.randn(8, 8) * 0.3).requires_grad_()
 
-    fn = torch.compile(f, backend="tpu", fullgraph=True, options=STRICT)
-    with pytest.warns(UserWarning, match="per shape instead of per bucket.*scan.*scanned"):
-        for n in (5, 7):
+    def f(xs, h, w):
+        return scan(lambda c, x: (torch.tanh(c @ w + x), c * 2), h, xs, reverse=reverse)
+
+    fn = torch.compile(f, backend="tpu", fullgraph=True, options={**STRICT, "cache_dir": str(tmp_path)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (5, 7, 12):
             xs, h = torch.randn(n, 4, 8), torch.randn(4, 8)
             torch._dynamo.mark_dynamic(xs, 0, min=2, max=16)
-            torch.testing.assert_close(fn(xs, h), f(xs, h))
-    assert tpuc.stats()["xla_compiles"] == 2
+            got, want = fn(xs, h, w), f(xs, h, w)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            gg, gw = (torch.autograd.grad(sum(o.square().sum() for o in out), w)[0] for out in (got, want))
+            torch.testing.assert_close(gg, gw, rtol=1e-4, atol=1e-4)
+    assert tpuc.stats()["xla_compiles"] == 4
 
 
 MESH_4 = {"shape": [4], "axes": ["data"]}

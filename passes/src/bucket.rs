@@ -273,6 +273,10 @@ const ELEMENTWISE: &[&str] = &[
     "xlogy",
 ];
 
+/// The keyword argument that gives a `scan`/`map_impl` its real number of steps when its
+/// scanned dim is padded (a 0-d int64 value; the lowering's loop stops there).
+pub const STEPS_KWARG: &str = "tpuc_steps";
+
 /// View ops whose functional `_copy` twins share their bucketing rules.
 const VIEW_TWINS: &[&str] = &[
     "alias",
@@ -1072,6 +1076,8 @@ impl<'a> Bucketer<'a> {
             _ => return Err(self.err("no bucketing rule for this control-flow op")),
         };
         let mut operands: Vec<Option<Layout>> = Vec::new();
+        // The padded leading dim of xs (one run), when bucketing pads the number of steps.
+        let mut steps: Option<DimLayout> = None;
         let layout = |b: &Self, a: &Arg| -> R<Option<Layout>> {
             match a {
                 Arg::Value(v) => b.layout_of(*v).map(Some),
@@ -1092,13 +1098,20 @@ impl<'a> Bucketer<'a> {
             let xs_at = xs.expect("scan and map scan xs");
             for a in lists(xs_at) {
                 operands.push(match layout(self, &a)? {
-                    Some(l) if l.first().is_some_and(dim_padded) => {
-                        return Err(self.err(
-                            "the scanned (leading) dim of xs is bucketed: the loop would run \
-                             the padded steps too",
-                        ))
+                    Some(l) if l.is_empty() => return Err(self.err("a scanned 0-d tensor")),
+                    Some(l) => {
+                        // A bucketed scanned dim: the loop stops at the real number of steps.
+                        if dim_padded(&l[0]) {
+                            let one_run = matches!(l[0].as_slice(), [a] if a.padded());
+                            if !one_run || steps.as_ref().is_some_and(|s| !same_dim(s, &l[0])) {
+                                return Err(self.err(
+                                    "the scanned (leading) dims of xs are bucketed differently",
+                                ));
+                            }
+                            steps = Some(l[0].clone());
+                        }
+                        Some(l[1..].to_vec())
                     }
-                    Some(l) => Some(l[1..].to_vec()),
                     None => None,
                 });
             }
@@ -1113,7 +1126,7 @@ impl<'a> Bucketer<'a> {
                 return Err(self.err(format!("argument {pos} is not a graph")));
             };
             let body = &self.g.regions[*k];
-            let (sub, _, new_inputs) =
+            let (sub, in_layouts, new_inputs) =
                 Bucketer::walk(body, self.dynamic, self.sizes, Some(&operands)).map_err(|e| {
                     self.err(format!(
                         "in its graph, `{}` (node `{}`): {}",
@@ -1125,6 +1138,7 @@ impl<'a> Bucketer<'a> {
                 .iter()
                 .filter_map(|o| match o {
                     Output::Value(v) => Some(sub.layouts[v].clone()),
+                    Output::Input(k) => in_layouts[*k].clone(),
                     _ => None,
                 })
                 .collect();
@@ -1192,7 +1206,11 @@ impl<'a> Bucketer<'a> {
                     let first_y = r.len();
                     for (k, y) in body[first_y..].iter().enumerate() {
                         let ty = self.result_type(n, first_y + k)?;
-                        let mut l = vec![clean(self.dim_size(&ty.shape[0])?)];
+                        let lead = match &steps {
+                            Some(d) => d.clone(),
+                            None => clean(self.dim_size(&ty.shape[0])?),
+                        };
+                        let mut l = vec![lead];
                         l.extend(y.iter().cloned());
                         r.push(Some(l));
                     }
@@ -1204,6 +1222,12 @@ impl<'a> Bucketer<'a> {
         for (pos, g) in graphs_out {
             self.out.regions.push(g);
             self.out.dag[new].args[pos] = Arg::Region(self.out.regions.len() - 1);
+        }
+        if let Some(real) = steps.as_ref().and_then(|d| d[0].real.clone()) {
+            let v = self.scalar(&real);
+            self.out.dag[new]
+                .kwargs
+                .insert(STEPS_KWARG.into(), Arg::Value(v));
         }
         if !sizes.is_empty() {
             let last = if op == "map_impl" { 2 } else { 3 };
@@ -1727,15 +1751,85 @@ impl<'a> Bucketer<'a> {
         self.finish(id, new, vec![Some(lx)])
     }
 
-    /// `flip` moves elements only along its dims: exact when none of them is padded (the
-    /// padding would move to the front).
+    /// `flip` along real dims moves no padding; along a padded dim (one run of which the first
+    /// `r` are real) it reverses the real prefix in place: `x[r-1-i]` for `i < r`.
     fn flip(&mut self, id: NodeId, n: &Node) -> R<()> {
-        let lx = self.layout_of(self.operand(n, 0)?)?;
+        let x = self.operand(n, 0)?;
+        let lx = self.layout_of(x)?;
         let dims = self.dims_arg(n.args.get(1).or(n.kwargs.get("dims")), lx.len())?;
-        if dims.iter().any(|&d| dim_padded(&lx[d])) {
-            return Err(self.err("flip along a bucketed dim"));
+        let (padded, real): (Vec<usize>, Vec<usize>) =
+            dims.iter().partition(|&&d| dim_padded(&lx[d]));
+        if padded.is_empty() {
+            return self.copy_with(id, n, vec![Some(lx)]);
         }
-        self.copy_with(id, n, vec![Some(lx)])
+        let ty = self.value_type(x)?;
+        let shape = self.static_shape(&ty)?;
+        let mut v = self.map[&x];
+        for d in padded {
+            let [Atom {
+                size,
+                real: Some(r),
+            }] = lx[d].as_slice()
+            else {
+                return Err(self.err("flip along a dim bucketed as several runs"));
+            };
+            let (size, r) = (*size, r.clone());
+            let i64t = |s: &[i64]| TensorType::new_static(s, DType::Int64);
+            let iota = self.emit(
+                "iota",
+                "aten.arange.start_step",
+                vec![Arg::Int(0), Arg::Int(size), Arg::Int(1)],
+                vec![("dtype", Arg::DType(DType::Int64))],
+                i64t(&[size]),
+            );
+            let real = self.scalar(&r);
+            let from_end = self.emit(
+                "from_end",
+                "aten.sub.Tensor",
+                vec![Arg::Value(real), Arg::Value(iota)],
+                vec![],
+                i64t(&[size]),
+            );
+            let rev = self.emit(
+                "rev",
+                "aten.sub.Tensor",
+                vec![Arg::Value(from_end), Arg::Int(1)],
+                vec![],
+                i64t(&[size]),
+            );
+            let inside = self.emit(
+                "inside",
+                "aten.lt.Tensor",
+                vec![Arg::Value(iota), Arg::Value(real)],
+                vec![],
+                TensorType::new_static(&[size], DType::Bool),
+            );
+            let idx = self.emit(
+                "idx",
+                "aten.where.self",
+                vec![Arg::Value(inside), Arg::Value(rev), Arg::Value(iota)],
+                vec![],
+                i64t(&[size]),
+            );
+            v = self.emit(
+                "flipped",
+                "aten.index_select.default",
+                vec![Arg::Value(v), Arg::Int(d as i64), Arg::Value(idx)],
+                vec![],
+                TensorType::new_static(&shape, ty.dtype),
+            );
+        }
+        if !real.is_empty() {
+            let dims: Vec<i64> = real.iter().map(|&d| d as i64).collect();
+            v = self.emit(
+                "flipped",
+                "aten.flip.default",
+                vec![Arg::Value(v), int_list(&dims)],
+                vec![],
+                TensorType::new_static(&shape, ty.dtype),
+            );
+        }
+        self.finish(id, v.node, vec![Some(lx)])
     }
 
     fn softmax_backward(&mut self, id: NodeId, n: &Node, base: &str) -> R<()> {
@@ -2375,15 +2469,38 @@ mod tests {
                 input("x", r#"["s0", 4]"#),
                 call(
                     "f",
-                    "aten.flip.default",
-                    r#"[{"node": "x"}, [0]]"#,
+                    "aten.roll.default",
+                    r#"[{"node": "x"}, [1], [0]]"#,
                     r#"["s0", 4]"#,
                 ),
             ],
             "f",
         );
         let e = run(&g, 8).unwrap_err();
-        assert_eq!((e.op.as_str(), e.node.as_str()), ("aten.flip.default", "f"));
+        assert_eq!((e.op.as_str(), e.node.as_str()), ("aten.roll.default", "f"));
+    }
+
+    #[test]
+    fn flip_along_a_padded_dim_reverses_the_real_prefix() {
+        let g = graph(
+            &[
+                input("x", r#"["s0", 4]"#),
+                call(
+                    "f",
+                    "aten.flip.default",
+                    r#"[{"node": "x"}, [0, 1]]"#,
+                    r#"["s0", 4]"#,
+                ),
+            ],
+            "f",
+        );
+        let text = run(&g, 8).unwrap().graph.to_string();
+        // x[s0-1-i] for i < s0 (an index_select by the real size), then a plain flip of dim 1.
+        assert!(text.contains("aten.index_select.default"), "{text}");
+        assert!(
+            text.contains("aten.flip.default") && text.contains("[1]"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -2436,7 +2553,7 @@ mod tests {
     }
 
     #[test]
-    fn a_scan_over_a_padded_dim_is_reported() {
+    fn a_scan_over_a_padded_dim_stops_at_the_real_number_of_steps() {
         let g = import_json(
             r#"{"nodes": [
           {"name": "xs", "op": "placeholder", "val": {"tensor": {"shape": ["s0", 4], "dtype": "float32"}}},
@@ -2449,7 +2566,13 @@ mod tests {
           {"name": "output", "op": "output", "args": [[{"node": "x"}]]}]}}}"#,
         )
         .unwrap();
-        let e = run(&g, 8).unwrap_err();
-        assert!(e.reason.contains("scanned (leading) dim"), "{e}");
+        let b = run(&g, 8).unwrap();
+        let text = b.graph.to_string();
+        assert!(text.contains("tpuc_steps=%tpuc_size0"), "{text}");
+        let padded = vec![Atom {
+            size: 8,
+            real: Some(SymExpr::parse("s0").unwrap()),
+        }];
+        assert_eq!(b.output_layouts, vec![vec![padded, clean(4)]]);
     }
 }

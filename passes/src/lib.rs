@@ -21,7 +21,7 @@ mod rewrite;
 pub mod sharding;
 mod specialize;
 
-pub use bucket::{bucket, Atom, BucketError, Bucketed, DimLayout, Layout};
+pub use bucket::{bucket, Atom, BucketError, Bucketed, DimLayout, Layout, STEPS_KWARG};
 pub use cse::common_subexpression_elimination;
 pub use dce::dead_code_elimination;
 pub use fold_constants::fold_constants;

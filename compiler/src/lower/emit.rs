@@ -1611,23 +1611,56 @@ impl<'c, 'b> Emitter<'c, 'b> {
         init: &[T<'c, 'b>],
         body: impl for<'r> Fn(&Emitter<'c, 'r>, &T<'c, 'r>, &[T<'c, 'r>]) -> R<Vec<T<'c, 'r>>>,
     ) -> R<Vec<T<'c, 'b>>> {
+        self.fori_with(n, None, init, body)
+    }
+
+    /// [`Emitter::fori`], stopping at `limit` (0-d integer, at most `n`) when given: a runtime
+    /// trip count, carried along as the loop's last value.
+    pub fn fori_with(
+        &self,
+        n: i64,
+        limit: Option<&T<'c, 'b>>,
+        init: &[T<'c, 'b>],
+        body: impl for<'r> Fn(&Emitter<'c, 'r>, &T<'c, 'r>, &[T<'c, 'r>]) -> R<Vec<T<'c, 'r>>>,
+    ) -> R<Vec<T<'c, 'b>>> {
         const I64: DType = DType::Int64;
         let mut types = vec![(vec![], I64)];
         types.extend(init.iter().map(|t| (t.shape.clone(), t.dtype)));
+        let carried_limit = limit.is_some();
+        if carried_limit {
+            types.push((vec![], I64));
+        }
+        let last = types.len() - 1;
         let cond = self.region_of(&types, move |e, a| {
-            let limit = e.splat(Scalar::Int(n), &[], I64)?;
+            let limit = if carried_limit {
+                a[last].clone()
+            } else {
+                e.splat(Scalar::Int(n), &[], I64)?
+            };
             Ok(vec![e.compare(&a[0], &limit, "LT")?])
         })?;
         let body = self.region_of(&types, move |e, a| {
-            let mut next = body(e, &a[0], &a[1..])?;
+            let end = if carried_limit { last } else { a.len() };
+            let mut next = body(e, &a[0], &a[1..end])?;
             let one = e.splat(Scalar::Int(1), &[], I64)?;
             next.insert(0, e.add(&a[0], &one)?);
+            if carried_limit {
+                next.push(a[last].clone());
+            }
             Ok(next)
         })?;
         let k0 = self.splat(Scalar::Int(0), &[], I64)?;
+        let limit = match limit {
+            Some(l) => Some(self.convert(&self.reshape(l, &[])?, I64)?),
+            None => None,
+        };
         let mut operands = vec![&k0];
         operands.extend(init.iter());
+        operands.extend(limit.as_ref());
         let mut out = self.op_n("stablehlo.while", &operands, &[], &types, vec![cond, body])?;
+        if carried_limit {
+            out.pop();
+        }
         out.remove(0);
         Ok(out)
     }

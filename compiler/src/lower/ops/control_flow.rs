@@ -7,6 +7,7 @@ use crate::lower::emit::{array_i64, Emitter, Scalar, T};
 use crate::lower::{lower_body, NodeCx, Rule, R};
 use melior::ir::{Value, ValueLike};
 use tpuc_frontend_fx::{DType, Graph};
+use tpuc_passes::STEPS_KWARG;
 
 pub const RULES: &[(&str, Rule)] = &[
     ("higher_order.cond", cond),
@@ -200,7 +201,12 @@ fn stepped<'c, 'b>(
     carried.extend(extra.iter().flatten().cloned());
     let nx = xs.len();
     let carry_types = types[..nc].to_vec();
-    let out = e.fori(steps, &carried, |inner, k, a| {
+    // Bucketing pads the scanned dim to its bucket and passes the real number of steps.
+    let limit = match cx.node.kwargs.get(STEPS_KWARG) {
+        Some(a @ tpuc_frontend_fx::Arg::Value(_)) => Some(cx.value(a, STEPS_KWARG)?),
+        _ => None,
+    };
+    let out = e.fori_with(steps, limit.as_ref(), &carried, |inner, k, a| {
         let (carries, rest) = a.split_at(nc);
         let (bufs, rest) = rest.split_at(ny);
         let (xs_k, rest) = rest.split_at(nx);
