@@ -4,7 +4,8 @@
 //! (`graph`), the runtime (`runtime`), executables (`executable`, `hot` for the per-call path),
 //! targets (`target`), bucketed graphs (`bucket`), the cache's commands (`cache_files`); with
 //! the errors (`errors`), option conversion (`options`), the FX walk (`fx_walk`), environment
-//! (`env`), interpreter exit (`exit`), logs (`logging`) and table writes (`writes`).
+//! (`env`), interpreter exit (`exit`), logs (`logging`), table writes (`writes`) and the user's
+//! source lines for messages (`source`).
 
 mod bucket;
 mod cache_files;
@@ -18,6 +19,7 @@ mod hot;
 mod logging;
 mod options;
 mod runtime;
+mod source;
 mod target;
 mod writes;
 
@@ -50,6 +52,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::live_objects, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::plugin_api_version, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::execute_spin_us, m)?)?;
+    m.add_function(wrap_pyfunction!(source::user_frame, m)?)?;
     env::register(m)?;
     cache_files::register(m)?;
     m.add_function(wrap_pyfunction!(target::cache_entry_target, m)?)?;

@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.fx
 
-from . import _native
+from . import _native, user_code
 from .compiled_graph import _lowering_fallback
 from .op_support import _supported
 
@@ -33,21 +33,9 @@ class _PartitionModule(torch.nn.Module):
 
 
 def _origin(n: torch.fx.Node, traces: dict) -> str:
-    """Where the user's code produced `n`: the last frame of the stack trace Dynamo recorded for
-    the node it came from (AOTAutograd nodes point back to it through `from_node`)."""
-    trace = n.meta.get("stack_trace")
-    source = (n.meta.get("from_node") or [None])[-1]
-    while not trace and source is not None:
-        trace = traces.get(source.name)
-        source = (source.from_node or [None])[-1]
-    trace = (trace or "").strip().splitlines()
-    lines = [line.strip() for line in trace if line.strip() and set(line.strip()) - set("^~ ")]
-    frames = [i for i, line in enumerate(lines) if line.startswith("File ")]
-    if not frames:
-        return ""
-    last = frames[-1]
-    code = lines[last + 1] if last + 1 < len(lines) else ""
-    return f", from {lines[last]}" + (f": {code}" if code else "")
+    """`, from model.py:12 (code)`: where the user's code produced `n`, or ""."""
+    where = user_code.describe(n, traces)
+    return f", from {where}" if where else ""
 
 
 def _warn_fallback(ops: list[str]) -> None:

@@ -17,7 +17,6 @@ device (prepare.py), and dims with a declared maximum compile one executable per
 from __future__ import annotations
 
 import json
-import linecache
 import os
 import re
 import threading
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import _native, autograd_cache, buckets, counters, dump, fx_export, runtime
+from . import _native, autograd_cache, buckets, counters, dump, fx_export, runtime, user_code
 from . import sharding as sharding_mod
 from .target_spec import TargetSpec
 
@@ -118,21 +117,6 @@ def _mesh_hint(need: float, devices: int, spec: TargetSpec) -> str:
     return f"split over {fits} chips it would need about {fmt_bytes(need * devices / fits)} each: {where}{option}"
 
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def user_line(node: torch.fx.Node) -> str | None:
-    """`file.py:12` of the innermost user frame of a node's stack trace (PyTorch's own frames
-    left out), or None."""
-    frames = [
-        m
-        for m in _FRAME.finditer(node.meta.get("stack_trace") or "")
-        if not m.group(1).startswith(_TORCH_DIR)
-    ]
-    return f"{frames[-1].group(1)}:{frames[-1].group(2)}" if frames else None
-
-
 def largest_tensors(gm: torch.fx.GraphModule, k: int = 3) -> str:
     """The `k` largest tensors the graph's ops make, with the user's line that made each:
     `; largest tensors: 18.00 GiB `mul` f32[73728, 65536] at model.py:5 (c = a * b), ...`
@@ -148,12 +132,8 @@ def largest_tensors(gm: torch.fx.GraphModule, k: int = 3) -> str:
     sized.sort(key=lambda t: -t[0])
     parts = []
     for size, n, v in sized[:k]:
-        where = user_line(n)
-        text = ""
-        if where is not None:
-            file, line = where.rsplit(":", 1)
-            code = linecache.getline(file, int(line)).strip()
-            text = f" at {where}" + (f" ({code})" if code else "")
+        where = user_code.describe(n)
+        text = f" at {where}" if where else ""
         dtype = str(v.dtype).removeprefix("torch.")
         parts.append(f"{fmt_bytes(size)} `{n.name}` {dtype}{list(v.shape)}{text}")
     return f"; largest tensors: {', '.join(parts)}" if parts else ""
