@@ -70,6 +70,9 @@ def main():
     ap.add_argument("--split", action="store_true")
     ap.add_argument("--step", action="store_true")
     ap.add_argument("--layers", type=int, default=None)
+    # The step twin also returns its gradients, as tpuc's step does (eager's p.grad holds them):
+    # the twin of the same outputs, to tell that difference from the rest.
+    ap.add_argument("--grad-outputs", action="store_true")
     a = ap.parse_args()
     import jax
     from jax.experimental import topologies
@@ -82,6 +85,8 @@ def main():
     kw = {"step": True} if a.step else ({"train": True} if a.train else {})
     if a.layers is not None:
         kw["layers"] = a.layers
+    if a.grad_outputs:
+        kw["grad_outputs"] = True
     fn, args = twin.build(SingleDeviceSharding(dev), **kw)
     donate = twin.DONATE if a.step else ()
     t = time.time()

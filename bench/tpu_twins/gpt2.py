@@ -8,6 +8,8 @@ after its first step, on the logits' mean square (bench/bench_real.py's loss), w
 parameters, `exp_avg`, `exp_avg_sq` and the per-parameter `step` counters updated and donated
 (`DONATE`), as `jax.jit(step, donate_argnums=DONATE)`."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -46,9 +48,9 @@ DONATE = (0, 1)
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 1e-2
 
 
-def adamw_step(params, state, ids):
+def adamw_step(params, state, ids, grad_outputs=False):
     """One AdamW step (torch.optim.AdamW's defaults; per-parameter step counters, as its
-    capturable form keeps them): (loss, params, state)."""
+    capturable form keeps them): (loss, params, state), and the gradients with `grad_outputs`."""
     loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.square(fwd(p, ids))))(params)
     step, m, v = state
 
@@ -64,7 +66,7 @@ def adamw_step(params, state, ids):
     tree = jax.tree_util.tree_structure(params)
     out = [update(*a) for a in zip(*(tree.flatten_up_to(t) for t in (params, g, step, m, v)), strict=True)]
     params, step, m, v = (tree.unflatten(list(x)) for x in zip(*out, strict=True))
-    return loss, params, (step, m, v)
+    return (loss, params, (step, m, v), g) if grad_outputs else (loss, params, (step, m, v))
 
 
 def fwd(params, ids):
@@ -101,13 +103,14 @@ def _shapes(sharding):
     return sd, block_params, rest
 
 
-def build(sharding, scan=False, step=False, layers=L):
+def build(sharding, scan=False, step=False, layers=L, grad_outputs=False):
     sd, block_params, rest = _shapes(sharding)
     ids = sd(1, T, dtype=jnp.int32)
     if step:
         params = {**rest, "blocks": [block_params() for _ in range(layers)]}
         counts = jax.tree_util.tree_map(lambda _: sd(), params)
-        return adamw_step, (params, (counts, params, params), ids)
+        step_fn = functools.partial(adamw_step, grad_outputs=grad_outputs)
+        return step_fn, (params, (counts, params, params), ids)
     if scan:
         return scan_fwd, ({**rest, "blocks": block_params(L)}, ids)
     return fwd, ({**rest, "blocks": [block_params() for _ in range(L)]}, ids)

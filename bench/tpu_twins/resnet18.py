@@ -8,6 +8,8 @@ runs it after its first step (loss = summed logits; gradients, momentum, paramet
 BatchNorm's running statistics and batch counts updated), with the parameters, the momentum
 buffers and the BatchNorm buffers donated (`DONATE`), as `jax.jit(step, donate_argnums=DONATE)`."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -52,9 +54,10 @@ DONATE = (0, 1, 2)
 LR, MOMENTUM, BN_MOMENTUM = 0.1, 0.9, 0.1
 
 
-def sgd_step(params, mom, bufs, x):
+def sgd_step(params, mom, bufs, x, grad_outputs=False):
     """One SGD step with momentum (torch.optim.SGD after its first step) and BatchNorm's
-    running statistics updated: (loss, params, mom, bufs)."""
+    running statistics updated: (loss, params, mom, bufs), and the gradients with
+    `grad_outputs` (as tpuc's step returns them: eager's `p.grad` holds them after the step)."""
 
     def loss_fn(p):
         stats = []
@@ -67,10 +70,10 @@ def sgd_step(params, mom, bufs, x):
         ((1 - BN_MOMENTUM) * rm + BN_MOMENTUM * m, (1 - BN_MOMENTUM) * rv + BN_MOMENTUM * v, n + 1)
         for (rm, rv, n), (m, v) in zip(bufs, stats, strict=True)
     ]
-    return loss, params, mom, bufs
+    return (loss, params, mom, bufs, g) if grad_outputs else (loss, params, mom, bufs)
 
 
-def build(sharding, train=False, step=False):
+def build(sharding, train=False, step=False, grad_outputs=False):
     def sd(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)
 
@@ -94,7 +97,7 @@ def build(sharding, train=False, step=False):
             order += [c, c] + ([c] if "down" in b else [])
         count = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)
         bufs = [(sd(c), sd(c), count) for c in order]
-        return sgd_step, (params, params, bufs, x)
+        return functools.partial(sgd_step, grad_outputs=grad_outputs), (params, params, bufs, x)
     if train:
         return jax.grad(lambda p, x: forward(p, x, True).sum()), (params, x)
     return (lambda p, x: forward(p, x, False)), (params, x)
