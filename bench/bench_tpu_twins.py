@@ -381,7 +381,8 @@ def write(out: Path, stem: str, data: dict, before: dict | None) -> None:
         f"{when}, tpuc {git}, topology {meta['topology']}, load average {meta['load'][0]:.1f} on {meta['cpus']} CPUs; "
         f"f32 matmul precision: tpuc {prec['tpuc']}, JAX {prec['jax']}. "
         "`bench/bench_tpu_twins.py` (dumps through `tpuc.precompile(..., options={'target': "
-        f"'{TARGET}', 'dump_dir': ...}})`, then `bench/tpu_twins/compare.py` compiles the dumps and the "
+        f"'{TARGET}', 'dump_dir': ...}})`; whole steps: `torch.compile(step, backend='tpu', options=...)` "
+        "after one eager step), then `bench/tpu_twins/compare.py` compiles the dumps and the "
         "twin with the jax[tpu] environment's libtpu). Goal (issue 43): bytes accessed and flops at most "
         "1.05x the twin's, compile seconds at most 1.5x.",
         "",
