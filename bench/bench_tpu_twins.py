@@ -45,7 +45,10 @@ CASES = {
     "gpt2": ("gpt2", [], "GPT-2 124M forward, 1x128"),
     "resnet18_infer": ("resnet18", [], "ResNet-18 inference, 2x3x64x64"),
     "resnet18_train": ("resnet18", ["--train", "--split"], "ResNet-18 training (forward + backward graphs)"),
+    "resnet18_step": ("resnet18", ["--step"], "ResNet-18 whole SGD step (momentum 0.9), one program"),
+    "gpt2_step": ("gpt2", ["--step"], "GPT-2 124M whole AdamW step, 1x128, one program"),
 }
+STEP_CASES = ("resnet18_step", "gpt2_step")
 
 
 class Logits(torch.nn.Module):
@@ -77,10 +80,60 @@ def build(case: str):
     return model.train(), (x,), True
 
 
-def dump(case: str, folder: Path, precision: str) -> None:
+def step_case(case: str, layers: int):
+    """(step, inputs) of a whole-step case: the twin's optimizer (ResNet-18: SGD lr 0.1, momentum
+    0.9, loss the summed logits; GPT-2 without dropout: AdamW's defaults, loss the logits' mean
+    square) after one eager step, so that its state exists and is an input, as the twin's is."""
+    torch.manual_seed(0)
+    if case == "gpt2_step":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=layers, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(config).train()
+        opt = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, 50257, (1, 128), generator=torch.Generator().manual_seed(0))
+
+        def loss_of(ids):
+            return model(ids, use_cache=False).logits.square().mean()
+
+        inputs = (ids,)
+    else:
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=10).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        inputs = (torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)),)
+
+        def loss_of(x):
+            return model(x).sum()
+
+    def step(*args):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(*args)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    step(*inputs)
+    return step, inputs
+
+
+def dump(case: str, folder: Path, precision: str, layers: int = 12) -> None:
     """Compiles the case for the target through tpuc, dumping its modules into `folder`."""
     import tpuc
 
+    if case in STEP_CASES:
+        from tpuc import targets
+
+        step, inputs = step_case(case, layers)
+        with tempfile.TemporaryDirectory() as cache:
+            options = {"target": TARGET, "cache_dir": cache, "dump_dir": str(folder), "precision": precision}
+            torch._dynamo.reset()
+            try:
+                torch.compile(step, backend="tpu", options=options)(*inputs)
+            except targets.TargetUnavailableError:
+                pass  # compiled and stored; this machine has no TPU to run it
+        return
     model, inputs, training = build(case)
     with tempfile.TemporaryDirectory() as cache:
         tpuc.precompile(
@@ -126,9 +179,13 @@ def op_counts(folder: Path) -> dict:
     return counts
 
 
-def compare(jax_python: str, case: str, folder: Path, topology: str, precision: str | None) -> dict:
+def compare(
+    jax_python: str, case: str, folder: Path, topology: str, precision: str | None, layers: int = 12
+) -> dict:
     """Runs compare.py on a dump; its RESULT line as a dict."""
     twin, flags, _ = CASES[case]
+    if case == "gpt2_step":
+        flags = [*flags, "--layers", str(layers)]
     cmd = [
         jax_python,
         str(TWINS / "compare.py"),
@@ -201,6 +258,36 @@ def split_lines(rows: dict) -> list[str]:
     return [*lines, ""] if lines else []
 
 
+def memory_lines(rows: dict) -> list[str]:
+    """Memory per chip of the whole-step cases (compare.py --step): as compiled, if the state the
+    step writes were aliased to its inputs (donated, as the twin's is), and without the gradients
+    among the outputs too (tpuc returns them: eager's `p.grad` holds them after the step)."""
+    steps = {c: r for c, r in rows.items() if "memory if aliased" in r["tpuc"]}
+    if not steps:
+        return []
+    lines = [
+        "Memory per chip of the whole steps (XLA:TPU's memory stats; memory = arguments + outputs "
+        "- aliased + temporaries + code):",
+        "",
+        "| graph | arguments tpuc / JAX | outputs | aliased | temporaries | memory | "
+        "memory if the written state were aliased | and no gradient outputs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case, r in steps.items():
+        t, j = r["tpuc"], r["jax"]
+
+        def mb(k, jk=None, t=t, j=j):
+            jv = j[jk or k]
+            return f"{t[k] / 1e6:.0f} / {jv / 1e6:.0f} MB" + (f" ({ratio(t[k], jv):.2f}x)" if jv else "")
+
+        lines.append(
+            f"| {CASES[case][2]} | {mb('arguments')} | {mb('outputs')} | {mb('aliased')} | {mb('temporaries')} "
+            f"| {mb('memory')} | {mb('memory if aliased', 'memory')} "
+            f"| {mb('memory if aliased, no gradient outputs', 'memory')} |"
+        )
+    return [*lines, ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jax-python", default="../jaxtpu/bin/python")
@@ -218,6 +305,7 @@ def main() -> None:
         default=None,
         help="the twin's (jax.default_matmul_precision); default: JAX's own (one bf16 pass on a TPU)",
     )
+    ap.add_argument("--layers", type=int, default=12, help="GPT-2 blocks of the gpt2_step case")
     ap.add_argument("--before", help="an earlier run's JSON, whose ratios the table shows beside")
     ap.add_argument("--dumps", help="keep the dumps in this folder (default: a temporary one)")
     ap.add_argument("--reuse", action="store_true", help="compare the dumps already in --dumps")
@@ -249,10 +337,10 @@ def main() -> None:
             if not (a.reuse and any(folder.rglob("stablehlo.mlir"))):
                 if folder.exists():
                     raise SystemExit(f"{folder} exists: give --dumps an empty folder, or --reuse")
-                dump(case, folder, a.precision)
+                dump(case, folder, a.precision, a.layers)
             tpuc_own[case] = tpuc_report(folder)
             ops[case] = op_counts(folder)
-            rows[case] = compare(a.jax_python, case, folder, a.topology, a.twin_precision)
+            rows[case] = compare(a.jax_python, case, folder, a.topology, a.twin_precision, a.layers)
             r = rows[case]
             print(
                 f"{case}: compile {r['tpuc']['seconds']:.1f} / {r['jax']['seconds']:.1f} s, "
@@ -293,7 +381,8 @@ def write(out: Path, stem: str, data: dict, before: dict | None) -> None:
         f"{when}, tpuc {git}, topology {meta['topology']}, load average {meta['load'][0]:.1f} on {meta['cpus']} CPUs; "
         f"f32 matmul precision: tpuc {prec['tpuc']}, JAX {prec['jax']}. "
         "`bench/bench_tpu_twins.py` (dumps through `tpuc.precompile(..., options={'target': "
-        f"'{TARGET}', 'dump_dir': ...}})`, then `bench/tpu_twins/compare.py` compiles the dumps and the "
+        f"'{TARGET}', 'dump_dir': ...}})`; whole steps: `torch.compile(step, backend='tpu', options=...)` "
+        "after one eager step), then `bench/tpu_twins/compare.py` compiles the dumps and the "
         "twin with the jax[tpu] environment's libtpu). Goal (issue 43): bytes accessed and flops at most "
         "1.05x the twin's, compile seconds at most 1.5x.",
         "",
@@ -319,6 +408,7 @@ def write(out: Path, stem: str, data: dict, before: dict | None) -> None:
         *(f"| {case} | " + " | ".join(str(v) for v in c.values()) + " |" for case, c in ops.items()),
         "",
         *split_lines(rows),
+        *memory_lines(rows),
         "tpuc's own target compile (the project's libtpu, `precompile`'s `per_graph` report):",
         "",
         "| graph | graphs | lower s | compile s | flops | bytes accessed | largest footprint per chip |",

@@ -11,7 +11,15 @@ measuring tool, not a dependency):
 DIR: a tpuc dump folder (or one graph folder) holding stablehlo.mlir files (`options={"dump_dir": ...}`);
 every graph found is compiled, and the sums are compared with the twin (resnet18: `--train` for the
 training twin, against the forward + backward graphs; `--split`: also the training twin as two
-programs, forward and backward, as tpuc's are).
+programs, forward and backward, as tpuc's are; `--step`: one whole training step, the twin's
+`build(step=True)` with its parameters and optimizer state donated, against tpuc's one program for
+the whole step; `--layers N`: GPT-2's step twin with N blocks).
+
+Also printed: memory per chip (arguments, outputs, aliased, temporaries, code; "memory" is
+arguments + outputs - aliased + temporaries + code, summed over tpuc's graphs), and with `--step`
+"memory if aliased": tpuc's memory less the bytes of the state the step writes (the twin's donated
+arguments: the same tensors), what donation of the written state would make it, and less the
+gradients too (tpuc's step outputs them: eager's `p.grad` holds them after the step).
 """
 
 import argparse
@@ -23,6 +31,28 @@ import sys
 import time
 
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+
+MEMORY = ("arguments", "outputs", "aliased", "temporaries", "code")
+
+
+def memory(stats) -> dict:
+    """Memory per chip of one executable, from XLA's CompiledMemoryStats."""
+    m = {
+        "arguments": stats.argument_size_in_bytes,
+        "outputs": stats.output_size_in_bytes,
+        "aliased": stats.alias_size_in_bytes,
+        "temporaries": stats.temp_size_in_bytes,
+        "code": stats.generated_code_size_in_bytes,
+    }
+    m["memory"] = m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"] + m["code"]
+    return m
+
+
+def tree_bytes(tree) -> int:
+    import jax
+
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
 def main():
@@ -38,6 +68,11 @@ def main():
     # Also the training twin as two programs (forward with its residuals, backward), as tpuc's
     # training step is: what splitting one gradient into two executables costs by itself.
     ap.add_argument("--split", action="store_true")
+    ap.add_argument("--step", action="store_true")
+    ap.add_argument("--layers", type=int, default=None)
+    # The step twin also returns its gradients, as tpuc's step does (eager's p.grad holds them):
+    # the twin of the same outputs, to tell that difference from the rest.
+    ap.add_argument("--grad-outputs", action="store_true")
     a = ap.parse_args()
     import jax
     from jax.experimental import topologies
@@ -47,15 +82,22 @@ def main():
     topo = topologies.get_topology_desc(platform="tpu", topology_name=a.topology)
     dev = topo.devices[0]
     twin = __import__(a.twin)
-    fn, args = twin.build(SingleDeviceSharding(dev), **({"train": True} if a.train else {}))
+    kw = {"step": True} if a.step else ({"train": True} if a.train else {})
+    if a.layers is not None:
+        kw["layers"] = a.layers
+    if a.grad_outputs:
+        kw["grad_outputs"] = True
+    fn, args = twin.build(SingleDeviceSharding(dev), **kw)
+    donate = twin.DONATE if a.step else ()
     t = time.time()
     if a.precision:
         with jax.default_matmul_precision(a.precision):
-            lowered = jax.jit(fn).lower(*args)
+            lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
     else:
-        lowered = jax.jit(fn).lower(*args)
+        lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
     c = lowered.compile()
     ref = {"seconds": time.time() - t, **{k: v for k, v in c.cost_analysis().items() if "{" not in k}}
+    ref.update(memory(c.memory_analysis()))
     split = None
     if a.split:
         split = {"seconds": 0.0, "flops": 0.0, "bytes accessed": 0.0, "transcendentals": 0.0, "graphs": 0}
@@ -74,10 +116,22 @@ def main():
             split["per_graph_bytes"].append(cs.cost_analysis().get("bytes accessed"))
             split["graphs"] += 1
     got = compile_dump(topo, a.dump)
-    print(f"{'':18s} {'tpuc':>14s} {'jax twin':>14s} {'ratio':>7s}")
-    for k in ("seconds", "flops", "bytes accessed", "transcendentals"):
+    if a.step:
+        # The state the step writes (parameters, optimizer state, buffers) is the twin's donated
+        # arguments; the gradients tpuc's step returns are the size of the parameters.
+        got["written_state"] = sum(tree_bytes(args[i]) for i in donate)
+        got["gradients"] = tree_bytes(args[0])
+        got["memory if aliased"] = got["memory"] - got["written_state"] + got["aliased"]
+        got["memory if aliased, no gradient outputs"] = got["memory if aliased"] - got["gradients"]
+        for k in ("memory if aliased", "memory if aliased, no gradient outputs"):
+            ref[k] = ref["memory"]
+    print(f"{'':40s} {'tpuc':>14s} {'jax twin':>14s} {'ratio':>7s}")
+    keys = ("seconds", "flops", "bytes accessed", "transcendentals", "memory", *MEMORY)
+    if a.step:
+        keys += ("memory if aliased", "memory if aliased, no gradient outputs")
+    for k in keys:
         r = got[k] / ref[k] if ref.get(k) else float("nan")
-        print(f"{k:18s} {got[k]:14.4g} {ref.get(k, float('nan')):14.4g} {r:7.2f}")
+        print(f"{k:40s} {got[k]:14.4g} {ref.get(k, float('nan')):14.4g} {r:7.2f}")
     if split is not None:
         r = split["bytes accessed"] / ref["bytes accessed"]
         print(
@@ -96,6 +150,7 @@ def compile_dump(topo, folder: str) -> dict:
     from jaxlib import _jax
 
     got = {"seconds": 0.0, "flops": 0.0, "bytes accessed": 0.0, "transcendentals": 0.0, "graphs": 0}
+    got.update(dict.fromkeys((*MEMORY, "memory"), 0))
     client = topo.devices[0].client
     for path in sorted(glob.glob(os.path.join(folder, "**", "stablehlo.mlir"), recursive=True)):
         text = open(path).read()
@@ -114,6 +169,8 @@ def compile_dump(topo, folder: str) -> dict:
                 compile_options=opts,
             )
         got["seconds"] += time.time() - t
+        for k, v in memory(exe.get_compiled_memory_stats()).items():
+            got[k] += v
         for k, v in exe.cost_analysis().items():
             if k in got:
                 got[k] += v

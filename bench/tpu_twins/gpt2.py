@@ -2,7 +2,13 @@
 `transformers.GPT2LMHeadModel(GPT2Config())` on `input_ids` of shape (1, 128), eval, no cache.
 `build()` returns (function, abstract arguments) for `compare.py`; `build(scan=True)` the same
 network with its blocks stacked and run by `jax.lax.scan` (JAX's scan over layers: the block is
-compiled once), and `build_parts()` one block and the rest alone, for `depth.py`."""
+compiled once), and `build_parts()` one block and the rest alone, for `depth.py`.
+`build(step=True, layers=N)`: one whole training step as `torch.optim.AdamW()` (defaults) runs it
+after its first step, on the logits' mean square (bench/bench_real.py's loss), without dropout:
+parameters, `exp_avg`, `exp_avg_sq` and the per-parameter `step` counters updated and donated
+(`DONATE`), as `jax.jit(step, donate_argnums=DONATE)`."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +41,32 @@ def embed(params, ids):
 
 def head(params, x):
     return ln(x, params["lnf"]) @ params["wte"].T
+
+
+#: argument indices a step donates: parameters, then AdamW's state (step, exp_avg, exp_avg_sq)
+DONATE = (0, 1)
+LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 1e-2
+
+
+def adamw_step(params, state, ids, grad_outputs=False):
+    """One AdamW step (torch.optim.AdamW's defaults; per-parameter step counters, as its
+    capturable form keeps them): (loss, params, state), and the gradients with `grad_outputs`."""
+    loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.square(fwd(p, ids))))(params)
+    step, m, v = state
+
+    def update(p, g, t, m, v):
+        t = t + 1
+        p = p * (1 - LR * WEIGHT_DECAY)
+        m = m + (g - m) * (1 - BETA1)
+        v = BETA2 * v + (1 - BETA2) * g * g
+        bc1, bc2 = 1 - BETA1**t, 1 - BETA2**t
+        p = p - (LR / bc1) * m / (jnp.sqrt(v) / jnp.sqrt(bc2) + EPS)
+        return p, t, m, v
+
+    tree = jax.tree_util.tree_structure(params)
+    out = [update(*a) for a in zip(*(tree.flatten_up_to(t) for t in (params, g, step, m, v)), strict=True)]
+    params, step, m, v = (tree.unflatten(list(x)) for x in zip(*out, strict=True))
+    return (loss, params, (step, m, v), g) if grad_outputs else (loss, params, (step, m, v))
 
 
 def fwd(params, ids):
@@ -71,9 +103,14 @@ def _shapes(sharding):
     return sd, block_params, rest
 
 
-def build(sharding, scan=False):
+def build(sharding, scan=False, step=False, layers=L, grad_outputs=False):
     sd, block_params, rest = _shapes(sharding)
     ids = sd(1, T, dtype=jnp.int32)
+    if step:
+        params = {**rest, "blocks": [block_params() for _ in range(layers)]}
+        counts = jax.tree_util.tree_map(lambda _: sd(), params)
+        step_fn = functools.partial(adamw_step, grad_outputs=grad_outputs)
+        return step_fn, (params, (counts, params, params), ids)
     if scan:
         return scan_fwd, ({**rest, "blocks": block_params(L)}, ids)
     return fwd, ({**rest, "blocks": [block_params() for _ in range(L)]}, ids)

@@ -4762,6 +4762,51 @@ fn num_prims_fma_rounds_once() {
     assert_eq!(out[0].f32(), &[1.5, 0.0, 0.0]);
 }
 
+/// On a TPU `prims.fma` is a multiply and an add in the dtype (XLA:TPU emulates f64): no f64 in
+/// the module, and the result within an ulp of the once-rounded one, run here in the TPU form.
+#[test]
+fn num_prims_fma_on_a_tpu_stays_in_the_dtype() {
+    let len = 1029usize;
+    let a: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+    let b: Vec<f32> = (0..len).map(|i| (i as f32 * 0.11).cos() * 2.0).collect();
+    let c: Vec<f32> = (0..len).map(|i| (i as f32 * 0.05).sin() * 1e-2).collect();
+    let ins = [
+        ("a", &[len as i64][..], "float32"),
+        ("b", &[len as i64][..], "float32"),
+        ("c", &[len as i64][..], "float32"),
+    ];
+    let g = op(
+        &ins,
+        "prims.fma.default",
+        json!([n("a"), n("b"), n("c")]),
+        nokw(),
+        f32t(&[len as i64]),
+    );
+    let opts = LowerOptions {
+        device: Device::Tpu,
+        ..LowerOptions::default()
+    };
+    let text = lower(&g, &opts).unwrap().text().unwrap();
+    assert!(!text.contains("f64"), "{text}");
+    let out = run_on(
+        tpu_lowering_engine(),
+        &g,
+        &[
+            Buf::F32(a.clone()),
+            Buf::F32(b.clone()),
+            Buf::F32(c.clone()),
+        ],
+    );
+    for (i, got) in out[0].f32().iter().enumerate() {
+        let want = a[i].mul_add(b[i], c[i]);
+        let ulp = f32::from_bits(want.abs().to_bits() + 1) - want.abs();
+        assert!(
+            (got - want).abs() <= ulp,
+            "element {i}: {got} vs fma {want}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Source locations
 // ---------------------------------------------------------------------------------------------

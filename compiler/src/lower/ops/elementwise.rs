@@ -1045,7 +1045,10 @@ fn nextafter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// (the last bit set when inexact) and the result rounded to the dtype: with two more bits than
 /// twice the dtype's precision, round-to-odd makes that second rounding the correct one (Boldo
 /// and Melquiond, "When double rounding is odd", 2005). float64 has no wider type: op_support.py
-/// leaves its fma to PyTorch.
+/// leaves its fma to PyTorch. On a TPU the product and the sum are taken in the dtype (within an
+/// ulp of the once-rounded result, as JAX's optimizers compute it): XLA:TPU has no f64 and
+/// emulates it, which made a GPT-2 AdamW step's update carry the f64 form over every parameter
+/// (bench/tpu_twins, `compare.py --step`).
 fn fma<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let e = cx.e;
     let out = cx.out_dtype()?;
@@ -1055,6 +1058,9 @@ fn fma<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         e.broadcast_to(&e.convert(&t, out)?, &shape)
     };
     let (a, b, c) = (operand(0, "a")?, operand(1, "b")?, operand(2, "c")?);
+    if e.device == crate::lower::Device::Tpu && out.is_float() {
+        return Ok(vec![e.add(&e.mul(&a, &b)?, &c)?]);
+    }
     let wide = match out {
         DType::Float32 | DType::Bfloat16 => DType::Float64,
         DType::Float16 => DType::Float32,
