@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from . import checks, flex, input_views, mutations, regions, ties
+from . import block_loops, checks, flex, input_views, mutations, regions, ties
 from .decompositions import _decompositions
 from .options import PREPARE_STEPS
 from .storage_ops import _rebase_storage_ops
@@ -92,6 +92,10 @@ def _ties(road, job: Job):
     return lambda inner: ties.TieChecked(inner, n, as_is.forward, name)
 
 
+def _block_loops(road, job: Job):
+    block_loops.loop_chains(job.gm)
+
+
 def _inline_regions(road, job: Job):
     regions.inline_regions(job.gm)
 
@@ -148,6 +152,14 @@ STEPS: tuple[Step, ...] = (
         True,
         _always,
         _ties,
+    ),
+    Step(
+        "block_loops",
+        "chains of consecutive calls of one @nested_compile_region block become one scan over stacked operands (block_loops.py)",
+        "regions='loop', or 'auto' for a target",
+        False,
+        lambda road, job: regions.looped(road.opts, road.regions_family),
+        _block_loops,
     ),
     Step(
         "inline_regions",

@@ -56,7 +56,13 @@ def inlined(opts, plugin_family: str) -> bool:
     `plugin_family` ("cpu", "tpu", ...; "target" for a target's compile)."""
     if opts.regions == "auto":
         return plugin_family == "cpu"
-    return opts.regions == "inline"
+    # "loop": what is left of the calls after block_loops (a lone call) joins the one program
+    return opts.regions in ("inline", "loop")
+
+
+def looped(opts, plugin_family: str) -> bool:
+    """Whether chains of calls of one region become loops (block_loops.py) for these options."""
+    return opts.regions == "loop"
 
 
 def inline_regions(gm: torch.fx.GraphModule) -> int:
