@@ -74,7 +74,12 @@ def cpu_steady(layers: int, variant: str, calls: int) -> dict:
             fn(*inputs)
             times.append(time.perf_counter() - t)
     times.sort()
-    return {"median_ms": 1e3 * times[len(times) // 2], "min_ms": 1e3 * times[0], "err": err, "loops": tpuc.stats()["regions_looped"]}
+    return {
+        "median_ms": 1e3 * times[len(times) // 2],
+        "min_ms": 1e3 * times[0],
+        "err": err,
+        "loops": tpuc.stats()["regions_looped"],
+    }
 
 
 def _run(*argv) -> dict:
@@ -83,7 +88,9 @@ def _run(*argv) -> dict:
         TPUC_CACHE_DIR=tempfile.mkdtemp(prefix="tpuc-bench-loops-"),
         TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="tpuc-bench-loops-torch-"),
     )
-    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, *argv], capture_output=True, text=True, env=env, check=False
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -93,7 +100,16 @@ def _run(*argv) -> dict:
 def jax_scan(jax_python: str, target: str) -> dict:
     """JAX's scan twin of GPT-2 124M (12 blocks) at tpuc's matmul precision ("highest")."""
     script = Path(__file__).parent / "tpu_twins" / "depth.py"
-    argv = [jax_python, str(script), "--topology", target.split(":", 1)[1], "--precision", "highest", "--reps", "1"]
+    argv = [
+        jax_python,
+        str(script),
+        "--topology",
+        target.split(":", 1)[1],
+        "--precision",
+        "highest",
+        "--reps",
+        "1",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -133,7 +149,9 @@ def main() -> None:
     if a.cpu_calls:
         for layers in a.layers:
             for v in CPU_VARIANTS:
-                r = _run("--child", "cpu", "--layers", str(layers), "--variant", v, "--cpu-calls", str(a.cpu_calls))
+                r = _run(
+                    "--child", "cpu", "--layers", str(layers), "--variant", v, "--cpu-calls", str(a.cpu_calls)
+                )
                 results["cpu"][f"{v} L={layers}"] = r
                 print(f"cpu {v:12s} L={layers:2d}", json.dumps(r), flush=True)
     if a.out:

@@ -152,12 +152,16 @@ def test_writes_to_parameters_between_calls_are_seen():
     x = torch.randn(1, 16, 64)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="tpu", options=LOOP)
+    tpuc.reset_stats()
+    per_block = len(list(model.blocks[0].parameters()))
     with torch.no_grad():
         for _ in range(3):  # parameters become resident after the second call
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        assert tpuc.stats()["block_stacks_made"] == per_block  # once, then kept
         model.blocks[2].fc2.weight.mul_(-2.0)
         model.blocks[0].ln1.bias.add_(0.5)
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        assert tpuc.stats()["block_stacks_made"] == per_block + 2  # the two written, again
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(x).square().mean().backward()
     opt.step()
@@ -180,7 +184,9 @@ def test_for_a_tpu_target_the_marked_model_is_one_executable_whatever_the_depth(
         torch._dynamo.reset()
         tpuc.reset_stats()
         report = tpuc.precompile(
-            Stack(depth), [torch.randn(1, 16, 64)], options={"target": "tpu:v5e:1x1", "regions": "loop", "cache_dir": None}
+            Stack(depth),
+            [torch.randn(1, 16, 64)],
+            options={"target": "tpu:v5e:1x1", "regions": "loop", "cache_dir": None},
         )
         assert report["executables"] == 1, report["per_graph"]
         assert tpuc.stats()["regions_looped"] == 1

@@ -10,8 +10,9 @@ compile time does not grow with depth:
 * carries: the operands that the previous call's outputs feed (the activation; the incoming
   gradient in a backward graph), initialised from the first call's;
 * scanned inputs (`xs`): operands that differ between calls (each layer's parameters, a backward
-  call's saved tensors), stacked in the graph (`cat` of `unsqueeze`s), so every call reads the
-  current values of every layer's parameters (a write between calls is seen);
+  call's saved tensors), stacked: where they are all inputs of the graph, by `StackedInputs`
+  around the compiled callable (a stack of parameters made once and kept until one of them is
+  written, as resident parameters are), else in the graph (`cat` of `unsqueeze`s);
 * additional inputs: operands every call shares (a mask);
 * per-step outputs (`ys`): every output used outside the chain (a forward graph's saved tensors,
   a backward graph's weight gradients), stacked by the loop and taken apart with `aten.select`
@@ -154,7 +155,17 @@ def _stack(gm: torch.fx.GraphModule, items: list[torch.fx.Node], fake) -> torch.
     return s
 
 
-def _loop(gm: torch.fx.GraphModule, ch: _Chain, index: int) -> None:
+def _stacked_input(gm: torch.fx.GraphModule, items: list[torch.fx.Node], fake, name: str) -> torch.fx.Node:
+    """A new input of `gm` for `items` (inputs of `gm`) stacked: `StackedInputs` makes it."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        s = gm.graph.placeholder(name)
+    with fake:
+        s.meta["val"] = torch.stack([_val(a) for a in items])
+    return s
+
+
+def _loop(gm: torch.fx.GraphModule, ch: _Chain, index: int, stacks: list) -> None:
     calls, sub = ch.calls, ch.sub
     k = len(calls)
     ops = [_operands(c) for c in calls]
@@ -202,7 +213,12 @@ def _loop(gm: torch.fx.GraphModule, ch: _Chain, index: int) -> None:
     with gm.graph.inserting_before(last):
         xs = []
         for p in scanned:
-            xs.append(_stack(gm, [o[p] for o in ops], fake))
+            column = [o[p] for o in ops]
+            if all(a.op == "placeholder" for a in column):  # made outside, kept (StackedInputs)
+                xs.append(_stacked_input(gm, column, fake, f"_block_loop_{index}_stacked_{p}"))
+                stacks.append((xs[-1], column))
+            else:
+                xs.append(_stack(gm, column, fake))
         attr = gm.graph.get_attr(name)
         init = tuple(ops[0][p] for p in carry_pos)
         loop = gm.graph.call_function(
@@ -239,16 +255,83 @@ def _loop(gm: torch.fx.GraphModule, ch: _Chain, index: int) -> None:
             gm.graph.erase_node(attr_node)
 
 
-def loop_chains(gm: torch.fx.GraphModule) -> int:
+def loop_chains(gm: torch.fx.GraphModule):
     """Replaces each chain of consecutive calls of one region (see the module's docstring) by
-    one scan; returns how many chains became loops."""
+    one scan. Returns (how many chains became loops, a wrapper `inner -> StackedInputs` of the
+    compiled callable, or None when the graph's inputs are unchanged)."""
     done = 0
+    before = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    stacks: list = []
     for index, ch in enumerate(_chains(gm)):
         if _why_not(gm, ch) is None:
-            _loop(gm, ch, index)
+            _loop(gm, ch, index, stacks)
             done += 1
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-        counters.add(regions_looped=done)
-    return done
+    if not done:
+        return 0, None
+    for n in before:  # a parameter read only by the loop is passed stacked only
+        if not n.users and any(n in column for _, column in stacks):
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    counters.add(regions_looped=done)
+    if not stacks:
+        return done, None
+    position = {n: i for i, n in enumerate(before)}
+    after = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    made = {s: [position[a] for a in column] for s, column in stacks}
+    plan = [("arg", position[n]) if n in position else ("stack", made[n]) for n in after]
+    return done, lambda inner: StackedInputs(inner, plan)
+
+
+class StackedInputs:
+    """A boxed compiled graph whose loops read stacked inputs (`plan`: per input of the
+    rewritten graph, ("arg", i): the caller's argument i, or ("stack", [i, ...]): those
+    arguments stacked along a new leading dim). A stack of parameters is made once and kept
+    while every member is the same tensor at the same address with the same version (an
+    in-place write, an optimizer step, `load_state_dict` bump it; `.data =` moves it), like
+    resident parameters (residency.py); a stack of anything else is made at each call."""
+
+    _boxed_call = True
+
+    def __init__(self, inner, plan: list):
+        self.inner = inner
+        self.plan = plan
+        self.kept: dict[int, tuple] = {}  # plan position -> (members, [(ptr, version)], stacked)
+
+    def _stacked(self, slot: int, members: list):
+        kept = self.kept.get(slot)
+        stamp = _stamp(members)
+        if (
+            kept is not None
+            and stamp is not None
+            and kept[1] == stamp
+            and all(a is b for a, b in zip(kept[0], members, strict=True))
+        ):
+            return kept[2]
+        with torch.no_grad():
+            s = torch.stack(members)
+        if stamp is not None and all(isinstance(m, torch.nn.Parameter) for m in members):
+            self.kept[slot] = (members, stamp, s)
+            counters.add(block_stacks_made=1)
+        else:
+            self.kept.pop(slot, None)
+        return s
+
+    def __call__(self, args):
+        new = [
+            args[what] if kind == "arg" else self._stacked(slot, [args[i] for i in what])
+            for slot, (kind, what) in enumerate(self.plan)
+        ]
+        args.clear()  # boxed: the callee owns its arguments
+        return self.inner(new)
+
+
+def _stamp(members: list):
+    """(address, version) of each member, or None where one has none (a fake or meta tensor,
+    an inference tensor)."""
+    try:
+        if any(m.is_meta or isinstance(m, torch._subclasses.FakeTensor) for m in members):
+            return None
+        return [(m.data_ptr(), m._version) for m in members]
+    except RuntimeError:
+        return None

@@ -40,6 +40,8 @@ def reset_stats() -> None:
             regions_inlined=0,
             # chains of consecutive calls of one region compiled as one loop (block_loops.py)
             regions_looped=0,
+            # stacks of a loop's parameters made (block_loops.StackedInputs; kept until written)
+            block_stacks_made=0,
             # saved activations a forward graph handed to its backward channels-last (handoff.py)
             saved_channels_last=0,
             # per IR pass: {"runs", "ops_before", "ops_after", "ops_removed", "changes", "seconds"}

@@ -93,7 +93,7 @@ def _ties(road, job: Job):
 
 
 def _block_loops(road, job: Job):
-    block_loops.loop_chains(job.gm)
+    return block_loops.loop_chains(job.gm)[1]
 
 
 def _inline_regions(road, job: Job):
@@ -156,9 +156,9 @@ STEPS: tuple[Step, ...] = (
     Step(
         "block_loops",
         "chains of consecutive calls of one @nested_compile_region block become one scan over stacked operands (block_loops.py)",
-        "regions='loop', or 'auto' for a target",
+        "regions='loop', or 'auto' for a target; no mesh",
         False,
-        lambda road, job: regions.looped(road.opts, road.regions_family),
+        lambda road, job: job.shard is None and regions.looped(road.opts, road.regions_family),
         _block_loops,
     ),
     Step(
