@@ -190,3 +190,24 @@ def test_for_a_tpu_target_the_marked_model_is_one_executable_whatever_the_depth(
         )
         assert report["executables"] == 1, report["per_graph"]
         assert tpuc.stats()["regions_looped"] == 1
+
+
+class _Dropped(PreLNBlock):
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        return nn.functional.dropout(super().forward(x), 0.25, self.training)
+
+
+def test_a_block_that_draws_random_numbers_is_not_a_loop_forward():
+    """Each layer's dropout draws its own mask: the forward's calls stay calls (no fallback to
+    PyTorch); the backward, which reads the saved masks, is a loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Dropped(32) for _ in range(4)))
+    torch._dynamo.reset()
+    tpuc.reset_stats()
+    out = torch.compile(model, backend="tpu", options=LOOP)(torch.randn(1, 8, 32))
+    out.square().sum().backward()
+    stats = tpuc.stats()
+    assert stats["fallback_ops"] == {}
+    assert stats["regions_looped"] == 1  # the backward
+    assert all(p.grad is not None for p in model.parameters())

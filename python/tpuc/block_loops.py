@@ -18,7 +18,8 @@ compile time does not grow with depth:
   a backward graph's weight gradients), stacked by the loop and taken apart with `aten.select`
   for their users, so each layer's gradient is its own output as before.
 
-A chain is rewritten only when that is exact: operands that are tensors with equal shapes and
+A chain is rewritten only when that is exact: a block that draws no random numbers (each
+layer's dropout must draw its own mask; tpuc passes no seed into loop bodies yet), operands that are tensors with equal shapes and
 dtypes across the calls, nothing that a call's operands read computed from an earlier call of
 the chain but the carries, and every use of a call's outputs after the chain's last call.
 Anything else keeps its calls (compiled per `regions`' other modes).
@@ -108,8 +109,23 @@ def _descendants(start: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
+def _draws_random(sub: torch.fx.GraphModule) -> bool:
+    """Whether `sub` (or a graph it calls) draws random numbers: each layer must draw its own,
+    and tpuc does not pass its seed into loop bodies yet."""
+    for n in sub.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if torch.Tag.nondeterministic_seeded in n.target.tags:
+                return True
+        if n.op == "get_attr" and isinstance(getattr(sub, n.target, None), torch.fx.GraphModule):
+            if _draws_random(getattr(sub, n.target)):
+                return True
+    return False
+
+
 def _why_not(gm: torch.fx.GraphModule, ch: _Chain) -> str | None:
     """Why the chain cannot be a loop (None: it can)."""
+    if _draws_random(ch.sub):
+        return "the block draws random numbers (dropout)"
     ops = [_operands(c) for c in ch.calls]
     carried = {p for p, _ in ch.carries}
     after_first = _descendants(ch.calls[0])
