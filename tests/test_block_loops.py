@@ -178,18 +178,23 @@ _needs_libtpu = pytest.mark.skipif(
 
 
 @_needs_libtpu
-def test_for_a_tpu_target_the_marked_model_is_one_executable_whatever_the_depth(tmp_path):
-    for depth in (2, 6):
+def test_for_a_tpu_target_the_marked_model_is_one_executable_whatever_the_depth():
+    """The target's default (`regions="auto"`): the blocks are one loop, the model one
+    executable, forward and backward."""
+    for depth in (3, 6):
         torch.manual_seed(0)
         torch._dynamo.reset()
         tpuc.reset_stats()
-        report = tpuc.precompile(
-            Stack(depth),
-            [torch.randn(1, 16, 64)],
-            options={"target": "tpu:v5e:1x1", "regions": "loop", "cache_dir": None},
-        )
-        assert report["executables"] == 1, report["per_graph"]
-        assert tpuc.stats()["regions_looped"] == 1
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="invoke_subgraph traced multiple backward graphs")
+            report = tpuc.precompile(
+                Stack(depth, d=32),
+                [torch.randn(1, 16, 32)],
+                training=True,
+                options={"target": "tpu:v5e:1x1", "cache_dir": None},
+            )
+        assert report["executables"] == 2, report["per_graph"]  # forward, backward
+        assert tpuc.stats()["regions_looped"] == 2 and tpuc.stats()["regions_compiled"] == 0
 
 
 class _Dropped(PreLNBlock):

@@ -156,7 +156,7 @@ STEPS: tuple[Step, ...] = (
     Step(
         "block_loops",
         "chains of consecutive calls of one @nested_compile_region block become one scan over stacked operands (block_loops.py)",
-        "regions='loop', or 'auto' for a target; no mesh",
+        "regions='loop', or 'auto' for a target or on a TPU; no mesh",
         False,
         lambda road, job: job.shard is None and regions.looped(road.opts, road.regions_family),
         _block_loops,
@@ -164,7 +164,7 @@ STEPS: tuple[Step, ...] = (
     Step(
         "inline_regions",
         "calls of @nested_compile_region blocks replaced by the blocks' nodes (regions.py)",
-        "regions='inline', or 'auto' running on the CPU plugin (not for a target or its stand-in)",
+        "regions='inline' or 'loop' (the calls left), or 'auto' on the CPU plugin, for a target or on a TPU",
         False,
         lambda road, job: regions.inlined(road.opts, road.regions_family),
         _inline_regions,

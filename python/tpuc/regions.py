@@ -5,9 +5,13 @@ marked block as a subgraph (a GraphModule attribute of the graph) called through
 `invoke_subgraph` higher-order op, `invoke_subgraph(subgraph, identifier, *operands)`, once per
 call site, in the forward graph and (with its own backward subgraph) in the backward graph.
 
-Two ways to compile them (option `regions`, chosen by measurement: bench/results/regions.md):
+Three ways to compile them (option `regions`, chosen by measurement: bench/results/regions.md,
+bench/results/block_loops.md):
 
-* "executables" (the default on TPU, GPU and for targets): tpuc compiles each distinct subgraph
+* "loop" (the default on TPU and for targets): consecutive calls of one region become one
+  loop over the blocks' stacked parameters (block_loops.py), the calls left are inlined: one
+  program that holds each block once.
+* "executables" (the default on GPU): tpuc compiles each distinct subgraph
   once, as a graph of its own (`compile_graph`: the region's executable, its call plan), and every
   call site of it launches that executable: a model of N identical blocks lowers and XLA-compiles
   one block instead of N, at the cost of one launch per block and no fusion across block
@@ -55,13 +59,22 @@ def inlined(opts, plugin_family: str) -> bool:
     """Whether regions are inlined (see the module's docstring) for these options on a plugin of
     `plugin_family` ("cpu", "tpu", ...; "target" for a target's compile)."""
     if opts.regions == "auto":
-        return plugin_family == "cpu"
+        return plugin_family == "cpu" or plugin_family in LOOP_FAMILIES
     # "loop": what is left of the calls after block_loops (a lone call) joins the one program
     return opts.regions in ("inline", "loop")
 
 
+#: Where `regions="auto"` makes chains of calls of one region loops (block_loops.py), by
+#: measurement (bench/results/block_loops.md): XLA:TPU compiles the loop in less time than one
+#: executable per region, whatever the depth. The CPU plugin inlines (its training step is
+#: slower with the loop); GPUs are not measured yet and keep one executable per region.
+LOOP_FAMILIES = ("target", "tpu")
+
+
 def looped(opts, plugin_family: str) -> bool:
     """Whether chains of calls of one region become loops (block_loops.py) for these options."""
+    if opts.regions == "auto":
+        return plugin_family in LOOP_FAMILIES
     return opts.regions == "loop"
 
 
