@@ -2,8 +2,8 @@
 """Marked GPT-2 blocks as one loop (`regions="loop"`, python/tpuc/block_loops.py) against one
 executable per region (`"executables"`) and the blocks inlined (`"inline"`): for a TPU target
 (compile-only, no TPU needed) the executables, XLA:TPU compile seconds and XLA's cost analysis
-(flops, bytes accessed) at 2 and 12 layers; optionally JAX's scan twin (bench/tpu_twins/depth.py)
-compiled in the same run; and on the CPU plugin the steady time of a call, loop against inlined.
+(flops, bytes accessed) at 2 and 12 layers; optionally JAX's twins (bench/tpu_twins/depth.py)
+and tpuc's dumped modules compiled again side by side in one process; and on the CPU plugin the steady time of a call, loop against inlined.
 
     .venv/bin/python bench/bench_block_loops.py --layers 2 12 --target tpu:v5e:1x1 \
         [--jax-python ../jaxtpu/bin/python] [--cpu-calls 10] [--out bench/results/block_loops]
@@ -106,20 +106,15 @@ def _run(*argv) -> dict:
     raise SystemExit(f"{argv} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def jax_scan(jax_python: str, target: str) -> dict:
-    """JAX's scan twin of GPT-2 124M (12 blocks) at tpuc's matmul precision ("highest")."""
+def jax_scan(jax_python: str, dumps: dict) -> dict:
+    """JAX's GPT-2 124M twins (12 blocks; bench/tpu_twins/depth.py) at tpuc's matmul precision
+    ("highest") and tpuc's dumped modules `dumps` ({name: folder}), compiled in one process (one
+    libtpu, the same load) for v5e."""
     script = Path(__file__).parent / "tpu_twins" / "depth.py"
-    argv = [
-        jax_python,
-        str(script),
-        "--topology",
-        target.split(":", 1)[1],
-        "--precision",
-        "highest",
-        "--reps",
-        "1",
-    ]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    argv = [jax_python, str(script), "--topology", "v5e:2x2", "--precision", "highest", "--reps", "2"]
+    argv += [f"--tpuc={k}={v}" for k, v in dumps.items()]
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])["seconds"]
@@ -139,23 +134,27 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="write OUT.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--dump", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child == "tpu":
-        out = tpu_compile(a.layers[0], a.variant, a.target, a.training)
+        out = tpu_compile(a.layers[0], a.variant, a.target, a.training, a.dump)
         print("RESULT " + json.dumps(out))
         return
     if a.child == "cpu":
         print("RESULT " + json.dumps(cpu_steady(a.layers[0], a.variant, a.cpu_calls)))
         return
     results: dict = {"target": a.target, "training": a.training, "tpu": {}, "cpu": {}}
+    dumps = {}
     for layers in a.layers:
         for v in a.variants:
+            dumps[f"{v}{layers}"] = tempfile.mkdtemp(prefix=f"tpuc-bench-loops-{v}{layers}-")
             argv = ["--child", "tpu", "--layers", str(layers), "--variant", v, "--target", a.target]
+            argv += ["--dump", dumps[f"{v}{layers}"]]
             r = _run(*argv, *(["--training"] if a.training else []))
             results["tpu"][f"{v} L={layers}"] = r
             print(f"tpu {v:12s} L={layers:2d}", json.dumps(r), flush=True)
     if a.jax_python:
-        results["jax"] = jax_scan(a.jax_python, a.target)
+        results["jax"] = jax_scan(a.jax_python, dumps)
         print("jax", json.dumps(results["jax"]), flush=True)
     if a.cpu_calls:
         for layers in a.layers:

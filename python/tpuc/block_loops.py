@@ -114,12 +114,21 @@ def _draws_random(sub: torch.fx.GraphModule) -> bool:
     and tpuc does not pass its seed into loop bodies yet."""
     for n in sub.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if torch.Tag.nondeterministic_seeded in n.target.tags:
+            if torch.Tag.nondeterministic_seeded in n.target.tags and _dropout_p(n) != 0:
                 return True
         if n.op == "get_attr" and isinstance(getattr(sub, n.target, None), torch.fx.GraphModule):
             if _draws_random(getattr(sub, n.target)):
                 return True
     return False
+
+
+def _dropout_p(n: torch.fx.Node):
+    """The `dropout_p` argument of a seeded op that has one (attention: 0 draws nothing), else
+    None (the op draws)."""
+    for i, a in enumerate(n.target._schema.arguments):
+        if a.name == "dropout_p":
+            return n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", a.default_value)
+    return None
 
 
 def _why_not(gm: torch.fx.GraphModule, ch: _Chain) -> str | None:
