@@ -45,12 +45,13 @@ def _model(layers: int, training: bool = False):
     return model.train(), inputs
 
 
-def tpu_compile(layers: int, variant: str, target: str, training: bool) -> dict:
+def tpu_compile(layers: int, variant: str, target: str, training: bool, dump: str | None = None) -> dict:
     import tpuc
 
     model, inputs = _model(layers, training)
     t0 = time.perf_counter()
     options = {"target": target, "cache_dir": None, "regions": variant}
+    options.update({"dump_dir": dump} if dump else {})
     report = tpuc.precompile(model, list(inputs), training=training, options=options)
     cost = {"flops": 0.0, "bytes accessed": 0.0}
     for g in report["per_graph"]:

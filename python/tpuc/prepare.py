@@ -100,6 +100,10 @@ def _inline_regions(road, job: Job):
     regions.inline_regions(job.gm)
 
 
+def _bucketed_or_sharded(job: Job) -> bool:
+    return bool(job.maxima) or job.shard is not None
+
+
 def _always(road, job: Job) -> bool:
     return True
 
@@ -156,17 +160,19 @@ STEPS: tuple[Step, ...] = (
     Step(
         "block_loops",
         "chains of consecutive calls of one @nested_compile_region block become one scan over stacked operands (block_loops.py)",
-        "regions='loop', or 'auto' for a target or on a TPU; no mesh",
+        "regions='loop', or 'auto' for a target or on a TPU without declared maxima; no mesh",
         False,
-        lambda road, job: job.shard is None and regions.looped(road.opts, road.regions_family),
+        lambda road, job: (
+            job.shard is None and regions.looped(road.opts, road.regions_family, _bucketed_or_sharded(job))
+        ),
         _block_loops,
     ),
     Step(
         "inline_regions",
         "calls of @nested_compile_region blocks replaced by the blocks' nodes (regions.py)",
-        "regions='inline' or 'loop' (the calls left), or 'auto' on the CPU plugin, for a target or on a TPU",
+        "regions='inline' or 'loop' (the calls left), or 'auto' on the CPU plugin, for a target or on a TPU (no declared maxima, no mesh)",
         False,
-        lambda road, job: regions.inlined(road.opts, road.regions_family),
+        lambda road, job: regions.inlined(road.opts, road.regions_family, _bucketed_or_sharded(job)),
         _inline_regions,
     ),
 )

@@ -55,15 +55,6 @@ class RegionCall:
         return f"tpuc.region({self.name})"
 
 
-def inlined(opts, plugin_family: str) -> bool:
-    """Whether regions are inlined (see the module's docstring) for these options on a plugin of
-    `plugin_family` ("cpu", "tpu", ...; "target" for a target's compile)."""
-    if opts.regions == "auto":
-        return plugin_family == "cpu" or plugin_family in LOOP_FAMILIES
-    # "loop": what is left of the calls after block_loops (a lone call) joins the one program
-    return opts.regions in ("inline", "loop")
-
-
 #: Where `regions="auto"` makes chains of calls of one region loops (block_loops.py), by
 #: measurement (bench/results/block_loops.md): XLA:TPU compiles the loop in less time than one
 #: executable per region, whatever the depth. The CPU plugin inlines (its training step is
@@ -71,11 +62,29 @@ def inlined(opts, plugin_family: str) -> bool:
 LOOP_FAMILIES = ("target", "tpu")
 
 
-def looped(opts, plugin_family: str) -> bool:
-    """Whether chains of calls of one region become loops (block_loops.py) for these options."""
-    if opts.regions == "auto":
-        return plugin_family in LOOP_FAMILIES
-    return opts.regions == "loop"
+def mode(opts, plugin_family: str, bucketed_or_sharded: bool = False) -> str:
+    """How regions compile for these options on a plugin of `plugin_family` ("cpu", "tpu", ...;
+    "target" for a target's compile): "loop", "inline" or "executables" (see the module's
+    docstring). `"auto"` keeps one executable per region for a graph with declared maxima or a
+    mesh, where loops are not padded to buckets or placed on a mesh yet."""
+    if opts.regions != "auto":
+        return opts.regions
+    if plugin_family == "cpu":
+        return "inline"
+    if plugin_family in LOOP_FAMILIES and not bucketed_or_sharded:
+        return "loop"
+    return "executables"
+
+
+def looped(opts, plugin_family: str, bucketed_or_sharded: bool = False) -> bool:
+    """Whether chains of calls of one region become loops (block_loops.py)."""
+    return mode(opts, plugin_family, bucketed_or_sharded) == "loop"
+
+
+def inlined(opts, plugin_family: str, bucketed_or_sharded: bool = False) -> bool:
+    """Whether calls of regions are inlined: all of them, or (`"loop"`) those left after
+    block_loops (a lone call, a chain that cannot be a loop), so the graph is one program."""
+    return mode(opts, plugin_family, bucketed_or_sharded) in ("inline", "loop")
 
 
 def inline_regions(gm: torch.fx.GraphModule) -> int:
