@@ -27,6 +27,7 @@ Anything else keeps its calls (compiled per `regions`' other modes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 
@@ -147,6 +148,11 @@ def _why_not(gm: torch.fx.GraphModule, ch: _Chain) -> str | None:
             return f"operand {pos} differs in shape or dtype between the calls"
         if pos not in carried and any(a in after_first for a in column):
             return f"operand {pos} is computed from an earlier call of the chain"
+    out_node = next(n for n in ch.sub.graph.nodes if n.op == "output")
+    results = out_node.args[0]
+    results = results if isinstance(results, list | tuple) else (results,)
+    if not all(isinstance(r, torch.fx.Node) and isinstance(_val(r), torch.Tensor) for r in results):
+        return "the block returns something other than tensors"
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     last = order[ch.calls[-1]]
     for c in ch.calls:
@@ -160,9 +166,10 @@ def _why_not(gm: torch.fx.GraphModule, ch: _Chain) -> str | None:
 
 
 def _fake_mode(vals):
+    """The fake mode the graph's values live in (none: plain meta tensors)."""
     from torch._guards import detect_fake_mode
 
-    return detect_fake_mode(vals)
+    return detect_fake_mode(vals) or contextlib.nullcontext()
 
 
 def _stack(gm: torch.fx.GraphModule, items: list[torch.fx.Node], fake) -> torch.fx.Node:
