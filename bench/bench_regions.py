@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 # marked: the blocks marked, the CPU plugin's default (regions inlined into one executable);
-# marked-exe: marked, each region an executable of its own (`regions="executables"`, what TPU, GPU
-# and targets get by default). The XLA:TPU compile's "marked" is a target's default (executables).
+# marked-exe: marked, each region an executable of its own (`regions="executables"`, the GPU's
+# default, TPU's and targets' before the loop). The XLA:TPU compile's "marked" is one executable
+# per region too (a target's default is now the loop: bench/bench_block_loops.py).
 VARIANTS = ("unmarked", "marked", "marked-exe")
 TPU_VARIANTS = ("unmarked", "marked")
 
@@ -248,7 +249,8 @@ def tpu_compile(name: str, variant: str, target: str, dump: str | None = None) -
     if variant == "marked":
         mark_blocks(model, block)
     t0 = time.perf_counter()
-    options = {"target": target, "cache_dir": None, **({"dump_dir": dump} if dump else {})}
+    options = {"target": target, "cache_dir": None, "regions": "executables"}
+    options.update({"dump_dir": dump} if dump else {})
     report = tpuc.precompile(model, list(inputs), options=options)
     return {
         "seconds": time.perf_counter() - t0,

@@ -155,8 +155,8 @@ _needs_libtpu = pytest.mark.skipif(
 
 @_needs_libtpu
 def test_a_region_is_one_executable_for_a_tpu_target_whatever_the_depth(tmp_path):
-    """On the target path (options={"target": ...}) each distinct region is one XLA:TPU
-    executable: 8 marked blocks compile what 4 do (the region and the graph around it), forward
+    """On the target path (options={"target": ...}) with `regions="executables"` each distinct
+    region is one XLA:TPU executable: 8 marked blocks compile what 4 do (the region and the graph around it), forward
     and backward. (With 2 blocks PyTorch inlines the regions of a training graph.)"""
     seen = {}
     for depth in (4, 8):
@@ -168,7 +168,10 @@ def test_a_region_is_one_executable_for_a_tpu_target_whatever_the_depth(tmp_path
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="invoke_subgraph traced multiple backward graphs")
             report = tpuc.precompile(
-                model, [x], training=True, options={"target": _V5E, "cache_dir": str(tmp_path / str(depth))}
+                model,
+                [x],
+                training=True,
+                options={"target": _V5E, "regions": "executables", "cache_dir": str(tmp_path / str(depth))},
             )
         seen[depth] = sorted(g["name"].split(".", 1)[-1] for g in report["per_graph"])
         assert report["compiled"] == report["executables"] == tpuc.stats()["xla_compiles"]
@@ -185,7 +188,7 @@ def test_on_a_device_the_target_path_runs_regions_and_matches_eager():
     """What a host with the target's devices runs (the CPU plugin standing in for the TPU): the
     same split graphs, forward and backward, equal to eager."""
     on_cpu = "tpu"
-    options = {"target": _V5E, "stand_in": "cpu", "cache_dir": None}
+    options = {"target": _V5E, "stand_in": "cpu", "cache_dir": None, "regions": "executables"}
 
     torch.manual_seed(0)
     torch._dynamo.reset()

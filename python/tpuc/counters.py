@@ -38,6 +38,10 @@ def reset_stats() -> None:
             regions_compiled=0,
             # distinct regions whose nodes were copied into each call site's graph (regions.py)
             regions_inlined=0,
+            # chains of consecutive calls of one region compiled as one loop (block_loops.py)
+            regions_looped=0,
+            # stacks of a loop's parameters made (block_loops.StackedInputs; kept until written)
+            block_stacks_made=0,
             # saved activations a forward graph handed to its backward channels-last (handoff.py)
             saved_channels_last=0,
             # per IR pass: {"runs", "ops_before", "ops_after", "ops_removed", "changes", "seconds"}

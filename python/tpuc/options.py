@@ -29,7 +29,7 @@ VALID_KEYS = (
 )
 RESIDENCIES = ("auto", "versioned", "off")
 #: How blocks marked `@torch.compiler.nested_compile_region` compile (regions.py).
-REGIONS = ("auto", "executables", "inline")
+REGIONS = ("auto", "executables", "inline", "loop")
 PRECISIONS = ("highest", "high", "default")
 FALLBACKS = ("eager", "error")
 SHARDINGS = ("replicated", "data_parallel", "fsdp", "tensor_parallel")
@@ -53,6 +53,7 @@ PREPARE_STEPS = (
     "checks",
     "storage_rebase",
     "ties",
+    "block_loops",
     "inline_regions",
 )
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from . import checks, flex, input_views, mutations, regions, ties
+from . import block_loops, checks, flex, input_views, mutations, regions, ties
 from .decompositions import _decompositions
 from .options import PREPARE_STEPS
 from .storage_ops import _rebase_storage_ops
@@ -92,8 +92,16 @@ def _ties(road, job: Job):
     return lambda inner: ties.TieChecked(inner, n, as_is.forward, name)
 
 
+def _block_loops(road, job: Job):
+    return block_loops.loop_chains(job.gm)[1]
+
+
 def _inline_regions(road, job: Job):
     regions.inline_regions(job.gm)
+
+
+def _bucketed_or_sharded(job: Job) -> bool:
+    return bool(job.maxima) or job.shard is not None
 
 
 def _always(road, job: Job) -> bool:
@@ -150,11 +158,21 @@ STEPS: tuple[Step, ...] = (
         _ties,
     ),
     Step(
+        "block_loops",
+        "chains of consecutive calls of one @nested_compile_region block become one scan over stacked operands (block_loops.py)",
+        "regions='loop', or 'auto' for a target or on a TPU without declared maxima; no mesh",
+        False,
+        lambda road, job: (
+            job.shard is None and regions.looped(road.opts, road.regions_family, _bucketed_or_sharded(job))
+        ),
+        _block_loops,
+    ),
+    Step(
         "inline_regions",
         "calls of @nested_compile_region blocks replaced by the blocks' nodes (regions.py)",
-        "regions='inline', or 'auto' running on the CPU plugin (not for a target or its stand-in)",
+        "regions='inline' or 'loop' (the calls left), or 'auto' on the CPU plugin, for a target or on a TPU (no declared maxima, no mesh)",
         False,
-        lambda road, job: regions.inlined(road.opts, road.regions_family),
+        lambda road, job: regions.inlined(road.opts, road.regions_family, _bucketed_or_sharded(job)),
         _inline_regions,
     ),
 )

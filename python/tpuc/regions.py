@@ -5,9 +5,13 @@ marked block as a subgraph (a GraphModule attribute of the graph) called through
 `invoke_subgraph` higher-order op, `invoke_subgraph(subgraph, identifier, *operands)`, once per
 call site, in the forward graph and (with its own backward subgraph) in the backward graph.
 
-Two ways to compile them (option `regions`, chosen by measurement: bench/results/regions.md):
+Three ways to compile them (option `regions`, chosen by measurement: bench/results/regions.md,
+bench/results/block_loops.md):
 
-* "executables" (the default on TPU, GPU and for targets): tpuc compiles each distinct subgraph
+* "loop" (the default on TPU and for targets): consecutive calls of one region become one
+  loop over the blocks' stacked parameters (block_loops.py), the calls left are inlined: one
+  program that holds each block once.
+* "executables" (the default on GPU): tpuc compiles each distinct subgraph
   once, as a graph of its own (`compile_graph`: the region's executable, its call plan), and every
   call site of it launches that executable: a model of N identical blocks lowers and XLA-compiles
   one block instead of N, at the cost of one launch per block and no fusion across block
@@ -51,12 +55,36 @@ class RegionCall:
         return f"tpuc.region({self.name})"
 
 
-def inlined(opts, plugin_family: str) -> bool:
-    """Whether regions are inlined (see the module's docstring) for these options on a plugin of
-    `plugin_family` ("cpu", "tpu", ...; "target" for a target's compile)."""
-    if opts.regions == "auto":
-        return plugin_family == "cpu"
-    return opts.regions == "inline"
+#: Where `regions="auto"` makes chains of calls of one region loops (block_loops.py), by
+#: measurement (bench/results/block_loops.md): XLA:TPU compiles the loop in less time than one
+#: executable per region, whatever the depth. The CPU plugin inlines (its training step is
+#: slower with the loop); GPUs are not measured yet and keep one executable per region.
+LOOP_FAMILIES = ("target", "tpu")
+
+
+def mode(opts, plugin_family: str, bucketed_or_sharded: bool = False) -> str:
+    """How regions compile for these options on a plugin of `plugin_family` ("cpu", "tpu", ...;
+    "target" for a target's compile): "loop", "inline" or "executables" (see the module's
+    docstring). `"auto"` keeps one executable per region for a graph with declared maxima or a
+    mesh, where loops are not padded to buckets or placed on a mesh yet."""
+    if opts.regions != "auto":
+        return opts.regions
+    if plugin_family == "cpu":
+        return "inline"
+    if plugin_family in LOOP_FAMILIES and not bucketed_or_sharded:
+        return "loop"
+    return "executables"
+
+
+def looped(opts, plugin_family: str, bucketed_or_sharded: bool = False) -> bool:
+    """Whether chains of calls of one region become loops (block_loops.py)."""
+    return mode(opts, plugin_family, bucketed_or_sharded) == "loop"
+
+
+def inlined(opts, plugin_family: str, bucketed_or_sharded: bool = False) -> bool:
+    """Whether calls of regions are inlined: all of them, or (`"loop"`) those left after
+    block_loops (a lone call, a chain that cannot be a loop), so the graph is one program."""
+    return mode(opts, plugin_family, bucketed_or_sharded) in ("inline", "loop")
 
 
 def inline_regions(gm: torch.fx.GraphModule) -> int:
