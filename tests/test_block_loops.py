@@ -216,3 +216,20 @@ def test_a_block_that_draws_random_numbers_is_not_a_loop_forward():
     assert stats["fallback_ops"] == {}
     assert stats["regions_looped"] == 1  # the backward
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_loop_with_a_bucketed_sequence(tmp_path):
+    # The blocks take the bucketed length as a size every call shares: still one loop, one
+    # executable per bucket (16 and 32), exact at every real length.
+    torch.manual_seed(0)
+    model = Stack(4)
+    torch._dynamo.reset()
+    tpuc.reset_stats()
+    fn = torch.compile(model, backend="tpu", options={**LOOP, "cache_dir": str(tmp_path)})
+    with torch.no_grad():
+        for t in (9, 13, 20):
+            x = torch.randn(2, t, 64)
+            torch._dynamo.mark_dynamic(x, 1, min=2, max=32)
+            torch.testing.assert_close(fn(x), model(x), rtol=1e-5, atol=1e-5)
+    stats = tpuc.stats()
+    assert stats["regions_looped"] == 1 and stats["xla_compiles"] == 2

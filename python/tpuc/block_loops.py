@@ -143,6 +143,8 @@ def _why_not(gm: torch.fx.GraphModule, ch: _Chain) -> str | None:
         column = [o[pos] for o in ops]
         vals = [_val(a) for a in column]
         if not all(isinstance(v, torch.Tensor) for v in vals):
+            if pos not in carried and all(a is column[0] for a in column):
+                continue  # a size every call passes (a bucketed dim): a shared input
             return f"operand {pos} is not a tensor at every call"
         if any(v.shape != vals[0].shape or v.dtype != vals[0].dtype for v in vals):
             return f"operand {pos} differs in shape or dtype between the calls"
