@@ -500,6 +500,7 @@ impl<'a> Bucketer<'a> {
                 .collect(),
             results: vec![Some(ty)],
             loc: self.cur_loc.clone(),
+            recomputed: false,
         });
         ValueRef {
             node: id,
@@ -523,6 +524,7 @@ impl<'a> Bucketer<'a> {
             kwargs: BTreeMap::new(),
             results: vec![Some(TensorType::new_static(&[], DType::Int64))],
             loc: None,
+            recomputed: false,
         });
         self.scalars.push(e.clone());
         self.scalar_ids.insert(key, id);
@@ -728,6 +730,7 @@ impl<'a> Bucketer<'a> {
             kwargs,
             results: n.results.clone(),
             loc: n.loc.clone(),
+            recomputed: n.recomputed,
         }))
     }
 
