@@ -318,3 +318,40 @@ def test_precompile_of_a_whole_training_step_reports_one_executable_with_its_mem
         tpuc.precompile(step, [torch.randn(64, 256), torch.randn(64, 256)], training="step")
     with pytest.raises(ValueError, match="training must be"):
         _precompile(step, [torch.randn(64, 256), torch.randn(64, 256)], tmp_path, training="steps")
+
+
+def test_a_checkpointed_step_needs_less_memory_per_chip(tmp_path):
+    """Activation checkpointing in a whole step for a target: the recomputation stays in the
+    backward (behind its optimization barrier, test_checkpointing.py), so XLA:TPU's plan for
+    the step peaks lower than without checkpointing, for more FLOPs."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+        def forward(self, x):
+            return x + self.down(nn.functional.gelu(self.up(x)))
+
+    def plan(checkpointed):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(Block() for _ in range(3)).train()
+        opt = torch.optim.AdamW(blocks.parameters())
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            for b in blocks:
+                x = checkpoint(b, x, use_reentrant=False) if checkpointed else b(x)
+            loss = nn.functional.mse_loss(x, y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        inputs = [torch.randn(1024, 64), torch.randn(1024, 64)]
+        (g,) = _precompile(step, inputs, tmp_path / str(checkpointed), training="step")["per_graph"]
+        return g
+
+    plain, checkpointed = plan(False), plan(True)
+    assert checkpointed["hbm_bytes"]["peak"] < plain["hbm_bytes"]["peak"], (plain, checkpointed)
+    assert checkpointed["flops"] > plain["flops"]

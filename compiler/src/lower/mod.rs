@@ -710,8 +710,8 @@ fn lower_in(
             let node = graph.node(id);
             if let Some(k) = remat.index_starting_at(id) {
                 e.set_loc(node_location(ctx, node));
-                barriered[k] =
-                    remat_barrier(&e, &remat.groups[k], &values).map_err(|err| err.at(node))?;
+                barriered[k] = remat_barrier(&e, &remat.groups[k], &values, &fused.folds)
+                    .map_err(|err| err.at(node))?;
             }
             if node.is_input() || fused.skip(id) {
                 continue;
@@ -878,18 +878,26 @@ fn strip_locations(ctx: &Context, module: &mut Module) -> R<Vec<u8>> {
 
 /// The `stablehlo.optimization_barrier` before a group of recomputed nodes (remat.rs): its
 /// inputs and the values it waits for go through it; returns, per input, the barrier's result
-/// the group reads instead. A value with no lowered form of its own (none is expected: folds and
-/// composites never span the group's edge) is left out.
+/// the group reads instead. A value the barrier only waits for may be a folded transpose (not
+/// emitted): its source stands in. A value with no lowered form of its own otherwise (none is
+/// expected: folds and composites never span the group's edge) is left out.
 fn remat_barrier<'c, 'b>(
     e: &Emitter<'c, 'b>,
     group: &remat::Group,
     values: &HashMap<ValueRef, T<'c, 'b>>,
+    folds: &Folds,
 ) -> R<Vec<(ValueRef, T<'c, 'b>)>> {
+    let waited = group.after.iter().filter_map(|v| {
+        let t = values
+            .get(v)
+            .or_else(|| folds.get(v).and_then(|(src, _)| values.get(src)))?;
+        Some((*v, t))
+    });
     let through: Vec<(ValueRef, &T<'c, 'b>)> = group
         .inputs
         .iter()
-        .chain(&group.after)
         .filter_map(|v| values.get(v).map(|t| (*v, t)))
+        .chain(waited)
         .collect();
     if through.is_empty() {
         return Ok(Vec::new());

@@ -91,6 +91,31 @@ impl Remat {
                 }
             }
         }
+        // The node just before each group (in the order PyTorch's pass placed the group, right
+        // before the backward node that first needs it): the recomputation waits for it. The
+        // readers' own operands alone may all be made later (a transpose of a recomputed
+        // weight reads nothing else) or be inputs.
+        let mut previous: Option<ValueRef> = None;
+        let mut starts = remat.groups.iter().map(|g| g.first).peekable();
+        let mut before: Vec<Option<ValueRef>> = Vec::new();
+        for &id in &order {
+            if starts.peek() == Some(&id) {
+                before.push(previous);
+                starts.next();
+            }
+            let n = graph.node(id);
+            if !n.recomputed && !n.is_input() && n.results.first().is_some_and(Option::is_some) {
+                previous = Some(ValueRef {
+                    node: id,
+                    result: 0,
+                });
+            }
+        }
+        for (g, v) in before.into_iter().enumerate() {
+            if let Some(v) = v.filter(|v| seen[g].insert(*v)) {
+                remat.groups[g].after.push(v);
+            }
+        }
         for &id in &members {
             let g = remat.group_of[&id];
             let first = remat.groups[g].first;
@@ -215,7 +240,7 @@ mod tests {
                 Group {
                     first: by_name("c_r"),
                     inputs: vec![v("b"), v("w")],
-                    after: vec![v("dy")],
+                    after: vec![v("d"), v("dy")],
                 },
                 Group {
                     first: by_name("a_r"),
