@@ -121,6 +121,51 @@ def _llama_8b_rows(training: bool) -> list[str]:
     )
 
 
+def _llama_8b_step_rows(layers: int, checkpointed: bool) -> list[str]:
+    """One AdamW step (zero_grad, forward, backward of the logits' mean square: the meta device
+    has no autograd kernel for nll_loss, AdamW's update) as one executable, `layers` decoder
+    layers of the Llama-3-8B shape, batch 8 x 2048, fsdp over v5p:2x2x2; with `checkpointed`,
+    each decoder layer under `torch.utils.checkpoint` (non-reentrant, via transformers'
+    gradient_checkpointing_enable)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    )
+    with torch.device("meta"):
+        lm = transformers.LlamaForCausalLM(cfg)
+    lm.train()
+    if checkpointed:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(lm.parameters())
+
+    def step(ids):
+        opt.zero_grad(set_to_none=True)
+        loss = lm(input_ids=ids, return_dict=False)[0].float().square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    n = sum(p.numel() for p in lm.parameters())
+    ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")
+    label = f"Llama-3-8B shape, {layers} layers ({n / 1e9:.2f}B, f32) AdamW step{', checkpointed' if checkpointed else ''}, 8x2048"
+    return _run(
+        label,
+        step,
+        [ids],
+        target="tpu:v5p:2x2x2",
+        training="step",
+        mesh={"shape": [8], "axes": ["fsdp"]},
+        sharding="fsdp",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-8b", action="store_true")
@@ -128,9 +173,20 @@ def main() -> None:
     ap.add_argument(
         "--8b-train", dest="train_8b", action="store_true", help="also the 8B training step (long)"
     )
+    ap.add_argument(
+        "--8b-step-layers",
+        dest="step_layers",
+        type=int,
+        nargs="*",
+        help="only the 8B-shaped AdamW step (one executable) with these layer counts, with and without checkpointing",
+    )
     a = ap.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    rows = [] if a.only_8b else _zoo_rows()
+    if a.step_layers:
+        rows = [r for n in a.step_layers for ck in (False, True) for r in _llama_8b_step_rows(n, ck)]
+        a.skip_8b = True
+    else:
+        rows = [] if a.only_8b else _zoo_rows()
     if not a.skip_8b:
         rows += _llama_8b_rows(training=False)
         if a.train_8b:
