@@ -290,7 +290,7 @@ def test_a_whole_training_step_is_one_executable_for_a_target(tmp_path):
     assert tpuc.stats()["xla_compiles"] == 1
 
 
-def test_precompile_of_a_whole_training_step_reports_one_executable_with_its_memory(tmp_path):
+def test_precompile_of_a_whole_training_step_reports_one_executable_with_its_memory(tmp_path, capsys):
     """`tpuc.precompile(step, inputs, training="step")` for a target: the step (zero_grad,
     forward, backward, AdamW's update) is one executable; its memory per chip counts the
     parameters and AdamW's two moments among the arguments, the new ones among the outputs, and
@@ -318,6 +318,13 @@ def test_precompile_of_a_whole_training_step_reports_one_executable_with_its_mem
         tpuc.precompile(step, [torch.randn(64, 256), torch.randn(64, 256)], training="step")
     with pytest.raises(ValueError, match="training must be"):
         _precompile(step, [torch.randn(64, 256), torch.randn(64, 256)], tmp_path, training="steps")
+    # The CLI's --step: the same step from a factory, found in the cache, in the table.
+    torch._dynamo.reset()
+    capsys.readouterr()
+    argv = ["precompile", "cache_helpers.factories:mlp_step", "--cache-dir", str(tmp_path / "cache")]
+    assert cli.main([*argv, "--target", V5E, "--step"]) == 0
+    out = capsys.readouterr().out
+    assert "1 executables" in out and "aliased" in out, out
 
 
 def test_a_checkpointed_step_needs_less_memory_per_chip(tmp_path):
