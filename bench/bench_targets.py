@@ -121,12 +121,22 @@ def _llama_8b_rows(training: bool) -> list[str]:
     )
 
 
+class _Checkpointed(torch.nn.Module):
+    """A module whose forward runs under non-reentrant activation checkpointing."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
 def _llama_8b_step_rows(layers: int, checkpointed: bool) -> list[str]:
     """One AdamW step (zero_grad, forward, backward of the logits' mean square: the meta device
     has no autograd kernel for nll_loss, AdamW's update) as one executable, `layers` decoder
     layers of the Llama-3-8B shape, batch 8 x 2048, fsdp over v5p:2x2x2; with `checkpointed`,
-    each decoder layer under `torch.utils.checkpoint` (non-reentrant, via transformers'
-    gradient_checkpointing_enable)."""
+    each decoder layer under `torch.utils.checkpoint` (non-reentrant)."""
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -142,7 +152,9 @@ def _llama_8b_step_rows(layers: int, checkpointed: bool) -> list[str]:
         lm = transformers.LlamaForCausalLM(cfg)
     lm.train()
     if checkpointed:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Each decoder layer under torch.utils.checkpoint directly: transformers'
+        # gradient_checkpointing_enable made the step 7 programs (graph breaks in its wrapper).
+        lm.model.layers = torch.nn.ModuleList(_Checkpointed(layer) for layer in lm.model.layers)
     opt = torch.optim.AdamW(lm.parameters())
 
     def step(ids):
@@ -180,10 +192,14 @@ def main() -> None:
         nargs="*",
         help="only the 8B-shaped AdamW step (one executable) with these layer counts, with and without checkpointing",
     )
+    ap.add_argument(
+        "--8b-step-kinds", dest="step_kinds", choices=["both", "plain", "checkpointed"], default="both"
+    )
     a = ap.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if a.step_layers:
-        rows = [r for n in a.step_layers for ck in (False, True) for r in _llama_8b_step_rows(n, ck)]
+        kinds = {"both": (False, True), "plain": (False,), "checkpointed": (True,)}[a.step_kinds]
+        rows = [r for n in a.step_layers for ck in kinds for r in _llama_8b_step_rows(n, ck)]
         a.skip_8b = True
     else:
         rows = [] if a.only_8b else _zoo_rows()
