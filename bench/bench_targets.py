@@ -121,6 +121,63 @@ def _llama_8b_rows(training: bool) -> list[str]:
     )
 
 
+class _Checkpointed(torch.nn.Module):
+    """A module whose forward runs under non-reentrant activation checkpointing."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+def _llama_8b_step_rows(layers: int, checkpointed: bool) -> list[str]:
+    """One AdamW step (zero_grad, forward, backward of the logits' mean square: the meta device
+    has no autograd kernel for nll_loss, AdamW's update) as one executable, `layers` decoder
+    layers of the Llama-3-8B shape, batch 8 x 2048, fsdp over v5p:2x2x2; with `checkpointed`,
+    each decoder layer under `torch.utils.checkpoint` (non-reentrant)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    )
+    with torch.device("meta"):
+        lm = transformers.LlamaForCausalLM(cfg)
+    lm.train()
+    if checkpointed:
+        # Each decoder layer under torch.utils.checkpoint directly: transformers'
+        # gradient_checkpointing_enable made the step 7 programs (graph breaks in its wrapper).
+        lm.model.layers = torch.nn.ModuleList(_Checkpointed(layer) for layer in lm.model.layers)
+    opt = torch.optim.AdamW(lm.parameters())
+
+    def step(ids):
+        opt.zero_grad(set_to_none=True)
+        loss = lm(input_ids=ids, return_dict=False)[0].float().square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    n = sum(p.numel() for p in lm.parameters())
+    ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")
+    label = f"Llama-3-8B shape, {layers} layers ({n / 1e9:.2f}B, f32) AdamW step{', checkpointed' if checkpointed else ''}, 8x2048"
+    return _run(
+        label,
+        step,
+        [ids],
+        target="tpu:v5p:2x2x2",
+        training="step",
+        mesh={"shape": [8], "axes": ["fsdp"]},
+        sharding="fsdp",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-8b", action="store_true")
@@ -128,9 +185,24 @@ def main() -> None:
     ap.add_argument(
         "--8b-train", dest="train_8b", action="store_true", help="also the 8B training step (long)"
     )
+    ap.add_argument(
+        "--8b-step-layers",
+        dest="step_layers",
+        type=int,
+        nargs="*",
+        help="only the 8B-shaped AdamW step (one executable) with these layer counts, with and without checkpointing",
+    )
+    ap.add_argument(
+        "--8b-step-kinds", dest="step_kinds", choices=["both", "plain", "checkpointed"], default="both"
+    )
     a = ap.parse_args()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    rows = [] if a.only_8b else _zoo_rows()
+    if a.step_layers:
+        kinds = {"both": (False, True), "plain": (False,), "checkpointed": (True,)}[a.step_kinds]
+        rows = [r for n in a.step_layers for ck in kinds for r in _llama_8b_step_rows(n, ck)]
+        a.skip_8b = True
+    else:
+        rows = [] if a.only_8b else _zoo_rows()
     if not a.skip_8b:
         rows += _llama_8b_rows(training=False)
         if a.train_8b:

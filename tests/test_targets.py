@@ -288,3 +288,77 @@ def test_a_whole_training_step_is_one_executable_for_a_target(tmp_path):
         compiled(torch.randn(16, 32), torch.randn(16, 8))
     assert tpuc.stats()["graphs_compiled"] == 1
     assert tpuc.stats()["xla_compiles"] == 1
+
+
+def test_precompile_of_a_whole_training_step_reports_one_executable_with_its_memory(tmp_path, capsys):
+    """`tpuc.precompile(step, inputs, training="step")` for a target: the step (zero_grad,
+    forward, backward, AdamW's update) is one executable; its memory per chip counts the
+    parameters and AdamW's two moments among the arguments, the new ones among the outputs, and
+    buffers that outputs reuse (donated) once in the footprint."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).train()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    report = _precompile(step, [torch.randn(64, 256), torch.randn(64, 256)], tmp_path, training="step")
+    assert report["executables"] == 1 and report["graphs"] == 1, report
+    (g,) = report["per_graph"]
+    h, params = g["hbm_bytes"], _param_bytes(model)
+    assert h["arguments"] >= 3 * params, h  # parameters, exp_avg, exp_avg_sq
+    assert h["outputs"] >= 3 * params, h  # their new values (and the gradients)
+    assert 0 <= h["aliased"] <= min(h["arguments"], h["outputs"]), h
+    assert g["footprint_bytes"] == h["arguments"] + h["outputs"] - h["aliased"] + h["temporaries"] + h["code"]
+    with pytest.raises(NotImplementedError, match="for a target"):
+        tpuc.precompile(step, [torch.randn(64, 256), torch.randn(64, 256)], training="step")
+    with pytest.raises(ValueError, match="training must be"):
+        _precompile(step, [torch.randn(64, 256), torch.randn(64, 256)], tmp_path, training="steps")
+    # The CLI's --step: the same step from a factory, found in the cache, in the table.
+    torch._dynamo.reset()
+    capsys.readouterr()
+    argv = ["precompile", "cache_helpers.factories:mlp_step", "--cache-dir", str(tmp_path / "cache")]
+    assert cli.main([*argv, "--target", V5E, "--step"]) == 0
+    out = capsys.readouterr().out
+    assert "1 executables" in out and "aliased" in out, out
+
+
+def test_a_checkpointed_step_needs_less_memory_per_chip(tmp_path):
+    """Activation checkpointing in a whole step for a target: the recomputation stays in the
+    backward (behind its optimization barrier, test_checkpointing.py), so XLA:TPU's plan for
+    the step peaks lower than without checkpointing, for more FLOPs."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+        def forward(self, x):
+            return x + self.down(nn.functional.gelu(self.up(x)))
+
+    def plan(checkpointed):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(Block() for _ in range(3)).train()
+        opt = torch.optim.AdamW(blocks.parameters())
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            for b in blocks:
+                x = checkpoint(b, x, use_reentrant=False) if checkpointed else b(x)
+            loss = nn.functional.mse_loss(x, y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        inputs = [torch.randn(1024, 64), torch.randn(1024, 64)]
+        (g,) = _precompile(step, inputs, tmp_path / str(checkpointed), training="step")["per_graph"]
+        return g
+
+    plain, checkpointed = plan(False), plan(True)
+    assert checkpointed["hbm_bytes"]["peak"] < plain["hbm_bytes"]["peak"], (plain, checkpointed)
+    assert checkpointed["flops"] > plain["flops"]

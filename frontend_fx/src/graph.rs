@@ -106,6 +106,12 @@ pub struct Node {
     /// in place of another takes that one's location.
     #[serde(default)]
     pub loc: Option<Box<SourceLoc>>,
+    /// Whether the node recomputes, for the backward, a value the forward computed too
+    /// (activation checkpointing): passes never merge it with a node that is not recomputed,
+    /// and lowering puts the recomputation's inputs behind an optimization barrier so that XLA
+    /// does not merge it back either (docs/training.md, "Activation checkpointing").
+    #[serde(default)]
+    pub recomputed: bool,
 }
 
 impl Node {
@@ -246,11 +252,12 @@ impl fmt::Display for Graph {
             args.extend(n.kwargs.iter().map(|(k, v)| format!("{k}={}", arg_str(v))));
             writeln!(
                 f,
-                "%{}: {} = {}({})",
+                "%{}: {} = {}({}){}",
                 n.name,
                 types.join(", "),
                 n.op,
-                args.join(", ")
+                args.join(", "),
+                if n.recomputed { "  # recomputed" } else { "" }
             )?;
         }
         let outs: Vec<String> = self

@@ -67,6 +67,7 @@ pub fn import(fx: &FxGraph) -> Result<Graph, ImportError> {
                             kwargs: BTreeMap::new(),
                             results: vec![Some(ty.clone())],
                             loc: None,
+                            recomputed: false,
                         });
                         (InputKind::Tensor(ty), Binding::Node(id))
                     }
@@ -246,6 +247,7 @@ fn import_call<'a>(
         kwargs,
         results,
         loc: n.loc.clone().map(Box::new),
+        recomputed: n.recomputed,
     });
     Ok(Binding::Node(id))
 }

@@ -35,6 +35,11 @@ pub struct FxNode {
     /// recorded none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loc: Option<crate::SourceLoc>,
+    /// Whether the node recomputes a checkpointed forward value for the backward (a
+    /// `*_recomputed` copy that PyTorch's activation-checkpointing pass put before the backward's
+    /// use): see [`crate::Node::recomputed`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recomputed: bool,
 }
 
 /// An argument of an FX node. Untagged: JSON numbers, bools, strings, arrays and null map to

@@ -523,6 +523,7 @@ impl<'a> Bucketer<'a> {
                 .collect(),
             results: vec![Some(ty)],
             loc: self.cur_loc.clone(),
+            recomputed: false,
         });
         ValueRef {
             node: id,
@@ -546,6 +547,7 @@ impl<'a> Bucketer<'a> {
             kwargs: BTreeMap::new(),
             results: vec![Some(TensorType::new_static(&[], DType::Int64))],
             loc: None,
+            recomputed: false,
         });
         self.scalars.push(e.clone());
         self.scalar_ids.insert(key, id);
@@ -751,6 +753,7 @@ impl<'a> Bucketer<'a> {
             kwargs,
             results: n.results.clone(),
             loc: n.loc.clone(),
+            recomputed: n.recomputed,
         }))
     }
 

@@ -2,7 +2,9 @@
 //! merges), the same literal args and kwargs and the same result types as an earlier node is
 //! replaced by that node. Random ops, ops with side effects or in-place semantics, and
 //! uninitialized allocations are never merged; neither is a node whose result is a graph output
-//! (two outputs stay two tensors).
+//! (two outputs stay two tensors), nor a recomputed node (activation checkpointing's copy of a
+//! forward node for the backward, `Node::recomputed`) with one that is not: merging them would
+//! keep the forward's value alive until the backward, which checkpointing asked not to.
 
 use crate::rewrite::{output_nodes, prune, replace_uses};
 use rustc_hash::{FxBuildHasher, FxHashMap};
@@ -98,6 +100,7 @@ impl Hash for Key<'_> {
             hash_arg(v, h);
         }
         n.results.hash(h);
+        n.recomputed.hash(h);
     }
 }
 
@@ -105,6 +108,7 @@ impl PartialEq for Key<'_> {
     fn eq(&self, other: &Self) -> bool {
         let (a, b) = (self.0, other.0);
         a.op == b.op
+            && a.recomputed == b.recomputed
             && a.results == b.results
             && a.args.len() == b.args.len()
             && a.args.iter().zip(&b.args).all(|(x, y)| same_arg(x, y))
@@ -358,6 +362,47 @@ mod tests {
                 ),
             ],
             &["n"],
+        );
+        insta::assert_snapshot!(run_snapshot(g, common_subexpression_elimination));
+    }
+    /// Activation checkpointing: the backward's recomputed copy of a forward chain stays apart
+    /// from the forward's (merged, the forward's values would live until the backward), while
+    /// two recomputed copies of one node still merge with each other.
+    #[test]
+    fn recomputed_nodes_stay_apart_from_the_forward() {
+        let recomputed = |args: &str| format!(r#"{{"args": {args}, "recomputed": true}}"#);
+        let (ra, rb, ra2) = (
+            recomputed(r#"[{"node": "x"}, {"node": "w"}]"#),
+            recomputed(r#"[{"node": "ra"}]"#),
+            recomputed(r#"[{"node": "x"}, {"node": "w"}]"#),
+        );
+        let g = graph(
+            &[("x", "[4, 8]"), ("w", "[8, 8]"), ("dy", "[4, 8]")],
+            &[
+                (
+                    "a",
+                    "aten.mm.default",
+                    r#"[{"node": "x"}, {"node": "w"}]"#,
+                    "[4, 8]",
+                ),
+                ("b", "aten.gelu.default", r#"[{"node": "a"}]"#, "[4, 8]"),
+                ("ra", "aten.mm.default", &ra, "[4, 8]"),
+                ("rb", "aten.gelu.default", &rb, "[4, 8]"),
+                ("ra2", "aten.mm.default", &ra2, "[4, 8]"),
+                (
+                    "g",
+                    "aten.gelu_backward.default",
+                    r#"[{"node": "dy"}, {"node": "ra2"}]"#,
+                    "[4, 8]",
+                ),
+                (
+                    "h",
+                    "aten.mul.Tensor",
+                    r#"[{"node": "g"}, {"node": "rb"}]"#,
+                    "[4, 8]",
+                ),
+            ],
+            &["b", "h"],
         );
         insta::assert_snapshot!(run_snapshot(g, common_subexpression_elimination));
     }

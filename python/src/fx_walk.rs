@@ -26,6 +26,9 @@ const RANDOM_OPS: &[&str] = &[
     "aten.randn_like.default",
     "aten.bernoulli.p",
 ];
+/// What PyTorch's activation-checkpointing pass appends to the name of a node it copies into the
+/// backward (`remat_using_tags_for_fwd_loss_bwd_graph_pass.py`); FX may append `_1` on a clash.
+const RECOMPUTED_SUFFIX: &str = "_recomputed";
 /// The seed input's name (a 2-element int64 tensor, the last input).
 pub const SEED_INPUT: &str = "tpuc_rng_seed";
 
@@ -256,6 +259,7 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
                         kwargs: BTreeMap::new(),
                         val: None,
                         loc: None,
+                        recomputed: false,
                     });
                     continue;
                 }
@@ -312,10 +316,10 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
                     args.push(FxArg::Int(streams));
                     streams += 1;
                 }
-                let loc = if op == "call_function" {
-                    w.loc(&n)?
+                let (loc, recomputed) = if op == "call_function" {
+                    (w.loc(&n)?, w.recomputed(&n, &name)?)
                 } else {
-                    None
+                    (None, false)
                 };
                 ops.push(FxNode {
                     name,
@@ -325,6 +329,7 @@ pub fn walk<'py>(gm: &Bound<'py, PyAny>) -> PyResult<Walked> {
                     kwargs,
                     val,
                     loc,
+                    recomputed,
                 });
             }
             other => {
@@ -396,6 +401,7 @@ fn placeholder(name: String, target: String, val: Option<FxMeta>) -> FxNode {
         kwargs: BTreeMap::new(),
         val,
         loc: None,
+        recomputed: false,
     }
 }
 
@@ -434,6 +440,35 @@ enum Size {
 impl<'py> Walker<'py> {
     fn field(&self, f: &NodeField, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         f.get(n, &self.torch.node)
+    }
+
+    /// Whether `n` recomputes a checkpointed forward value for the backward. PyTorch's
+    /// activation-checkpointing pass for graphs with the backward traced in
+    /// (`remat_using_tags_for_fwd_loss_bwd_graph`) copies each such forward node before its
+    /// first backward use, named `<name>_recomputed`, with the forward's `recompute` policy
+    /// (`MUST_`/`PREFER_RECOMPUTE`) and `autograd_backward` set. Either mark suffices: the name
+    /// survives where the meta does not (a graph pickled into AOTAutograd's cache), and no
+    /// other node of an AOTAutograd graph is named so (names come from ops and inputs).
+    fn recomputed(&self, n: &Bound<'py, PyAny>, name: &str) -> PyResult<bool> {
+        if name.contains(RECOMPUTED_SUFFIX) {
+            return Ok(true);
+        }
+        let meta = self.field(&self.torch.meta, n)?;
+        let meta = meta.cast::<PyDict>()?;
+        let backward = meta
+            .get_item(intern!(self.py, "autograd_backward"))?
+            .is_some_and(|b| b.is_truthy().unwrap_or(false));
+        if !backward {
+            return Ok(false);
+        }
+        let Some(policy) = meta.get_item(intern!(self.py, "recompute"))? else {
+            return Ok(false);
+        };
+        // A `CheckpointPolicy` member, read by name (`MUST_RECOMPUTE`, `PREFER_RECOMPUTE`).
+        Ok(policy
+            .getattr(intern!(self.py, "name"))
+            .and_then(|p| p.extract::<String>())
+            .is_ok_and(|p| p.ends_with("_RECOMPUTE")))
     }
 
     /// The user's source location of a node, from its `meta["stack_trace"]` (None without one).

@@ -174,7 +174,7 @@ def _precompile(args) -> int:
         buckets=buckets,
         options=options,
         progress=True,
-        training=args.training,
+        training="step" if args.step else args.training,
     )
     if args.device_target:
         from . import targets
@@ -277,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         help="compile for devices this machine lacks, e.g. tpu:v5e:2x2 (prints memory per chip)",
     )
     pre.add_argument("--training", action="store_true", help="also the backward graphs (one training step)")
+    pre.add_argument(
+        "--step",
+        action="store_true",
+        help="the factory's model is a whole training step (zero_grad, forward, backward, opt.step): "
+        "one executable, with --target",
+    )
     pre.set_defaults(func=_precompile)
 
     dmp = sub.add_parser("dump", help="summarize a dump folder (dump_dir), or diff two")

@@ -22,6 +22,9 @@ from . import options as options_mod
 
 log = logging.getLogger("tpuc")
 
+# `precompile(training=STEP)`: the model is a whole training step, called as it is.
+STEP = "step"
+
 
 def precompile(
     model, example_inputs, dynamic=None, buckets=None, options=None, progress=False, training=False
@@ -30,7 +33,11 @@ def precompile(
 
     `dynamic`: {input index: {dim: declared maximum}}; `buckets`: list of sizes or "pow2"
     (default: the `buckets` option); `training`: also the backward graphs (one training step:
-    the forward with gradients, then the backward of the sum of its floating outputs). Returns
+    the forward with gradients, then the backward of the sum of its floating outputs), or
+    `"step"` for a target: `model` is a whole training step (a function calling zero_grad, the
+    forward, `loss.backward()` and the optimizer's `step`), called once as it is (grad mode on;
+    in PyTorch, so on meta tensors nothing is computed), whose program is one executable for
+    the target: its "per_graph" entry has the memory per chip of the whole step. Returns
     {"executables", "compiled", "from_cache", "seconds", "compile_seconds", "processes",
     "graphs", "buckets"}; with `options["target"]` also "target" and "per_graph" (one dict per
     executable: "name", "hbm_bytes", "flops", "compile_seconds", ... see targets.py)."""
@@ -39,6 +46,13 @@ def precompile(
     if buckets is not None:
         opts_dict["buckets"] = buckets
     opts = options_mod.parse(opts_dict)
+    if training not in (False, True, STEP):
+        raise ValueError(f"tpuc.precompile: training must be False, True or {STEP!r}, got {training!r}")
+    if training == STEP and opts.target is None:
+        raise NotImplementedError(
+            f"tpuc.precompile(training={STEP!r}) is for a target (options={{'target': ...}}); on this "
+            "machine's plugin, call the compiled step once to fill the cache"
+        )
     if opts.target is not None:
         return _precompile_for_target(model, example_inputs, dynamic, opts_dict, opts, training, t0)
     if training:
@@ -121,7 +135,12 @@ def _mark_dynamic(inputs: list, dynamic: dict) -> None:
 
 
 def _step(compiled, inputs: list, training: bool) -> None:
-    """One call of `compiled`; with `training`, the backward of its floating outputs' sum."""
+    """One call of `compiled`; with `training`, the backward of its floating outputs' sum; a
+    whole step (`STEP`) runs its own backward and update."""
+    if training == STEP:
+        with torch.enable_grad():
+            compiled(*inputs)
+        return
     if not training:
         with torch.no_grad():
             compiled(*inputs)
@@ -193,7 +212,7 @@ def _precompile_for_target(model, example_inputs, dynamic, opts_dict, opts, trai
             _step(compiled, args, training)
     finally:
         reports = targets.end_session()
-    if training and isinstance(model, torch.nn.Module):
+    if training is True and isinstance(model, torch.nn.Module):
         _warn_missing_gradients(model)
     per_graph, seen = [], set()
     for r in reports:

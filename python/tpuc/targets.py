@@ -401,13 +401,14 @@ def _dump(tg: TargetGraph, report: dict) -> None:
 
 def table(per_graph: list[dict]) -> list[str]:
     """`tpuc precompile --target`'s table: one row per executable."""
-    head = f"{'graph':<18} {'devices':>7} {'arguments':>11} {'outputs':>11} {'temporaries':>11} {'code':>10} {'per chip':>11} {'GFLOP':>9} {'compile s':>9} cache"
+    head = f"{'graph':<18} {'devices':>7} {'arguments':>11} {'outputs':>11} {'aliased':>11} {'temporaries':>11} {'code':>10} {'per chip':>11} {'GFLOP':>9} {'compile s':>9} cache"
     rows = [head]
     for r in per_graph:
         h = r["hbm_bytes"]
         flops = r.get("flops")
         rows.append(
             f"{r['name']:<18} {r['devices']:>7} {fmt_bytes(h['arguments']):>11} {fmt_bytes(h['outputs']):>11} "
+            f"{fmt_bytes(h['aliased']):>11} "
             f"{fmt_bytes(h['temporaries']):>11} {fmt_bytes(h['code']):>10} {fmt_bytes(r['footprint_bytes']):>11} "
             f"{(flops or 0) / 1e9:>9.2f} {r['compile_seconds']:>9.1f} {r['cache']}"
         )

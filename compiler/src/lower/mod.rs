@@ -6,6 +6,7 @@ mod emit;
 mod helpers;
 mod ops;
 pub mod registry;
+mod remat;
 mod strided;
 #[cfg(test)]
 mod tests;
@@ -677,18 +678,44 @@ fn lower_in(
                 T { v, shape, dtype },
             );
         }
+        // Activation checkpointing's recomputation, each group behind its barrier (remat.rs):
+        // what each group reads in place of its inputs.
+        let remat = remat::Remat::new(graph);
+        let mut barriered: Vec<Vec<(ValueRef, T)>> = vec![Vec::new(); remat.groups.len()];
         for id in graph.topo_order() {
             let node = graph.node(id);
+            if let Some(k) = remat.index_starting_at(id) {
+                e.set_loc(node_location(ctx, node));
+                barriered[k] = remat_barrier(&e, &remat.groups[k], &values, &fused.folds)
+                    .map_err(|err| err.at(node))?;
+            }
             if node.is_input() || fused.skip(id) {
                 continue;
             }
+            // A recomputed node reads its group's inputs through the barrier.
+            let saved: Vec<(ValueRef, Option<T>)> = remat
+                .group_of(id)
+                .map(|k| {
+                    barriered[k]
+                        .iter()
+                        .map(|(v, t)| (*v, values.insert(*v, t.clone())))
+                        .collect()
+                })
+                .unwrap_or_default();
             let results = if let Some(group) = fused.root_of(id) {
                 // The composite itself is the root's; its members keep their own inside.
                 e.set_loc(node_location(ctx, node));
-                fused.emit(&e, graph, group, &values, &used, &mut functions)?
+                fused.emit(&e, graph, group, &values, &used, &mut functions)
             } else {
-                lower_node(&e, graph, id, &values, &used, &fused.folds)?
+                lower_node(&e, graph, id, &values, &used, &fused.folds)
             };
+            for (v, old) in saved {
+                match old {
+                    Some(t) => values.insert(v, t),
+                    None => values.remove(&v),
+                };
+            }
+            let results = results?;
             for (k, mut t) in results.into_iter().enumerate() {
                 let here = ValueRef {
                     node: id,
@@ -825,6 +852,53 @@ fn strip_locations(ctx: &Context, module: &mut Module) -> R<Vec<u8>> {
     Ok(module.as_operation().write_bytecode())
 }
 
+/// The `stablehlo.optimization_barrier` before a group of recomputed nodes (remat.rs): its
+/// inputs and the values it waits for go through it; returns, per input, the barrier's result
+/// the group reads instead. A value the barrier only waits for may be a folded transpose (not
+/// emitted): its source stands in. A value with no lowered form of its own otherwise (none is
+/// expected: folds and composites never span the group's edge) is left out.
+fn remat_barrier<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    group: &remat::Group,
+    values: &HashMap<ValueRef, T<'c, 'b>>,
+    folds: &Folds,
+) -> R<Vec<(ValueRef, T<'c, 'b>)>> {
+    let waited = group.after.iter().filter_map(|v| {
+        let t = values
+            .get(v)
+            .or_else(|| folds.get(v).and_then(|(src, _)| values.get(src)))?;
+        Some((*v, t))
+    });
+    let through: Vec<(ValueRef, &T<'c, 'b>)> = group
+        .inputs
+        .iter()
+        .filter_map(|v| values.get(v).map(|t| (*v, t)))
+        .chain(waited)
+        .collect();
+    if through.is_empty() {
+        return Ok(Vec::new());
+    }
+    let operands: Vec<&T> = through.iter().map(|(_, t)| *t).collect();
+    let types: Vec<(Vec<i64>, DType)> = operands
+        .iter()
+        .map(|t| (t.shape.clone(), t.dtype))
+        .collect();
+    let results = e.op_n(
+        "stablehlo.optimization_barrier",
+        &operands,
+        &[],
+        &types,
+        Vec::new(),
+    )?;
+    let inputs: HashSet<&ValueRef> = group.inputs.iter().collect();
+    Ok(through
+        .into_iter()
+        .zip(results)
+        .filter(|((v, _), _)| inputs.contains(v))
+        .map(|((v, _), t)| (v, t))
+        .collect())
+}
+
 /// Lowers one node by its rule and checks its results against the types FX recorded.
 fn lower_node<'c, 'b>(
     e: &Emitter<'c, 'b>,
@@ -913,6 +987,11 @@ impl Fused {
         let mut folds = Folds::default();
         if on(tpuc_passes::fusion::FOLD_TRANSPOSES) {
             for (id, p) in tpuc_passes::transpose_folds(graph) {
+                // Not across a recomputation's edge: its barrier needs the transpose's value.
+                let flag = graph.node(id).recomputed;
+                if graph.users(id).any(|u| graph.node(u).recomputed != flag) {
+                    continue;
+                }
                 if let Some(Arg::Value(src)) = graph.node(id).args.first() {
                     folds.insert(
                         ValueRef {
@@ -929,7 +1008,13 @@ impl Fused {
         if on(tpuc_passes::fusion::COMPOSITES) && composites_for(device) {
             for group in tpuc_passes::fusion_groups(graph) {
                 let root = *group.nodes.last().expect("groups are not empty");
-                if graph.node(root).results.iter().any(Option::is_none)
+                // A unit is all recomputation or none of it (its barrier goes before it).
+                let mixed = group
+                    .nodes
+                    .iter()
+                    .any(|&n| graph.node(n).recomputed != graph.node(root).recomputed);
+                if mixed
+                    || graph.node(root).results.iter().any(Option::is_none)
                     || (host_attention
                         && graph.node(root).op
                             == "aten._scaled_dot_product_flash_attention_for_cpu.default")
