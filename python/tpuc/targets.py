@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import _native, autograd_cache, buckets, counters, dump, fx_export, runtime
+from . import _native, autograd_cache, buckets, counters, dump, fx_export, mutations, runtime
 from . import sharding as sharding_mod
 from .target_spec import TargetSpec
 
@@ -226,6 +226,11 @@ class TargetGraph:
         )
         counters.record_passes(self.pass_report)
         counters.add(graphs_compiled=1)
+        # The written state's new values reuse its buffers (input-output aliasing): the memory
+        # per chip counts the state once, as a JAX step with donated arguments does.
+        written = mutations.written_inputs(gm)
+        if written:
+            self.graph = self.graph.with_written_inputs(written)
         self.inputs = self.graph.inputs()
         self.sharded = None
         if shard is not None:
