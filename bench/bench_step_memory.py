@@ -8,6 +8,7 @@ aliased (outputs written into argument buffers), temporaries, code, and the per-
 module. The dump folder (`--dump`) holds the module for tpu_twins/compare.py `--step`.
 
     PYTHONPATH=python .venv/bin/python bench/bench_step_memory.py [--dump DIR] [--target tpu:v5e:2x2]
+        [--zero-grad start|end]
 """
 
 import argparse
@@ -28,6 +29,9 @@ def main():
     ap.add_argument("--dump", default=None)
     ap.add_argument("--target", default="tpu:v5e:2x2")
     ap.add_argument("--loss", default="sum", choices=["sum", "ce"])
+    # Where the step clears the gradients: "start" keeps them in p.grad after the step (outputs of
+    # the program), "end" (after opt.step()) leaves p.grad None, so the program returns none.
+    ap.add_argument("--zero-grad", default="start", choices=["start", "end"])
     a = ap.parse_args()
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).train()
@@ -36,14 +40,18 @@ def main():
     y = torch.randint(0, 10, (2,))
 
     def step(x, y):
-        opt.zero_grad(set_to_none=True)
+        if a.zero_grad == "start":
+            opt.zero_grad(set_to_none=True)
         out = model(x)
         loss = out.sum() if a.loss == "sum" else torch.nn.functional.cross_entropy(out, y)
         loss.backward()
         opt.step()
+        if a.zero_grad == "end":
+            opt.zero_grad(set_to_none=True)
         return loss.detach()
 
     step(x, y)  # eager: the momentum buffers exist from here on
+    tpuc.reset_stats()
     dump = a.dump or tempfile.mkdtemp()
     cache = tempfile.mkdtemp()
     compiled = torch.compile(

@@ -213,3 +213,57 @@ def test_a_whole_step_for_a_tpu_target_aliases_its_state(tmp_path):
     assert module.count("tf.aliasing_output") == len(state)
     aliased = json.load(open(meta))["hbm_bytes"]["aliased"]
     assert aliased >= sum(t.numel() * t.element_size() for t in state)
+
+
+def _outputs_of_the_program(dump_dir) -> int:
+    (meta,) = glob.glob(os.path.join(dump_dir, "**", "meta.json"), recursive=True)
+    return len(json.load(open(meta))["outputs"])
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+def test_gradients_leave_the_program_only_where_the_user_can_read_them(where, tmp_path):
+    """`opt.zero_grad(set_to_none=True)` at the start of the step leaves the step's gradients
+    in `p.grad` (eager semantics): the program returns them. At the end, after `opt.step()`,
+    eager's `p.grad` is None after the step: the program returns no gradient (the zero_grad is
+    traced as `.grad = None` instead of breaking the graph after the update, which made every
+    gradient an output and split the step), and the step is one program equal to eager."""
+    torch.manual_seed(0)
+    model = _mlp().train()
+    ref = copy.deepcopy(model)
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x, y):
+            if where == "start":
+                opt.zero_grad(set_to_none=True)
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            if where == "end":
+                opt.zero_grad()
+            return loss.detach()
+
+        return step, opt
+
+    step, opt = make(model)
+    ref_step, ref_opt = make(ref)
+    batches = [(torch.randn(16, 32), torch.randn(16, 8)) for _ in range(4)]
+    step(*batches[0]), ref_step(*batches[0])  # the momentum buffers exist
+    torch._dynamo.reset()
+    tpuc.reset_stats()
+    compiled = torch.compile(step, backend="tpu", options={"dump_dir": str(tmp_path)})
+    for x, y in batches[1:]:
+        torch.testing.assert_close(compiled(x, y), ref_step(x, y), rtol=1e-4, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None)
+            if q.grad is not None:
+                assert_close_scaled(p.grad, q.grad, "grad")
+    assert tpuc.stats()["executions"] == len(batches) - 1  # one program per step
+    # At the start, zero_grad runs eagerly before the graph (a break that costs no program).
+    assert len(tpuc.stats()["graph_breaks"]) == (1 if where == "start" else 0)
+    for k, v in _state(ref, ref_opt).items():
+        assert_close_scaled(_state(model, opt)[k], v, k)
+    params = len(list(model.parameters()))
+    # loss, the new parameters and momentum buffers, and the gradients where they are kept
+    assert _outputs_of_the_program(tmp_path) == 1 + 2 * params + (params if where == "start" else 0)

@@ -5064,7 +5064,11 @@ fn written_inputs_alias_outputs_of_their_type() {
     let lowered = lower(&g, &LowerOptions::default()).unwrap();
     assert_eq!(lowered.aliases, vec![(0, 0)]);
     let text = lowered.text().unwrap();
-    assert_eq!(text.matches("tf.aliasing_output = 0 : i32").count(), 1, "{text}");
+    assert_eq!(
+        text.matches("tf.aliasing_output = 0 : i32").count(),
+        1,
+        "{text}"
+    );
     let plain = lower(&add_graph(), &LowerOptions::default()).unwrap();
     assert!(plain.aliases.is_empty());
     assert!(!plain.text().unwrap().contains("tf.aliasing_output"));
