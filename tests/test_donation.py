@@ -267,3 +267,33 @@ def test_gradients_leave_the_program_only_where_the_user_can_read_them(where, tm
     params = len(list(model.parameters()))
     # loss, the new parameters and momentum buffers, and the gradients where they are kept
     assert _outputs_of_the_program(tmp_path) == 1 + 2 * params + (params if where == "start" else 0)
+
+
+def test_backward_after_a_traced_zero_grad_keeps_its_gradients():
+    """A backward() after the traced `zero_grad()` in the same frame (the next step's gradients
+    computed ahead): it must not accumulate into the gradients the traced clear dropped, so the
+    graph breaks there; parameters and `p.grad` equal eager's."""
+    torch.manual_seed(0)
+    model = _mlp().train()
+    ref = copy.deepcopy(model)
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x, y):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            F.mse_loss(m(y @ torch.ones(8, 32)), y).backward()
+            return loss.detach()
+
+        return step
+
+    step, ref_step = torch.compile(make(model), backend="tpu"), make(ref)
+    for _ in range(3):
+        x, y = torch.randn(16, 32), torch.randn(16, 8)
+        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-4, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert_close_scaled(p, q, "param")
+        assert_close_scaled(p.grad, q.grad, "grad")
