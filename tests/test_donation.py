@@ -117,6 +117,26 @@ def test_whole_step_writes_state_in_place_as_eager(model_name, tmp_path):
 
 
 @pytest.mark.discrete_device
+def test_resident_state_is_never_donated():
+    """With `residency="versioned"` the parameters may stay on the device between calls (as
+    copies): a resident buffer is read again by the next call, so it is never donated, and the
+    steps equal eager's (a donated resident buffer would be read after it was given away)."""
+    torch.manual_seed(0)
+    model = _mlp().train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    step = torch.compile(_step_fn(model, opt), backend="tpu", options={"residency": "versioned"})
+    ref_step = _step_fn(ref, ref_opt)
+    for _ in range(5):
+        x, y = torch.randn(16, 32), torch.randn(16, 8)
+        torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-4, atol=1e-6)
+    got = _state(model, opt)
+    for k, v in _state(ref, ref_opt).items():
+        assert_close_scaled(got[k], v, k)
+
+
+@pytest.mark.discrete_device
 def test_writes_through_aliases_and_repeated_calls_match_eager():
     """An ordinary compiled function (not a whole step) that writes into its inputs under
     no_grad: the same tensor passed as two inputs, a written tensor also returned, a view of a
