@@ -20,7 +20,7 @@ pub struct Signature {
     pub inputs: Vec<ArrayType>,
     pub outputs: Vec<ArrayType>,
     /// The inputs the module aliases to an output (`tf.aliasing_output`): donated when they are
-    /// a private copy made for this call (see [`Runner::donations`]).
+    /// a private copy made for this call (`Runner::execute_with_donations`).
     pub aliased_inputs: Vec<usize>,
 }
 
@@ -356,7 +356,7 @@ impl Runner {
             && ptr.is_multiple_of(HOST_VIEW_ALIGN)
             && self.host_views.load(Ordering::Relaxed)
         {
-            // SAFETY: forwarded from the caller; tpuc never donates inputs.
+            // SAFETY: forwarded from the caller; a view is never donated (execute_with_donations).
             match unsafe {
                 self.client
                     .view_of_device_memory(ptr as *mut u8, element, shape, 0)
