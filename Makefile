@@ -20,7 +20,7 @@ test-rust:
 DISCRETE_TESTS = tests/test_params.py tests/test_hot_path.py tests/test_sharding.py \
 	tests/test_distributed.py tests/test_models.py tests/test_buckets.py tests/test_saved.py \
 	tests/test_ties.py tests/test_fallback_partitions.py tests/test_edge_inputs.py \
-	tests/test_handoff.py tests/test_input_views.py
+	tests/test_handoff.py tests/test_input_views.py tests/test_donation.py
 
 # pytest-xdist workers for the first pass: one process alone leaves much of a second core idle
 # (Dynamo's tracing is Python, and many tests wait on child processes); two keep a 2-core machine

@@ -233,6 +233,7 @@ fn signature(lowered: &Lowered) -> Signature {
     Signature {
         inputs: types(&lowered.inputs),
         outputs: types(&lowered.outputs),
+        aliased_inputs: lowered.aliases.iter().map(|(arg, _)| *arg).collect(),
     }
 }
 

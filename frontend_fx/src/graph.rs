@@ -164,6 +164,12 @@ pub struct Graph {
     /// own backward graph reads. Derived graphs (bucketed) drop it.
     #[serde(default)]
     pub free_layout_outputs: std::collections::BTreeSet<usize>,
+    /// {position in `inputs`: position in `outputs`}: inputs the caller overwrites with that
+    /// output's value after each call (a training step's parameters and optimizer state).
+    /// Lowering lets the output reuse the input's buffer (`tf.aliasing_output`) where both have
+    /// one type and layout. Derived graphs (bucketed) drop it.
+    #[serde(default)]
+    pub written_inputs: std::collections::BTreeMap<usize, usize>,
     /// The nested graphs of control-flow ops (`higher_order.cond`'s branches, a loop's
     /// condition and body), each closed: it reads only its own inputs, which the op passes
     /// (see docs/control-flow.md). A node names one by [`Arg::Region`]. The passes leave them

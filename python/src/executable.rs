@@ -219,6 +219,13 @@ impl Executable {
         self.compiled.lowered.output_perms.clone()
     }
 
+    /// (argument, result) of the module's `main` for each written input whose result reuses
+    /// its buffer (`tf.aliasing_output`).
+    #[getter]
+    fn aliases(&self) -> Vec<(usize, usize)> {
+        self.compiled.lowered.aliases.clone()
+    }
+
     #[getter]
     fn input_types(&self) -> Vec<(Vec<i64>, String)> {
         self.compiled

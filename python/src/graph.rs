@@ -73,6 +73,17 @@ impl FxGraph {
         }
     }
 
+    /// This graph with `pairs` (input position, output position) as its written inputs: the
+    /// caller overwrites each input with that output after a call (`Graph::written_inputs`;
+    /// lowering aliases them where it can).
+    fn with_written_inputs(&self, pairs: Vec<(usize, usize)>) -> FxGraph {
+        let mut graph = (*self.graph).clone();
+        graph.written_inputs = pairs.into_iter().collect();
+        FxGraph {
+            graph: Arc::new(graph),
+        }
+    }
+
     /// Imports the wire format as JSON (`tpuc_frontend_fx::wire`).
     #[staticmethod]
     fn from_json(py: Python<'_>, json: &str) -> PyResult<FxGraph> {

@@ -28,6 +28,7 @@ from . import (
     buckets,
     handoff,
     input_views,
+    mutations,
     prepare,
     resize,
     saved,
@@ -134,6 +135,8 @@ def _compile(gm, example_inputs, options, mode, kwargs):
 
     def compiler(kind: str):
         def compile_one(g, ins):
+            if kind == "forward":  # the inputs it writes, for input-output aliasing
+                mutations.record_aot_writes(g)
             shard = (shard_ctx, kind) if shard_ctx else None
             name = f"{prefix}{gid}_{kind}"
             if caching:

@@ -20,6 +20,7 @@ from . import (
     counters,
     dump,
     fx_export,
+    mutations,
     precompile_session,
     residency,
     structured_trace,
@@ -86,6 +87,14 @@ class CompiledGraph:
         self.symfloat_exprs = [n.meta["val"].node.expr for n in symfloats]
         self.attr_tensors = [getattr(gm, t) for t in attr_targets]
         counters.record_passes(self.pass_report)
+        written = mutations.written_inputs(gm)
+        if written and shard_ctx is None and not rt.host_zero_copy:
+            # A discrete device uploads each input for the call: the written state's upload is
+            # a private copy, so its new value is computed into it (donated, runner.rs) instead
+            # of into a second buffer. Not on the CPU plugin, whose inputs are the tensors'
+            # memory itself (the plugin would copy them first), nor under a mesh, whose pieces
+            # run through another path.
+            self.graph = self.graph.with_written_inputs(written)
         self.inputs = self.graph.inputs()
         self.tensor_slots = [i for i, k in enumerate(self.inputs) if k[0] == "tensor"]
         self.symbolic = any(k[0] == "symint" or any(isinstance(d, str) for d in k[1]) for k in self.inputs)

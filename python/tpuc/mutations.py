@@ -83,7 +83,59 @@ def split(gm: torch.fx.GraphModule, rows_allowed: bool = True) -> Writes | None:
         gm.graph.erase_node(c)
     out.args = (type(out.args[0])(outs),)
     gm.recompile()
+    # For the compile (compiled_graph.py, targets.py): the new value's output may reuse the
+    # input's buffer (input-output aliasing, `written_inputs`).
+    gm.meta[WRITTEN_INPUTS] = list(writes.full)
     return writes
+
+
+# gm.meta key: the (input position, output position) pairs of a graph's full writes, as the
+# graph's outputs stand after the preparation steps (input_views renumbers them).
+WRITTEN_INPUTS = "tpuc_written_inputs"
+
+
+def record_aot_writes(gm: torch.fx.GraphModule) -> None:
+    """Records on the forward (or inference) graph `gm` the writes AOTAutograd's runtime wrapper
+    does after it: without `keep_inference_input_mutations` (a whole training step, whose
+    parameters require grad), the graph returns the new value of each written input first, in
+    input order, and the wrapper copies it in. Read from AOTAutograd's metadata of the graph
+    being compiled; nothing where it does not describe `gm`'s placeholders one to one (effect
+    tokens, tensor subclasses, merged aliased inputs) or a pair differs in shape or dtype."""
+    from torch._functorch._aot_autograd.schemas import MutationType, PlainTensorMeta
+
+    ctx = torch._guards.TracingContext.try_get()
+    m = getattr(ctx, "fw_metadata", None)
+    try:
+        if m is None or not m.num_mutated_inp_runtime_indices or m.tokens:
+            return
+        if not all(type(s) is PlainTensorMeta or isinstance(s, int) for s in m.subclass_inp_meta):
+            return
+        infos = m.input_info
+        indices = list(m.mutated_inp_runtime_indices)
+    except AttributeError:  # another torch's metadata
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    outs = gm.graph.output_node().args[0]
+    if len(placeholders) < len(infos) or not isinstance(outs, list | tuple) or len(outs) < len(indices):
+        return
+    pairs = []
+    for k, i in enumerate(indices):
+        info = infos[i]
+        if (
+            info.mutation_type is MutationType.MUTATED_OUT_GRAPH
+            and info.mutates_data
+            and not info.mutates_metadata
+        ):
+            if _same_type(placeholders[i], outs[k]):
+                pairs.append((i, k))
+    if pairs:
+        gm.meta[WRITTEN_INPUTS] = pairs
+
+
+def written_inputs(gm: torch.fx.GraphModule) -> list[tuple[int, int]]:
+    """The (input position, output position) pairs `split` recorded on `gm` (none where it
+    wrote nothing)."""
+    return list(getattr(gm, "meta", {}).get(WRITTEN_INPUTS, ()))
 
 
 def _same_type(dst: torch.fx.Node, src) -> bool:

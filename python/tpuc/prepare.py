@@ -66,6 +66,11 @@ def _input_views(road, job: Job):
     taken = input_views.split(job.gm)
     if not taken:
         return None
+    written = mutations.written_inputs(job.gm)
+    if written:  # the outputs after those taken out move up
+        _, back = input_views.remap_positions(taken, [k for _, k in written])
+        new_of = {old: new for new, old in back.items()}
+        job.gm.meta[mutations.WRITTEN_INPUTS] = [(i, new_of[k]) for i, k in written if k in new_of]
     if job.free_layouts is not None:
         positions, back = input_views.remap_positions(taken, job.free_layouts[0])
         report = job.free_layouts[1]

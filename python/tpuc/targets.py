@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import _native, autograd_cache, buckets, counters, dump, fx_export, runtime, user_code
+from . import _native, autograd_cache, buckets, counters, dump, fx_export, mutations, runtime, user_code
 from . import sharding as sharding_mod
 from .target_spec import TargetSpec
 
@@ -206,6 +206,11 @@ class TargetGraph:
         )
         counters.record_passes(self.pass_report)
         counters.add(graphs_compiled=1)
+        # The written state's new values reuse its buffers (input-output aliasing): the memory
+        # per chip counts the state once, as a JAX step with donated arguments does.
+        written = mutations.written_inputs(gm)
+        if written:
+            self.graph = self.graph.with_written_inputs(written)
         self.inputs = self.graph.inputs()
         self.sharded = None
         if shard is not None:

@@ -40,8 +40,13 @@ and tpuc removes each cut, but only while Dynamo traces a frame whose backend is
    programs). The resume functions Dynamo creates while tracing tpuc's frames are marked to be
    traced always (`_trace_resume_functions`), as a `torch.compile`d function's own code is.
 
-`Optimizer.zero_grad` stays a skipped function: Dynamo runs it eagerly before the rest of the
-frame, which costs no program. Anything else that breaks the graph (a hook, `.item()`, a print)
+6. `Optimizer.zero_grad` is a skipped function (`torch._disable_dynamo`): Dynamo breaks there
+   and runs it eagerly. At the start of a step that costs no program, but at the end (after
+   `opt.step()`) the gradients became outputs of the program for the `.grad` that zero_grad then
+   clears. In tpuc's frames `zero_grad()` with `set_to_none=True` (its default), after a
+   backward() in the same frame, is traced as each parameter's `.grad = None`
+   (`_trace_zero_grad_to_none`), so no gradient the user cannot read leaves the program; at
+   the start of a step and with `set_to_none=False` the break stays. Anything else that breaks the graph (a hook, `.item()`, a print)
 splits the step as before; `tpuc.stats()["graph_breaks"]` lists the reasons in tpuc's frames.
 
 Adam and AdamW need no `capturable=True`: Dynamo already traces every optimizer as capturable
@@ -118,6 +123,7 @@ def install(backend_fn) -> None:
 
     _hook_translator(InstructionTranslator, dynamo_config, backend_fn)
     _trace_resume_functions()
+    _trace_zero_grad_to_none(InstructionTranslator.__mro__[1])
     _hook_graph_break(SkipFunctionVariable, ConstantVariable, _use_grad_for_differentiable)
     OptimizerVariable.tp_methods["_init_group"] = Method(_traced_grads_init_group(init_group.handler))
     TensorVariable.tp_methods["backward"] = Method(_backward_within_frame(backward.handler))
@@ -182,6 +188,66 @@ def _trace_resume_functions() -> None:
     ContinueExecutionCache.lookup = classmethod(lookup_for_backend)
 
 
+def _trace_zero_grad_to_none(translator_base_cls) -> None:
+    """`opt.zero_grad()` / `opt.zero_grad(set_to_none=True)` (item 6 of the module docs):
+    Optimizer.zero_grad is wrapped in `torch._disable_dynamo`, so Dynamo breaks the graph there
+    and runs it eagerly. At the end of a step that break made the gradients outputs of the
+    program (Dynamo sets `p.grad` before zero_grad clears it) and split off a frame for what
+    followed. In tpuc's frames the call is traced as what it does with `set_to_none`: each
+    parameter's `.grad = None` (`_grads_to_none`), where a backward() in this frame has set
+    the gradients it clears (the end of a step). At the start of a step, in subclasses that
+    override zero_grad and with `set_to_none=False`, the break stays (the traced backward would
+    accumulate into the real `.grad` the traced clear does not reach)."""
+    zero_grad = getattr(torch.optim.Optimizer.zero_grad, "__wrapped__", None)
+    inline = getattr(translator_base_cls, "inline_user_function_return", None)
+    if zero_grad is None or inline is None:
+        log.warning("tpuc: this torch's Optimizer.zero_grad is not the one tpuc traces; it splits a step")
+        return
+
+    def inline_for_backend(self, fn, args, kwargs, **more):
+        if (
+            _tracing_tpuc()
+            and args
+            and _is_zero_grad_to_none(fn, zero_grad, args, kwargs)
+            and _pending_grads(args[0], self)
+        ):
+            from torch._dynamo.variables.base import VariableTracker
+
+            # A backward() later in this frame would accumulate into the cleared gradients:
+            # `_backward_within_frame` breaks the graph there instead.
+            self.output.tpuc_grads_cleared = True
+            return inline(self, VariableTracker.build(self, _grads_to_none), [args[0]], {}, **more)
+        return inline(self, fn, args, kwargs, **more)
+
+    translator_base_cls.inline_user_function_return = inline_for_backend
+
+
+def _is_zero_grad_to_none(fn_vt, zero_grad, args, kwargs) -> bool:
+    """Whether `fn_vt(*args, **kwargs)` is torch's own Optimizer.zero_grad with set_to_none
+    true (its default), on an optimizer whose class does not override it."""
+    from torch._dynamo.variables.constant import ConstantVariable
+
+    try:
+        f = fn_vt.get_function()
+    except Exception:  # not a function variable
+        return False
+    if getattr(f, "__wrapped__", None) is not zero_grad:
+        return False
+    if len(args) > 2 or set(kwargs) - {"set_to_none"}:
+        return False
+    flag = args[1] if len(args) == 2 else kwargs.get("set_to_none")
+    if flag is None:
+        return True
+    return isinstance(flag, ConstantVariable) and flag.value is True
+
+
+def _grads_to_none(opt) -> None:
+    """What Optimizer.zero_grad(set_to_none=True) does to the gradients (traced by Dynamo)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
 def _hook_graph_break(skip_fn_cls, constant_cls, use_grad_for_differentiable) -> None:
     # The code object of the optimizer step's wrapper (the same for every decorated step).
     wrapper_code = use_grad_for_differentiable(lambda self: None).__code__
@@ -231,6 +297,16 @@ def _backward_within_frame(handler):
     (`grad_fn`), the call graph-breaks and the autograd engine runs it, as in stock PyTorch."""
 
     def backward(self, tx, *args, **kwargs):  # TensorVariable's handlers take unpacked arguments
+        if _tracing_tpuc() and getattr(tx.output, "tpuc_grads_cleared", False):
+            from torch._dynamo.exc import unimplemented
+
+            unimplemented(
+                gb_type="tpuc: backward() after a traced zero_grad()",
+                context=f"call_method {self} backward",
+                explanation="zero_grad() cleared gradients earlier in this graph; this backward runs "
+                "after the graph, through the autograd engine.",
+                hints=[],
+            )
         if _tracing_tpuc() and _inputs_with_history(tx):
             from torch._dynamo.exc import unimplemented
 

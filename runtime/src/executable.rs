@@ -241,9 +241,30 @@ impl LoadedExecutable {
         self.deserialized
     }
 
-    /// Runs a single-device executable and waits for it to finish.
+    /// Runs a single-device executable and waits for it to finish. No argument is donated:
+    /// each stays usable (an argument the module aliases to an output is copied by the plugin).
     pub fn execute(&self, args: &[&Buffer]) -> Result<Vec<Buffer>, PjrtError> {
-        let mut outputs = self.run(&[args])?;
+        let mut outputs = self.run(&[args], None)?;
+        Ok(outputs.pop().unwrap_or_default())
+    }
+
+    /// As [`LoadedExecutable::execute`], but the arguments whose `donate` entry is true give
+    /// their memory to the output the module aliases them to (`tf.aliasing_output`): such an
+    /// argument's buffer must not be read after the call, and a host view donated this way has
+    /// the output written into the viewed memory.
+    pub fn execute_donating(
+        &self,
+        args: &[&Buffer],
+        donate: &[bool],
+    ) -> Result<Vec<Buffer>, PjrtError> {
+        if donate.len() != args.len() {
+            return Err(PjrtError::Other(format!(
+                "{} donation flags for {} arguments",
+                donate.len(),
+                args.len()
+            )));
+        }
+        let mut outputs = self.run(&[args], Some(donate))?;
         Ok(outputs.pop().unwrap_or_default())
     }
 
@@ -254,10 +275,15 @@ impl LoadedExecutable {
         per_device_args: &[Vec<&Buffer>],
     ) -> Result<Vec<Vec<Buffer>>, PjrtError> {
         let lists: Vec<&[&Buffer]> = per_device_args.iter().map(Vec::as_slice).collect();
-        self.run(&lists)
+        self.run(&lists, None)
     }
 
-    fn run(&self, lists: &[&[&Buffer]]) -> Result<Vec<Vec<Buffer>>, PjrtError> {
+    /// `donate`: per argument, whether it may be donated (None: none is).
+    fn run(
+        &self,
+        lists: &[&[&Buffer]],
+        donate: Option<&[bool]>,
+    ) -> Result<Vec<Vec<Buffer>>, PjrtError> {
         if lists.len() != self.num_devices {
             return Err(PjrtError::Other(format!(
                 "executable runs on {} devices, got {} argument lists",
@@ -295,7 +321,14 @@ impl LoadedExecutable {
         let mut events: SmallVec<[*mut sys::PJRT_Event; 1]> =
             smallvec::smallvec![ptr::null_mut(); lists.len()];
 
+        // PJRT donates every argument the module aliases to an output unless it is listed here.
+        let kept: SmallVec<[i64; 8]> = (0..num_args)
+            .filter(|&i| !donate.is_some_and(|d| d[i]))
+            .map(|i| i as i64)
+            .collect();
         let mut options = sys::PJRT_ExecuteOptions::new();
+        options.non_donatable_input_indices = kept.as_ptr();
+        options.num_non_donatable_input_indices = kept.len();
         let mut args = sys::PJRT_LoadedExecutable_Execute_Args::new();
         args.executable = self.raw;
         args.options = &mut options;

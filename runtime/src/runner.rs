@@ -19,6 +19,9 @@ pub type ArrayType = (Vec<i64>, ElementType);
 pub struct Signature {
     pub inputs: Vec<ArrayType>,
     pub outputs: Vec<ArrayType>,
+    /// The inputs the module aliases to an output (`tf.aliasing_output`): donated when they are
+    /// a private copy made for this call (`Runner::execute_with_donations`).
+    pub aliased_inputs: Vec<usize>,
 }
 
 /// A host array handed to [`Runner::run`]: pointer, byte length, element type and shape.
@@ -218,7 +221,8 @@ impl Runner {
             })?
         };
         let refs = arg_refs(args, &staged);
-        let results = exe.execute(&refs)?;
+        let host: Vec<bool> = args.iter().map(|a| matches!(a, RunArg::Host(_))).collect();
+        let results = self.execute_with_donations(exe, sig, &refs, &host)?;
         if results.len() != outputs.len() {
             return Err(RunError::Call(format!(
                 "executable returned {} outputs, expected {}",
@@ -274,7 +278,8 @@ impl Runner {
             })
             .collect();
         let t1 = t0.map(|_| Instant::now());
-        let results = exe.execute(&refs)?;
+        let host: SmallVec<[bool; 8]> = args.iter().map(|a| matches!(a, PtrArg::Host(_))).collect();
+        let results = self.execute_with_donations(exe, sig, &refs, &host)?;
         drop(refs);
         drop(staged);
         if let (Some(t), Some(t0), Some(t1)) = (timings, t0, t1) {
@@ -289,6 +294,37 @@ impl Runner {
             )));
         }
         Ok(results)
+    }
+
+    /// Runs `exe` on `refs`, donating the aliased inputs that were uploaded for this call
+    /// (`host[i]`: argument `i` came from host memory): on a discrete device such an upload is
+    /// a private copy that nothing reads after the call, so the output reuses its memory
+    /// instead of needing a second buffer. Never donated: a resident buffer (a `RunArg::Device`,
+    /// which other calls read again) and, on the CPU plugin, a host argument, which is a view
+    /// of the caller's tensor (the plugin copies such an argument rather than writing into it,
+    /// `tests::aliased_arguments_donated_or_kept`).
+    fn execute_with_donations(
+        &self,
+        exe: &LoadedExecutable,
+        sig: &Signature,
+        refs: &[&Buffer],
+        host: &[bool],
+    ) -> Result<Vec<Buffer>, PjrtError> {
+        if self.host_zero_copy
+            || !sig
+                .aliased_inputs
+                .iter()
+                .any(|&i| host.get(i) == Some(&true))
+        {
+            return exe.execute(refs);
+        }
+        let mut donate: SmallVec<[bool; 8]> = smallvec::smallvec![false; refs.len()];
+        for &i in &sig.aliased_inputs {
+            if host.get(i) == Some(&true) {
+                donate[i] = true;
+            }
+        }
+        exe.execute_donating(refs, &donate)
     }
 
     /// The address of `buf`'s memory when the host can read it in place as a dense row-major
@@ -320,7 +356,7 @@ impl Runner {
             && ptr.is_multiple_of(HOST_VIEW_ALIGN)
             && self.host_views.load(Ordering::Relaxed)
         {
-            // SAFETY: forwarded from the caller; tpuc never donates inputs.
+            // SAFETY: forwarded from the caller; a view is never donated (execute_with_donations).
             match unsafe {
                 self.client
                     .view_of_device_memory(ptr as *mut u8, element, shape, 0)

@@ -668,6 +668,7 @@ fn runner_runs_with_host_memory_in_and_out() {
     let sig = Signature {
         inputs: vec![t.clone(), t.clone()],
         outputs: vec![t.clone(), t],
+        aliased_inputs: vec![],
     };
     let (a, b) = (f32_bytes(&A), f32_bytes(&B));
     let host = |bytes: &[u8]| HostArray {
@@ -732,4 +733,83 @@ fn runner_runs_with_host_memory_in_and_out() {
     assert!(matches!(err, RunError::Call(_)), "{err}");
     // SAFETY: nothing is uploaded (no such device).
     assert!(unsafe { runner.upload_resident(&host(&a), 99) }.is_err());
+}
+
+/// `a + b` written into `a` (`tf.aliasing_output`): the form of a training step's update.
+const ADD_INTO_A: &str = r#"
+module {
+  func.func @main(%a: tensor<2x3xf32> {tf.aliasing_output = 0 : i32}, %b: tensor<2x3xf32>) -> tensor<2x3xf32> {
+    %0 = stablehlo.add %a, %b : tensor<2x3xf32>
+    return %0 : tensor<2x3xf32>
+  }
+}
+"#;
+
+/// What the CPU plugin does with an argument aliased to an output, by how the argument was
+/// made (what `Runner::execute_ptrs` relies on to write a training step's state in place).
+#[test]
+fn aliased_arguments_donated_or_kept() {
+    let c = client();
+    let exe = c.compile(ADD_INTO_A, &CompileOptions::default()).unwrap();
+    let sum: Vec<f32> = A.iter().zip(&B).map(|(a, b)| a + b).collect();
+    let b = upload(&c, &f32_bytes(&B), ElementType::F32, &[2, 3]);
+
+    // Not donated (listed as non-donatable): the plugin writes a new buffer, `a` is unchanged.
+    let a = upload(&c, &f32_bytes(&A), ElementType::F32, &[2, 3]);
+    let out = exe.execute(&[&a, &b]).unwrap();
+    assert_eq!(bytes_f32(&out[0].to_host_vec().unwrap()), sum);
+    assert_ne!(
+        out[0].device_pointer().unwrap(),
+        a.device_pointer().unwrap()
+    );
+    assert_eq!(bytes_f32(&a.to_host_vec().unwrap()), A);
+
+    // A copied buffer, donated: the output is that buffer's memory.
+    let a = upload(&c, &f32_bytes(&A), ElementType::F32, &[2, 3]);
+    let a_ptr = a.device_pointer().unwrap();
+    let out = exe.execute_donating(&[&a, &b], &[true, false]).unwrap();
+    assert_eq!(bytes_f32(&out[0].to_host_vec().unwrap()), sum);
+    assert_eq!(out[0].device_pointer().unwrap(), a_ptr);
+
+    // A view of host memory (what tpuc runs a CPU tensor's memory as), donated: the output is
+    // written into that memory.
+    let mut store = Box::new(Aligned([0; 128]));
+    store.0[..24].copy_from_slice(&f32_bytes(&A));
+    let ptr = store.0.as_mut_ptr();
+    // SAFETY: `store` outlives the view and the output, and nothing else touches it meanwhile.
+    let view = unsafe { c.view_of_device_memory(ptr, ElementType::F32, &[2, 3], 0) }.unwrap();
+    let out = exe.execute_donating(&[&view, &b], &[true, false]).unwrap();
+    let out_ptr = out[0].device_pointer().unwrap();
+    assert_eq!(bytes_f32(&out[0].to_host_vec().unwrap()), sum);
+    drop(out);
+    drop(view);
+    println!(
+        "donated view: output at the viewed memory = {}, memory updated = {}",
+        out_ptr == ptr as usize,
+        bytes_f32(&store.0[..24]) == sum
+    );
+
+    // A zero-copy host buffer, donated.
+    store.0[..24].copy_from_slice(&f32_bytes(&A));
+    // SAFETY: as above.
+    let zc = unsafe {
+        c.buffer_from_host(
+            store.0.as_ptr(),
+            24,
+            ElementType::F32,
+            &[2, 3],
+            HostBufferSemantics::ImmutableZeroCopy,
+            0,
+        )
+    }
+    .unwrap();
+    let r = exe.execute_donating(&[&zc, &b], &[true, false]);
+    match &r {
+        Ok(out) => println!(
+            "donated zero-copy buffer: output at the host memory = {}, memory updated = {}",
+            out[0].device_pointer().unwrap() == store.0.as_ptr() as usize,
+            bytes_f32(&store.0[..24]) == sum
+        ),
+        Err(e) => println!("donated zero-copy buffer: refused: {e}"),
+    }
 }

@@ -132,6 +132,9 @@ pub struct Lowered {
     /// The units emitted as `stablehlo.composite`s: (name without `tpuc.`, member nodes), in
     /// node order (what the dump's graph picture groups).
     pub composites: Vec<(String, Vec<NodeId>)>,
+    /// (argument, result) of `main` for each written input whose result reuses its buffer
+    /// (`tf.aliasing_output`, from `Graph::written_inputs`).
+    pub aliases: Vec<(usize, usize)>,
 }
 
 impl Lowered {
@@ -171,6 +174,47 @@ impl Lowered {
             .to_string_with_flags(flags)
             .map_err(|e| LowerError::internal(format!("printing the module: {e}")))
     }
+}
+
+/// (argument, result) of `main` for each of `graph.written_inputs` whose new value may be
+/// written into the input's buffer (`tf.aliasing_output`): the same static type, the result in
+/// row-major layout (not a free-layout output returned permuted) and, under a mesh, the same
+/// sharding. At most one argument per result. `inputs`/`outputs`: `main`'s types.
+fn aliased_arguments(
+    graph: &Graph,
+    inputs: &[(Vec<i64>, DType)],
+    outputs: &[(Vec<i64>, DType)],
+    output_perms: &[Option<Vec<i64>>],
+    plan: Option<&ShardingPlan>,
+) -> Vec<(usize, usize)> {
+    // Graph positions to `main`'s: tensor inputs that have a node, `Output::Value` outputs.
+    let mut arg_of = HashMap::default();
+    for (i, inp) in graph.inputs.iter().enumerate() {
+        if let (InputKind::Tensor(_), Some(_)) = (&inp.kind, inp.node) {
+            let k = arg_of.len();
+            arg_of.insert(i, k);
+        }
+    }
+    let mut result_of = HashMap::default();
+    for (i, o) in graph.outputs.iter().enumerate() {
+        if let Output::Value(_) = o {
+            let k = result_of.len();
+            result_of.insert(i, k);
+        }
+    }
+    let mut taken = std::collections::BTreeSet::new();
+    let mut pairs = Vec::new();
+    for (input, output) in &graph.written_inputs {
+        let (Some(&a), Some(&r)) = (arg_of.get(input), result_of.get(output)) else {
+            continue;
+        };
+        let same_sharding = plan.is_none_or(|p| p.inputs[a] == p.outputs[r]);
+        if inputs[a] == outputs[r] && output_perms[r].is_none() && same_sharding && taken.insert(r)
+        {
+            pairs.push((a, r));
+        }
+    }
+    pairs
 }
 
 /// A context for StableHLO modules. Only `func` is registered: StableHLO ops are built
@@ -777,6 +821,10 @@ fn lower_in(
     let fn_type = FunctionType::new(ctx, &in_types, &out_types);
     let mut func_attrs = Vec::new();
     let mut module_attrs = Vec::new();
+    let parse = |text: &str| emit::parse_attr(ctx, &diagnostics, text);
+    // Per argument and per result: the entries of its attribute dictionary.
+    let mut arg_entries: Vec<Vec<String>> = vec![Vec::new(); inputs.len()];
+    let mut res_entries: Vec<Vec<String>> = vec![Vec::new(); outputs.len()];
     if let Some(p) = plan {
         if p.inputs.len() != inputs.len() || p.outputs.len() != outputs.len() {
             return Err(LowerError::internal(format!(
@@ -787,22 +835,38 @@ fn lower_in(
                 outputs.len()
             )));
         }
-        let dicts = |specs: &[tpuc_passes::sharding::Spec]| -> String {
-            let items: Vec<String> = specs
-                .iter()
-                .map(|s| format!("{{mhlo.sharding = \"{}\"}}", s.hlo(&p.mesh)))
-                .collect();
-            format!("[{}]", items.join(", "))
-        };
-        let parse = |text: &str| emit::parse_attr(ctx, &diagnostics, text);
-        func_attrs.push((Identifier::new(ctx, "arg_attrs"), parse(&dicts(&p.inputs))?));
-        func_attrs.push((
-            Identifier::new(ctx, "res_attrs"),
-            parse(&dicts(&p.outputs))?,
-        ));
+        for (entries, s) in arg_entries.iter_mut().zip(&p.inputs) {
+            entries.push(format!("mhlo.sharding = \"{}\"", s.hlo(&p.mesh)));
+        }
+        for (entries, s) in res_entries.iter_mut().zip(&p.outputs) {
+            entries.push(format!("mhlo.sharding = \"{}\"", s.hlo(&p.mesh)));
+        }
         let partitions = format!("{} : i32", p.mesh.size());
         module_attrs.push(("mhlo.num_partitions", parse(&partitions)?));
         module_attrs.push(("mhlo.num_replicas", parse("1 : i32")?));
+    }
+    let aliases = aliased_arguments(graph, &inputs, &outputs, &output_perms, plan);
+    for (arg, result) in &aliases {
+        arg_entries[*arg].push(format!("tf.aliasing_output = {result} : i32"));
+    }
+    let dicts = |entries: &[Vec<String>]| -> String {
+        let items: Vec<String> = entries
+            .iter()
+            .map(|e| format!("{{{}}}", e.join(", ")))
+            .collect();
+        format!("[{}]", items.join(", "))
+    };
+    if arg_entries.iter().any(|e| !e.is_empty()) {
+        func_attrs.push((
+            Identifier::new(ctx, "arg_attrs"),
+            parse(&dicts(&arg_entries))?,
+        ));
+    }
+    if res_entries.iter().any(|e| !e.is_empty()) {
+        func_attrs.push((
+            Identifier::new(ctx, "res_attrs"),
+            parse(&dicts(&res_entries))?,
+        ));
     }
     let func = melior::dialect::func::func(
         ctx,
@@ -838,6 +902,7 @@ fn lower_in(
         output_perms,
         sharding: options.sharding.clone(),
         composites,
+        aliases,
     })
 }
 

@@ -5099,3 +5099,22 @@ fn err_an_op_without_a_rule_inside_a_body_is_named() {
         "{err:?}"
     );
 }
+
+/// A written input whose new value is an output of its type is aliased to it
+/// (`tf.aliasing_output`); one of another type is not (`y` is [3], the sum [2, 3]).
+#[test]
+fn written_inputs_alias_outputs_of_their_type() {
+    let mut g = add_graph();
+    g.written_inputs = [(0, 0), (1, 0)].into_iter().collect();
+    let lowered = lower(&g, &LowerOptions::default()).unwrap();
+    assert_eq!(lowered.aliases, vec![(0, 0)]);
+    let text = lowered.text().unwrap();
+    assert_eq!(
+        text.matches("tf.aliasing_output = 0 : i32").count(),
+        1,
+        "{text}"
+    );
+    let plain = lower(&add_graph(), &LowerOptions::default()).unwrap();
+    assert!(plain.aliases.is_empty());
+    assert!(!plain.text().unwrap().contains("tf.aliasing_output"));
+}
