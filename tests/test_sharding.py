@@ -271,3 +271,36 @@ def test_parameter_changes_between_calls_are_seen(sharding):
             change()
             for _ in range(2):
                 torch.testing.assert_close(compiled(x), model(x), **TOL)
+
+
+def test_a_whole_training_step_under_fsdp_equals_eager():
+    # One program per step on 4 CPU devices: parameters and momentum (split like their
+    # parameters) after 4 SGD steps equal eager's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    ref = copy.deepcopy(model)
+
+    def make(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, y):
+            loss = nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step, opt
+
+    (step, opt), (ref_step, ref_opt) = make(model), make(ref)
+    compiled = _compiled(step, "4x1", "fsdp")
+    tpuc.reset_stats()
+    for _ in range(4):
+        x, y = torch.randn(64, 256), torch.randn(64, 256)
+        torch.testing.assert_close(compiled(x, y), ref_step(x, y), **TOL)
+    assert tpuc.stats()["executions"] == 4
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q, **TOL)
+        torch.testing.assert_close(
+            opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], **TOL
+        )

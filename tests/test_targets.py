@@ -327,6 +327,31 @@ def test_precompile_of_a_whole_training_step_reports_one_executable_with_its_mem
     assert "1 executables" in out and "aliased" in out, out
 
 
+def test_an_fsdp_step_splits_the_optimizer_state_and_writes_it_in_place(tmp_path):
+    """fsdp over the 4 chips of a v5e:2x2: AdamW's moments are split like their parameters
+    (Dynamo hands them in as buffers), and every written tensor's new value is laid out as its
+    input, so all of them reuse their buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).train()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step(x, y):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    step(x, y)  # the optimizer's state exists: an input of the compiled step
+    mesh = {"mesh": {"shape": [4], "axes": ["data"]}, "sharding": "fsdp"}
+    report = _precompile(step, [x, y], tmp_path, training="step", options=mesh)
+    (g,) = report["per_graph"]
+    h, state = g["hbm_bytes"], 3 * _param_bytes(model)  # parameters, exp_avg, exp_avg_sq
+    assert h["arguments"] < state / 4 + 64 * 256 * 4, h  # a quarter of the state, the batch's share
+    assert h["aliased"] >= 0.99 * state / 4, h
+
+
 def test_a_checkpointed_step_needs_less_memory_per_chip(tmp_path):
     """Activation checkpointing in a whole step for a target: the recomputation stays in the
     backward (behind its optimization barrier, test_checkpointing.py), so XLA:TPU's plan for

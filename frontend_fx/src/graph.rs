@@ -179,6 +179,32 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// [`Graph::written_inputs`] as positions among the module's arguments (tensor inputs that
+    /// have a node) and results (`Output::Value` outputs), in input order.
+    pub fn written_tensor_pairs(&self) -> Vec<(usize, usize)> {
+        fn positions(is_tensor: impl Iterator<Item = bool>) -> Vec<Option<usize>> {
+            let mut k = 0;
+            is_tensor
+                .map(|t| {
+                    t.then(|| {
+                        k += 1;
+                        k - 1
+                    })
+                })
+                .collect()
+        }
+        let args = positions(
+            self.inputs
+                .iter()
+                .map(|i| matches!((&i.kind, i.node), (InputKind::Tensor(_), Some(_)))),
+        );
+        let results = positions(self.outputs.iter().map(|o| matches!(o, Output::Value(_))));
+        self.written_inputs
+            .iter()
+            .filter_map(|(i, o)| Some(((*args.get(*i)?)?, (*results.get(*o)?)?)))
+            .collect()
+    }
+
     /// The nodes whose results the graph returns as tensors, in output order.
     pub fn output_nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.outputs.iter().filter_map(|o| match o {

@@ -463,6 +463,14 @@ pub fn shard(graph: &Graph, req: &ShardingRequest) -> R<ShardingPlan> {
         )?;
         outputs.push(spec);
     }
+    // A written input's new value (a parameter or optimizer state updated in place) is laid
+    // out as the input it replaces, so it can reuse the input's buffer and the next call reads
+    // it where the last one wrote it.
+    for (a, r) in graph.written_tensor_pairs() {
+        if req.outputs[r].fixed.is_none() && ins[a].1 == outs[r] {
+            outputs[r] = inputs[a].clone();
+        }
+    }
     Ok(ShardingPlan {
         mesh: mesh.clone(),
         inputs,
@@ -818,5 +826,43 @@ mod tests {
             e.0.contains("input `tokens` (graph input 2)") && e.0.contains("size 8"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_written_input_s_new_value_is_laid_out_as_the_input() {
+        // The MLP returns w1's "new value" (a gelu of w1 here) as it would after an optimizer
+        // step; w1 is split by its second dim (a fixed spec): the output takes that split, not
+        // the batch-major one an output computed from split inputs gets.
+        let mut g = mlp();
+        let w1 = g.inputs[0].node.unwrap();
+        let t = g
+            .value_type(ValueRef {
+                node: w1,
+                result: 0,
+            })
+            .cloned();
+        let new = g.add_node(tpuc_frontend_fx::Node {
+            name: "w1_new".into(),
+            op: "aten.gelu.default".into(),
+            args: vec![Arg::Value(ValueRef {
+                node: w1,
+                result: 0,
+            })],
+            kwargs: Default::default(),
+            results: vec![t],
+            loc: None,
+            recomputed: false,
+        });
+        g.outputs.push(Output::Value(ValueRef {
+            node: new,
+            result: 0,
+        }));
+        g.written_inputs.insert(0, 1);
+        let m = mesh(&[4], &["data"]);
+        let mut req = request(Strategy::Fsdp, m.clone());
+        req.inputs[0].fixed = Some(Spec::on_dim(2, 1, 0));
+        req.outputs.push(slot(Role::Other, "w1_new"));
+        let plan = shard(&g, &req).unwrap();
+        assert_eq!(plan.outputs[1], Spec::on_dim(2, 1, 0));
     }
 }

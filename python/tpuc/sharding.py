@@ -75,6 +75,17 @@ def spec_indices(spec, mesh: Mesh, what: str) -> list[list[int]]:
 _PART = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
 
+def _optimizer_state(gm: torch.fx.GraphModule, name: str) -> bool:
+    """Whether the Dynamo graph's buffer `name` is an optimizer's state (a whole training step's
+    momentum, `exp_avg`, ...): Dynamo installs `opt.state[p][key]` as a buffer whose source reads
+    `G['opt'].state[...]`. fsdp splits such state like the parameter it belongs to; a module's
+    buffer stays whole (a module buffer misread as state would only be split, never wrong)."""
+    src = getattr(gm, "_param_name_to_source", {}).get(name)
+    text = getattr(src, "name", None)
+    text = text() if callable(text) else text
+    return isinstance(text, str) and ".state[" in text and "._buffers[" not in text
+
+
 def _source_text(node) -> str | None:
     """The Dynamo source of a placeholder as text: `L['self']._modules['fc1']._parameters['weight']`."""
     src = getattr(node.meta.get("grapharg"), "source", None)
@@ -120,7 +131,10 @@ class Context:
         strategy = sharding if isinstance(sharding, str) else "replicated"
         explicit = dict(sharding) if isinstance(sharding, dict) else {}
         roles = [("parameter", name) for name, _ in gm.named_parameters(remove_duplicate=False)]
-        roles += [("buffer", name) for name, _ in gm.named_buffers(remove_duplicate=False)]
+        roles += [
+            ("parameter" if _optimizer_state(gm, name) else "buffer", name)
+            for name, _ in gm.named_buffers(remove_duplicate=False)
+        ]
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         batch = None
         for node, ex in zip(placeholders, example_inputs, strict=False):

@@ -187,27 +187,9 @@ fn aliased_arguments(
     output_perms: &[Option<Vec<i64>>],
     plan: Option<&ShardingPlan>,
 ) -> Vec<(usize, usize)> {
-    // Graph positions to `main`'s: tensor inputs that have a node, `Output::Value` outputs.
-    let mut arg_of = HashMap::default();
-    for (i, inp) in graph.inputs.iter().enumerate() {
-        if let (InputKind::Tensor(_), Some(_)) = (&inp.kind, inp.node) {
-            let k = arg_of.len();
-            arg_of.insert(i, k);
-        }
-    }
-    let mut result_of = HashMap::default();
-    for (i, o) in graph.outputs.iter().enumerate() {
-        if let Output::Value(_) = o {
-            let k = result_of.len();
-            result_of.insert(i, k);
-        }
-    }
     let mut taken = std::collections::BTreeSet::new();
     let mut pairs = Vec::new();
-    for (input, output) in &graph.written_inputs {
-        let (Some(&a), Some(&r)) = (arg_of.get(input), result_of.get(output)) else {
-            continue;
-        };
+    for (a, r) in graph.written_tensor_pairs() {
         let same_sharding = plan.is_none_or(|p| p.inputs[a] == p.outputs[r]);
         if inputs[a] == outputs[r] && output_perms[r].is_none() && same_sharding && taken.insert(r)
         {
