@@ -1068,17 +1068,18 @@ impl<'a> Bucketer<'a> {
                 _ => Vec::new(),
             }
         };
-        // (position of each graph argument, the operand lists its graph takes, in order);
-        // the number of leading operands whose layouts loop around (carries); whether the
-        // graph's inputs after the carries read one step of `xs` (the list at `xs`).
-        let (graphs, carries, xs): (&[usize], Vec<Arg>, Option<usize>) = match op {
-            "cond" => (&[1, 2], lists(3), None),
-            "while_loop" => (&[0, 1], lists(2), None),
-            "scan" => (&[0], lists(1), Some(2)),
-            "map_impl" => (&[0], Vec::new(), Some(1)),
-            _ => return Err(self.err("no bucketing rule for this control-flow op")),
-        };
-        let mut operands: Vec<Option<Layout>> = Vec::new();
+        // Where the op's arguments are: its graphs; the list of values a loop carries around;
+        // the list it scans (its graphs read one step of each); the last list (a cond's
+        // operands, the additional inputs), read as they are. Every graph of the op takes the
+        // carried values, then the steps, then the last list.
+        let (graphs, carried_at, xs_at, last): (&[usize], Option<usize>, Option<usize>, usize) =
+            match op {
+                "cond" => (&[1, 2], None, None, 3),
+                "while_loop" => (&[0, 1], Some(2), None, 3),
+                "scan" => (&[0], Some(1), Some(2), 3),
+                "map_impl" => (&[0], None, Some(1), 2),
+                _ => return Err(self.err("no bucketing rule for this control-flow op")),
+            };
         // The padded leading dim of xs (one run), when bucketing pads the number of steps.
         let mut steps: Option<DimLayout> = None;
         let layout = |b: &Self, a: &Arg| -> R<Option<Layout>> {
@@ -1087,40 +1088,33 @@ impl<'a> Bucketer<'a> {
                 _ => Ok(None),
             }
         };
-        let carried: Vec<Option<Layout>> =
-            carries.iter().map(|a| layout(self, a)).collect::<R<_>>()?;
-        operands.extend(carried.iter().cloned());
-        if op == "cond" || op == "while_loop" {
-            // cond's operands are all it takes; a while_loop's additional inputs follow.
-            if op == "while_loop" {
-                for a in lists(3) {
-                    operands.push(layout(self, &a)?);
-                }
-            }
-        } else {
-            let xs_at = xs.expect("scan and map scan xs");
-            for a in lists(xs_at) {
-                operands.push(match layout(self, &a)? {
-                    Some(l) if l.is_empty() => return Err(self.err("a scanned 0-d tensor")),
-                    Some(l) => {
-                        // A bucketed scanned dim: the loop stops at the real number of steps.
-                        if dim_padded(&l[0]) {
-                            let one_run = matches!(l[0].as_slice(), [a] if a.padded());
-                            if !one_run || steps.as_ref().is_some_and(|s| !same_dim(s, &l[0])) {
-                                return Err(self.err(
-                                    "the scanned (leading) dims of xs are bucketed differently",
-                                ));
-                            }
-                            steps = Some(l[0].clone());
+        let carried: Vec<Option<Layout>> = carried_at
+            .map(lists)
+            .unwrap_or_default()
+            .iter()
+            .map(|a| layout(self, a))
+            .collect::<R<_>>()?;
+        let mut operands: Vec<Option<Layout>> = carried.clone();
+        for a in xs_at.map(lists).unwrap_or_default() {
+            operands.push(match layout(self, &a)? {
+                Some(l) if l.is_empty() => return Err(self.err("a scanned 0-d tensor")),
+                Some(l) => {
+                    // A bucketed scanned dim: the loop stops at the real number of steps.
+                    if dim_padded(&l[0]) {
+                        let one_run = matches!(l[0].as_slice(), [a] if a.padded());
+                        if !one_run || steps.as_ref().is_some_and(|s| !same_dim(s, &l[0])) {
+                            return Err(self
+                                .err("the scanned (leading) dims of xs are bucketed differently"));
                         }
-                        Some(l[1..].to_vec())
+                        steps = Some(l[0].clone());
                     }
-                    None => None,
-                });
-            }
-            for a in lists(xs_at + 1) {
-                operands.push(layout(self, &a)?);
-            }
+                    Some(l[1..].to_vec())
+                }
+                None => None,
+            });
+        }
+        for a in lists(last) {
+            operands.push(layout(self, &a)?);
         }
         let mut outs: Vec<Vec<Layout>> = Vec::new();
         let mut bucketed = Vec::new();
@@ -1233,7 +1227,6 @@ impl<'a> Bucketer<'a> {
                 .insert(STEPS_KWARG.into(), Arg::Value(v));
         }
         if !sizes.is_empty() {
-            let last = if op == "map_impl" { 2 } else { 3 };
             let extra: Vec<Arg> = sizes.iter().map(|e| Arg::Value(self.scalar(e))).collect();
             match self.out.dag[new].args.get_mut(last) {
                 Some(Arg::List(items)) => items.extend(extra),
@@ -1800,13 +1793,7 @@ impl<'a> Bucketer<'a> {
                 vec![],
                 i64t(&[size]),
             );
-            let inside = self.emit(
-                "inside",
-                "aten.lt.Tensor",
-                vec![Arg::Value(iota), Arg::Value(real)],
-                vec![],
-                TensorType::new_static(&[size], DType::Bool),
-            );
+            let inside = self.dim_mask(&lx[d])?;
             let idx = self.emit(
                 "idx",
                 "aten.where.self",
