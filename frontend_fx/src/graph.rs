@@ -259,11 +259,6 @@ impl Graph {
         counts
     }
 
-    /// Whether any node runs a nested graph (a control-flow op), here or inside one.
-    pub fn has_regions(&self) -> bool {
-        !self.regions.is_empty()
-    }
-
     pub fn op_count(&self) -> usize {
         self.dag.node_weights().filter(|n| !n.is_input()).count()
     }

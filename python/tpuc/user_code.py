@@ -26,12 +26,6 @@ def _stack_trace(node: torch.fx.Node, traces: dict | None) -> str:
     return trace or ""
 
 
-def user_line(node: torch.fx.Node, traces: dict | None = None) -> str | None:
-    """`file.py:12` of the node's innermost user frame, or None."""
-    frame = _native.user_frame(_stack_trace(node, traces), [_TORCH_DIR])
-    return None if frame is None else f"{frame[0]}:{frame[1]}"
-
-
 def describe(node: torch.fx.Node, traces: dict | None = None) -> str:
     """`file.py:12 (c = a * b)`: the user's line and its code, or "" when not known."""
     frame = _native.user_frame(_stack_trace(node, traces), [_TORCH_DIR])
