@@ -10,6 +10,7 @@
 //! wait for (the incoming gradient, as torch_xla's checkpoint does with its grad outputs), so
 //! the recomputation cannot be scheduled before the backward needs it.
 
+use petgraph::unionfind::UnionFind;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use tpuc_frontend_fx::{Graph, NodeId, ValueRef};
 
@@ -46,31 +47,22 @@ impl Remat {
         if members.is_empty() {
             return Remat::default();
         }
-        // Union-find over the edges between recomputed nodes.
+        // The connected groups: union-find over the edges between recomputed nodes.
         let index: HashMap<NodeId, usize> =
             members.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-        let mut parent: Vec<usize> = (0..members.len()).collect();
-        fn root(parent: &mut [usize], mut i: usize) -> usize {
-            while parent[i] != i {
-                parent[i] = parent[parent[i]];
-                i = parent[i];
-            }
-            i
-        }
+        let mut sets = UnionFind::<usize>::new(members.len());
         for (i, &id) in members.iter().enumerate() {
             for v in graph.node(id).operands() {
                 if let Some(&j) = index.get(&v.node) {
-                    let (a, b) = (root(&mut parent, i), root(&mut parent, j));
-                    parent[a.max(b)] = a.min(b);
+                    sets.union(i, j);
                 }
             }
         }
-        // Groups in the order of their first node (the smallest member index is the root).
+        // Groups in the order of their first node.
         let mut slot: HashMap<usize, usize> = HashMap::default();
         let mut remat = Remat::default();
         for (i, &id) in members.iter().enumerate() {
-            let r = root(&mut parent, i);
-            let g = *slot.entry(r).or_insert_with(|| {
+            let g = *slot.entry(sets.find_mut(i)).or_insert_with(|| {
                 remat.groups.push(Group {
                     first: id,
                     inputs: Vec::new(),
@@ -116,16 +108,19 @@ impl Remat {
                 remat.groups[g].after.push(v);
             }
         }
+        // Positions in topological order (node ids need not follow it after passes).
+        let position: HashMap<NodeId, usize> =
+            order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
         for &id in &members {
             let g = remat.group_of[&id];
-            let first = remat.groups[g].first;
+            let first = position[&remat.groups[g].first];
             for user in graph.users(id) {
                 if graph.node(user).recomputed {
                     continue;
                 }
                 for v in graph.node(user).operands() {
                     // Only values made before the group: a later one may depend on it.
-                    if v.node < first
+                    if position[&v.node] < first
                         && !graph.node(v.node).recomputed
                         && is_tensor(&v)
                         && seen[g].insert(v)
