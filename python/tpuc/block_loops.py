@@ -30,11 +30,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx
 
-from . import counters
+from . import counters, residency
 from .regions import call_sites
 
 #: Fewest consecutive calls worth a loop: one call is the block itself.
@@ -321,31 +322,34 @@ class StackedInputs:
     """A boxed compiled graph whose loops read stacked inputs (`plan`: per input of the
     rewritten graph, ("arg", i): the caller's argument i, or ("stack", [i, ...]): those
     arguments stacked along a new leading dim). A stack of parameters is made once and kept
-    while every member is the same tensor at the same address with the same version (an
-    in-place write, an optimizer step, `load_state_dict` bump it; `.data =` moves it), like
-    resident parameters (residency.py); a stack of anything else is made at each call."""
+    while every member still stands for its copy in the stack by residency.py's rule for
+    resident copies (the same tensor at the same address, with the same version and storage:
+    an in-place write, an optimizer step, `load_state_dict` bump the version; `.data =` moves
+    it); a stack of anything else is made at each call."""
 
     _boxed_call = True
 
     def __init__(self, inner, plan: list):
         self.inner = inner
         self.plan = plan
-        self.kept: dict[int, tuple] = {}  # plan position -> (members, [(ptr, version)], stacked)
+        self.kept: dict[int, tuple] = {}  # plan position -> ([_Member per member], stacked)
 
     def _stacked(self, slot: int, members: list):
         kept = self.kept.get(slot)
-        stamp = _stamp(members)
         if (
             kept is not None
-            and stamp is not None
-            and kept[1] == stamp
-            and all(a is b for a, b in zip(kept[0], members, strict=True))
+            and len(kept[0]) == len(members)
+            and all(
+                k.tensor is m and residency.still_resident(k, m, m.data_ptr(), m.untyped_storage())
+                for k, m in zip(kept[0], members, strict=True)
+            )
         ):
-            return kept[2]
+            return kept[1]
         with torch.no_grad():
             s = torch.stack(members)
+        stamp = _stamp(members)
         if stamp is not None and all(isinstance(m, torch.nn.Parameter) for m in members):
-            self.kept[slot] = (members, stamp, s)
+            self.kept[slot] = (stamp, s)
             counters.add(block_stacks_made=1)
         else:
             self.kept.pop(slot, None)
@@ -360,12 +364,22 @@ class StackedInputs:
         return self.inner(new)
 
 
-def _stamp(members: list):
-    """(address, version) of each member, or None where one has none (a fake or meta tensor,
-    an inference tensor)."""
+class _Member(NamedTuple):
+    """A stacked tensor as residency.still_resident reads a resident copy's slot."""
+
+    tensor: torch.Tensor
+    ptr: int
+    version: int
+    storage: object
+    aliased: bool = False  # the stack is a copy, never the member's memory
+
+
+def _stamp(members: list) -> list[_Member] | None:
+    """A `_Member` per member, or None where one has no address or version (a fake or meta
+    tensor, an inference tensor)."""
     try:
         if any(m.is_meta or isinstance(m, torch._subclasses.FakeTensor) for m in members):
             return None
-        return [(m.data_ptr(), m._version) for m in members]
+        return [_Member(m, m.data_ptr(), m._version, m.untyped_storage()) for m in members]
     except RuntimeError:
         return None

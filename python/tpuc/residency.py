@@ -1,6 +1,7 @@
 """When an input may stay resident on the device, and when a resident buffer is still its
-tensor's: the rule unsharded graphs (`call_plan._residency`) and sharded ones
-(`ShardedGraph._resident`) share. The call plan applies the same test in Rust (hot.rs)."""
+tensor's: the rule unsharded graphs (`call_plan._residency`), sharded ones
+(`ShardedGraph._resident`) and loops' kept stacks of parameters (`block_loops.StackedInputs`)
+share. The call plan applies the same test in Rust (hot.rs)."""
 
 from __future__ import annotations
 
