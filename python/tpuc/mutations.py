@@ -133,8 +133,8 @@ def record_aot_writes(gm: torch.fx.GraphModule) -> None:
 
 
 def written_inputs(gm: torch.fx.GraphModule) -> list[tuple[int, int]]:
-    """The (input position, output position) pairs `split` recorded on `gm` (none where it
-    wrote nothing)."""
+    """The (input position, output position) pairs `split` or `record_aot_writes` recorded on
+    `gm` (none where it writes nothing)."""
     return list(getattr(gm, "meta", {}).get(WRITTEN_INPUTS, ()))
 
 

@@ -46,8 +46,10 @@ and tpuc removes each cut, but only while Dynamo traces a frame whose backend is
    clears. In tpuc's frames `zero_grad()` with `set_to_none=True` (its default), after a
    backward() in the same frame, is traced as each parameter's `.grad = None`
    (`_trace_zero_grad_to_none`), so no gradient the user cannot read leaves the program; at
-   the start of a step and with `set_to_none=False` the break stays. Anything else that breaks the graph (a hook, `.item()`, a print)
-splits the step as before; `tpuc.stats()["graph_breaks"]` lists the reasons in tpuc's frames.
+   the start of a step and with `set_to_none=False` the break stays.
+
+Anything else that breaks the graph (a hook, `.item()`, a print) splits the step as before;
+`tpuc.stats()["graph_breaks"]` lists the reasons in tpuc's frames.
 
 Adam and AdamW need no `capturable=True`: Dynamo already traces every optimizer as capturable
 (the step counter stays a tensor, an input written in place) without changing the user's

@@ -310,19 +310,17 @@ impl Runner {
         refs: &[&Buffer],
         host: &[bool],
     ) -> Result<Vec<Buffer>, PjrtError> {
-        if self.host_zero_copy
-            || !sig
-                .aliased_inputs
+        let donated = || {
+            sig.aliased_inputs
                 .iter()
-                .any(|&i| host.get(i) == Some(&true))
-        {
+                .filter(|&&i| host.get(i) == Some(&true))
+        };
+        if self.host_zero_copy || donated().next().is_none() {
             return exe.execute(refs);
         }
         let mut donate: SmallVec<[bool; 8]> = smallvec::smallvec![false; refs.len()];
-        for &i in &sig.aliased_inputs {
-            if host.get(i) == Some(&true) {
-                donate[i] = true;
-            }
+        for &i in donated() {
+            donate[i] = true;
         }
         exe.execute_donating(refs, &donate)
     }
