@@ -44,12 +44,24 @@ def pipeline() -> list[tuple[str, str, str]]:
     return [tuple(p) for p in _native.FxGraph.passes()]
 
 
+#: The FX preparation steps in the order they run (prepare.py's table, which checks it holds
+#: exactly these): `options["passes"]` switches them too, for debugging.
+PREPARE_STEPS = (
+    "flex_attention",
+    "mutations",
+    "input_views",
+    "checks",
+    "storage_rebase",
+    "ties",
+    "block_loops",
+    "inline_regions",
+)
+
+
 def pass_names() -> tuple[str, ...]:
     """Every name `options["passes"]` accepts: the groups, then each pass in pipeline order,
-    then the FX preparation steps (prepare.STEPS, which imports this module: read at call time)."""
-    from . import prepare
-
-    return PASSES + tuple(name for name, _group, _doc in pipeline()) + prepare.NAMES
+    then the FX preparation steps."""
+    return PASSES + tuple(name for name, _group, _doc in pipeline()) + PREPARE_STEPS
 
 
 DEFAULT_CACHE_MAX_SIZE = "10G"

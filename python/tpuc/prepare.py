@@ -24,6 +24,7 @@ import torch.fx
 
 from . import block_loops, checks, flex, input_views, mutations, regions, ties
 from .decompositions import _decompositions
+from .options import PREPARE_STEPS
 from .storage_ops import _rebase_storage_ops
 
 
@@ -182,6 +183,8 @@ STEPS: tuple[Step, ...] = (
 )
 
 NAMES = tuple(s.name for s in STEPS)
+if NAMES != PREPARE_STEPS:  # the option's vocabulary (options.py) is this table's
+    raise ImportError(f"tpuc: prepare.STEPS {NAMES} and options.PREPARE_STEPS {PREPARE_STEPS} differ")
 
 
 def run(road, job: Job) -> Callable:
