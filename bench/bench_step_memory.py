@@ -8,7 +8,7 @@ aliased (outputs written into argument buffers), temporaries, code, and the per-
 module. The dump folder (`--dump`) holds the module for tpu_twins/compare.py `--step`.
 
     PYTHONPATH=python .venv/bin/python bench/bench_step_memory.py [--dump DIR] [--target tpu:v5e:2x2]
-        [--zero-grad start|end]
+        [--zero-grad start|end] [--precision default]  (default: highest; "default" is the twin's one bf16 pass)
 """
 
 import argparse
@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--dump", default=None)
     ap.add_argument("--target", default="tpu:v5e:2x2")
     ap.add_argument("--loss", default="sum", choices=["sum", "ce"])
+    ap.add_argument("--precision", default="highest", help="f32 product precision (JAX twin: default)")
     # Where the step clears the gradients: "start" keeps them in p.grad after the step (outputs of
     # the program), "end" (after opt.step()) leaves p.grad None, so the program returns none.
     ap.add_argument("--zero-grad", default="start", choices=["start", "end"])
@@ -55,7 +56,7 @@ def main():
     dump = a.dump or tempfile.mkdtemp()
     cache = tempfile.mkdtemp()
     compiled = torch.compile(
-        step, backend="tpu", options={"target": a.target, "cache_dir": cache, "dump_dir": dump}
+        step, backend="tpu", options={"target": a.target, "cache_dir": cache, "dump_dir": dump, "precision": a.precision}
     )
     try:
         compiled(x, y)

@@ -108,10 +108,12 @@ def step_case(case: str, layers: int):
             return model(x).sum()
 
     def step(*args):
-        opt.zero_grad(set_to_none=True)
+        # Gradients cleared at the end: nothing reads them after the step, so the program returns
+        # none, as the twin's (docs/training.md).
         loss = loss_of(*args)
         loss.backward()
         opt.step()
+        opt.zero_grad(set_to_none=True)
         return loss.detach()
 
     step(*inputs)

@@ -5118,3 +5118,33 @@ fn written_inputs_alias_outputs_of_their_type() {
     assert!(plain.aliases.is_empty());
     assert!(!plain.text().unwrap().contains("tf.aliasing_output"));
 }
+
+/// On a TPU a written 64-bit scalar (a BatchNorm counter) is returned, not aliased (XLA:TPU
+/// kept temporaries for it); a 64-bit tensor, and the same scalar elsewhere, still alias.
+#[test]
+fn tpu_keeps_written_64_bit_scalars_unaliased() {
+    let add_one = |shape: &[i64]| {
+        let mut g = op(
+            &[("count", shape, "int64")],
+            "aten.add.Tensor",
+            json!([n("count"), 1]),
+            nokw(),
+            t(shape, "int64"),
+        );
+        g.written_inputs = [(0, 0)].into_iter().collect();
+        g
+    };
+    let tpu = LowerOptions {
+        device: Device::Tpu,
+        ..LowerOptions::default()
+    };
+    assert!(lower(&add_one(&[]), &tpu).unwrap().aliases.is_empty());
+    assert_eq!(lower(&add_one(&[4]), &tpu).unwrap().aliases, vec![(0, 0)]);
+    for device in [Device::Cpu, Device::Gpu] {
+        let opts = LowerOptions {
+            device,
+            ..LowerOptions::default()
+        };
+        assert_eq!(lower(&add_one(&[]), &opts).unwrap().aliases, vec![(0, 0)]);
+    }
+}
