@@ -317,3 +317,39 @@ def test_backward_after_a_traced_zero_grad_keeps_its_gradients():
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert_close_scaled(p, q, "param")
         assert_close_scaled(p.grad, q.grad, "grad")
+
+
+@pytest.mark.discrete_device
+def test_a_step_loaded_from_the_autograd_cache_aliases_as_compiled(tmp_path):
+    """A whole step compiled again after `torch._dynamo.reset()` comes from AOTAutograd's cache:
+    its graph is unpickled, and the pairs of written inputs travel beside it, so the module is the
+    first compile's (aliased alike: on a discrete device every written tensor), tpuc compiles
+    nothing, and the steps equal eager's."""
+    torch.manual_seed(0)
+    model = _mlp().train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    batches = [(torch.randn(16, 32), torch.randn(16, 8)) for _ in range(5)]
+    _step_fn(model, opt)(*batches[0])
+    ref_step = _step_fn(ref, ref_opt)
+    ref_step(*batches[0])
+    cache, hits, modules = str(tmp_path / "cache"), [], []
+    for i, (x, y) in enumerate(batches[1:3]):
+        torch._dynamo.reset()
+        tpuc.reset_stats()
+        before = torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
+        dump = tmp_path / f"dump{i}"
+        step = torch.compile(
+            _step_fn(model, opt), backend="tpu", options={"cache_dir": cache, "dump_dir": str(dump)}
+        )
+        for _ in range(2):
+            torch.testing.assert_close(step(x, y), ref_step(x, y), rtol=1e-4, atol=1e-6)
+        hits.append(torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] - before)
+        modules.append(_modules(dump))
+    assert hits == [0, 1]
+    assert tpuc.stats()["xla_compiles"] == 0  # the loaded graph's module is the cached executable's
+    written = len(_state(model, opt))
+    assert [m.count("tf.aliasing_output") for (m,) in modules] == [written if DISCRETE else 0] * 2
+    for k, v in _state(ref, ref_opt).items():
+        assert_close_scaled(_state(model, opt)[k], v, k)

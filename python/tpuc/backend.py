@@ -146,6 +146,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
                 prepare.STEPS[0].run(road, prepare.Job(g, name, maxima, shard, None))
                 free_layouts, permuted_args = layouts(g, kind)
                 graph = _pickled_or_none(g, name)
+                writes = mutations.written_inputs(g)  # before compile_graph renumbers them
                 layout = {
                     "free_positions": free_layouts[0] if free_layouts else None,
                     "permuted_args": permuted_args,
@@ -155,7 +156,7 @@ def _compile(gm, example_inputs, options, mode, kwargs):
                 with autograd_cache.collecting(keys):
                     compiled = compile_laid_out(g, ins, kind, shard, name, free_layouts, permuted_args)
                 code = saved.TpucOutputCode.capture(
-                    compiled, graph, options, mode, name, keys, opts.cache_dir, layout
+                    compiled, graph, options, mode, name, keys, opts.cache_dir, layout, writes
                 )
                 code._time_taken_ns = time.perf_counter_ns() - t0  # AOTAutograd's "time saved"
                 return code
@@ -165,14 +166,17 @@ def _compile(gm, example_inputs, options, mode, kwargs):
             # cannot retrace it (the unpickled graph's fake tensors belong to other fake modes).
             prepare.STEPS[0].run(road, prepare.Job(g, name, maxima, shard, None))
             graph = saved.pickle_graph(g)
+            writes = mutations.written_inputs(g)
             if road.spec is None:  # the executables stay in the persistent cache
                 compiled = compile_graph(g, ins, road, name, traces, maxima, shard)
-                return saved.TpucOutputCode.capture(compiled, graph, options, mode, name)
+                return saved.TpucOutputCode.capture(compiled, graph, options, mode, name, writes=writes)
             # A target's executables travel in the file: a host with its devices loads them.
             keys: list = []
             with autograd_cache.collecting(keys):
                 compiled = compile_graph(g, ins, road, name, traces, maxima, shard)
-            return saved.TpucOutputCode.capture(compiled, graph, options, mode, name, keys, opts.cache_dir)
+            return saved.TpucOutputCode.capture(
+                compiled, graph, options, mode, name, keys, opts.cache_dir, writes=writes
+            )
 
         def layouts(g, kind):
             """(free_layouts for compile_graph, {input position: order} for PermutedArgs): what

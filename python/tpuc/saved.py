@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch._inductor.output_code import OutputCode
 
-from . import autograd_cache, compile_hook, counters, handoff, input_views
+from . import autograd_cache, compile_hook, counters, handoff, input_views, mutations
 from . import options as options_mod
 from .road import Road
 
@@ -53,14 +53,27 @@ class TpucOutputCode(OutputCode):
 
     @classmethod
     def capture(
-        cls, compiled, graph: bytes | None, options, mode, name: str, exe_keys=(), cache_dir=None, layout=None
+        cls,
+        compiled,
+        graph: bytes | None,
+        options,
+        mode,
+        name: str,
+        exe_keys=(),
+        cache_dir=None,
+        layout=None,
+        writes=(),
     ) -> TpucOutputCode:
         """`graph`: `pickle_graph` of the graph `compiled` was made from (None: it could not be
         pickled, and this graph is not cached); `layout`: {"free_positions", "permuted_args"},
-        the layouts it hands over or takes (backend.py) when it was compiled with them."""
+        the layouts it hands over or takes (backend.py) when it was compiled with them;
+        `writes`: its written inputs' (input, output) pairs (`mutations.written_inputs`), which
+        the pickled graph does not carry and its executables alias."""
         state = {"format": FORMAT, "graph": graph, "options": options, "mode": mode, "name": name}
         if layout:
             state["layout"] = layout
+        if writes:
+            state["written_inputs"] = [tuple(p) for p in writes]
         return cls(
             state=pickle.dumps(state) if graph is not None else b"",
             compiled=compiled,
@@ -96,6 +109,8 @@ class TpucOutputCode(OutputCode):
             )
         gm = GraphPickler.loads(state["graph"], FakeTensorMode(shape_env=ShapeEnv()))
         gm.recompile()
+        if state.get("written_inputs"):  # the same module as the first compile: the same aliases
+            gm.meta[mutations.WRITTEN_INPUTS] = list(state["written_inputs"])
         live = autograd_cache.live_options()  # a torch.compile that hit AOTAutograd's cache
         if live is not None:
             opts = live
