@@ -261,31 +261,28 @@ def split_lines(rows: dict) -> list[str]:
 
 
 def memory_lines(rows: dict) -> list[str]:
-    """Memory per chip of the whole-step cases (compare.py --step): as compiled, if the state the
-    step writes were aliased to its inputs (donated, as the twin's is), and without the gradients
-    among the outputs too (tpuc returns them: eager's `p.grad` holds them after the step)."""
-    steps = {c: r for c, r in rows.items() if "memory if aliased" in r["tpuc"]}
+    """Memory per chip of the whole-step cases (compare.py --step), the twin's state donated."""
+    steps = {c: r for c, r in rows.items() if "written_state" in r["tpuc"]}
     if not steps:
         return []
     lines = [
         "Memory per chip of the whole steps (XLA:TPU's memory stats; memory = arguments + outputs "
         "- aliased + temporaries + code):",
         "",
-        "| graph | arguments tpuc / JAX | outputs | aliased | temporaries | memory | "
-        "memory if the written state were aliased | and no gradient outputs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| graph | arguments tpuc / JAX | outputs | aliased | temporaries | code | memory |",
+        "|---|---|---|---|---|---|---|",
     ]
     for case, r in steps.items():
         t, j = r["tpuc"], r["jax"]
 
-        def mb(k, jk=None, t=t, j=j):
-            jv = j[jk or k]
-            return f"{t[k] / 1e6:.0f} / {jv / 1e6:.0f} MB" + (f" ({ratio(t[k], jv):.2f}x)" if jv else "")
+        def mb(k, t=t, j=j):
+            return f"{t[k] / 1e6:.0f} / {j[k] / 1e6:.0f} MB" + (
+                f" ({ratio(t[k], j[k]):.2f}x)" if j[k] else ""
+            )
 
         lines.append(
             f"| {CASES[case][2]} | {mb('arguments')} | {mb('outputs')} | {mb('aliased')} | {mb('temporaries')} "
-            f"| {mb('memory')} | {mb('memory if aliased', 'memory')} "
-            f"| {mb('memory if aliased, no gradient outputs', 'memory')} |"
+            f"| {mb('code')} | {mb('memory')} |"
         )
     return [*lines, ""]
 

@@ -16,10 +16,9 @@ programs, forward and backward, as tpuc's are; `--step`: one whole training step
 the whole step; `--layers N`: GPT-2's step twin with N blocks).
 
 Also printed: memory per chip (arguments, outputs, aliased, temporaries, code; "memory" is
-arguments + outputs - aliased + temporaries + code, summed over tpuc's graphs), and with `--step`
-"memory if aliased": tpuc's memory less the bytes of the state the step writes (the twin's donated
-arguments: the same tensors), what donation of the written state would make it, and less the
-gradients too (tpuc's step outputs them: eager's `p.grad` holds them after the step).
+arguments + outputs - aliased + temporaries + code, summed over tpuc's graphs). With `--step`,
+tpuc's dump should be of a step that clears its gradients at the end (`backward(); step();
+zero_grad()`: no gradient outputs, as the twin; or pass `--grad-outputs` for one that keeps them).
 """
 
 import argparse
@@ -117,18 +116,11 @@ def main():
             split["graphs"] += 1
     got = compile_dump(topo, a.dump)
     if a.step:
-        # The state the step writes (parameters, optimizer state, buffers) is the twin's donated
-        # arguments; the gradients tpuc's step returns are the size of the parameters.
+        # The state the step writes (parameters, optimizer state, buffers): the twin's donated
+        # arguments, what tpuc's step should alias too.
         got["written_state"] = sum(tree_bytes(args[i]) for i in donate)
-        got["gradients"] = tree_bytes(args[0])
-        got["memory if aliased"] = got["memory"] - got["written_state"] + got["aliased"]
-        got["memory if aliased, no gradient outputs"] = got["memory if aliased"] - got["gradients"]
-        for k in ("memory if aliased", "memory if aliased, no gradient outputs"):
-            ref[k] = ref["memory"]
     print(f"{'':40s} {'tpuc':>14s} {'jax twin':>14s} {'ratio':>7s}")
     keys = ("seconds", "flops", "bytes accessed", "transcendentals", "memory", *MEMORY)
-    if a.step:
-        keys += ("memory if aliased", "memory if aliased, no gradient outputs")
     for k in keys:
         r = got[k] / ref[k] if ref.get(k) else float("nan")
         print(f"{k:40s} {got[k]:14.4g} {ref.get(k, float('nan')):14.4g} {r:7.2f}")
