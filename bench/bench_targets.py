@@ -152,14 +152,16 @@ def _llama_8b_step_rows(layers: int, checkpointed: bool) -> list[str]:
         lm = transformers.LlamaForCausalLM(cfg)
     lm.train()
     if checkpointed:
-        # Each decoder layer under torch.utils.checkpoint directly: transformers'
-        # gradient_checkpointing_enable made the step 7 programs (graph breaks in its wrapper).
+        # Each decoder layer under torch.utils.checkpoint directly (transformers'
+        # activation_checkpointing_enable is one program too, given use_cache=False).
         lm.model.layers = torch.nn.ModuleList(_Checkpointed(layer) for layer in lm.model.layers)
     opt = torch.optim.AdamW(lm.parameters())
 
     def step(ids):
         opt.zero_grad(set_to_none=True)
-        loss = lm(input_ids=ids, return_dict=False)[0].float().square().mean()
+        # No KV cache in a training step: each layer would write it inside its checkpointed
+        # region, a side effect Dynamo breaks the graph on (docs/training.md).
+        loss = lm(input_ids=ids, use_cache=False, return_dict=False)[0].float().square().mean()
         loss.backward()
         opt.step()
         return loss.detach()
