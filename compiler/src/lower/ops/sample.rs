@@ -25,6 +25,14 @@ pub static RULES: &[(&str, Rule)] = &[
         upsample_bilinear2d_aa,
     ),
     ("aten._upsample_bicubic2d_aa.default", upsample_bicubic2d_aa),
+    (
+        "aten._upsample_bilinear2d_aa_backward.default",
+        upsample_bilinear2d_aa_backward,
+    ),
+    (
+        "aten._upsample_bicubic2d_aa_backward.default",
+        upsample_bicubic2d_aa_backward,
+    ),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -818,6 +826,60 @@ fn upsample_bilinear2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// separable resampling with the cubic filter.
 fn upsample_bicubic2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     upsample_2d_aa(cx, AaFilter::Cubic)
+}
+
+/// The taps of the transposed resampling: per input position, the (output position, weight)
+/// pairs whose taps read it.
+fn transposed_taps(taps: &[Vec<(i64, f32)>], input: i64) -> Vec<Vec<(i64, f32)>> {
+    let mut t = vec![Vec::new(); input as usize];
+    for (o, row) in taps.iter().enumerate() {
+        for &(i, w) in row {
+            t[i as usize].push((o as i64, w));
+        }
+    }
+    t
+}
+
+/// `_upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_corners,
+/// scales_h, scales_w)`: the forward is linear with fixed taps, so its gradient is the
+/// transposed resampling (height, then width).
+fn upsample_bilinear2d_aa_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    upsample_2d_aa_backward(cx, AaFilter::Linear)
+}
+
+fn upsample_bicubic2d_aa_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    upsample_2d_aa_backward(cx, AaFilter::Cubic)
+}
+
+fn upsample_2d_aa_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, filter: AaFilter) -> V<'c, 'b> {
+    let e = cx.e;
+    let g = cx.tensor(0, "grad_output")?;
+    let size = cx.ints(1, "output_size")?;
+    let input_size = cx.ints(2, "input_size")?;
+    let align = cx.bool_or(3, "align_corners", false)?;
+    let scale = |i: usize, name: &str| -> R<Option<f64>> {
+        Ok(match cx.arg(i, name) {
+            None | Some(Arg::None) => None,
+            _ => Some(cx.float_or(i, name, 0.0)?),
+        })
+    };
+    let (sh, sw) = (scale(4, "scales_h")?, scale(5, "scales_w")?);
+    let (out_shape, out_dtype) = cx.out(0)?;
+    if g.rank() != 4 || size.len() != 2 || input_size.len() != 4 {
+        return Err(cx.err(
+            "expected a 4-d grad_output, a 2-element output_size and a 4-element input_size",
+        ));
+    }
+    if out_shape.contains(&0) || g.shape.contains(&0) {
+        return Ok(vec![e.splat(Scalar::Int(0), &out_shape, out_dtype)?]);
+    }
+    let d = crate::lower::helpers::widen::acc_dtype(out_dtype);
+    let (h, w) = (input_size[2], input_size[3]);
+    let tw = aa_taps(w, size[1], area_scale(align, w, size[1], sw), filter);
+    let th = aa_taps(h, size[0], area_scale(align, h, size[0], sh), filter);
+    let y = resample_dim(e, &e.convert(&g, d)?, 2, &transposed_taps(&th, h))?;
+    let y = resample_dim(e, &y, 3, &transposed_taps(&tw, w))?;
+    Ok(vec![e.convert(&y, out_dtype)?])
 }
 
 fn upsample_2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, filter: AaFilter) -> V<'c, 'b> {
