@@ -37,9 +37,11 @@ def _grads_vs_eager(f, *xs, rtol=1e-5, atol=1e-5):
 
 
 def test_sgn_gradient_is_an_efficient_zero_tensor():
-    """sgn's backward of a real input is `_efficientzerotensor` (zeros)."""
-    x = torch.randn(6, 33, generator=torch.Generator().manual_seed(0))
-    _grads_vs_eager(lambda x: (torch.sgn(x), x * x), x)
+    """sgn's backward of a real input is `_efficientzerotensor` (zeros) where it is a gradient
+    as it stands (added to another, PyTorch materializes zeros instead)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 33, generator=g), torch.randn(6, 33, generator=g)
+    _grads_vs_eager(lambda x, y: (torch.sgn(x), y * y), x, y)
 
 
 def test_masked_scatter_gradient():
