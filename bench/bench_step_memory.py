@@ -56,7 +56,9 @@ def main():
     dump = a.dump or tempfile.mkdtemp()
     cache = tempfile.mkdtemp()
     compiled = torch.compile(
-        step, backend="tpu", options={"target": a.target, "cache_dir": cache, "dump_dir": dump, "precision": a.precision}
+        step,
+        backend="tpu",
+        options={"target": a.target, "cache_dir": cache, "dump_dir": dump, "precision": a.precision},
     )
     try:
         compiled(x, y)

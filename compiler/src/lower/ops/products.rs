@@ -334,7 +334,7 @@ fn cdist_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     if shape.contains(&0) || g.shape.contains(&0) || x2.shape.contains(&0) {
         return Ok(vec![e.splat(Scalar::Int(0), &shape, out)?]);
     }
-    if !(p >= 0.0) {
+    if p.is_nan() || p < 0.0 {
         return Err(cx.err(format!("p = {p}: cdist is defined for p >= 0")));
     }
     let nb = g.rank() - 2;
@@ -377,7 +377,7 @@ fn pdist_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     if k == 0 || m == 0 {
         return Ok(vec![e.splat(Scalar::Int(0), &shape, out)?]);
     }
-    if !(p >= 0.0) {
+    if p.is_nan() || p < 0.0 {
         return Err(cx.err(format!("p = {p}: pdist is defined for p >= 0")));
     }
     // Pair (lo, hi), lo < hi, is entry lo*n - lo*(lo+1)/2 + hi - lo - 1; the diagonal reads an
