@@ -84,6 +84,27 @@ def test_grid_sample_gradients(nd, mode, pad, align):
     _grads_vs_eager(lambda x, grid: F.grid_sample(x, grid, mode, pad, align), x, grid, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("wants", [(True, False), (False, True)])
+def test_grid_sample_gradient_of_one_operand(wants):
+    """Only the input's or only the grid's gradient wanted (output_mask): the other result is
+    recorded or not as PyTorch's kernel gives it (the grid's always is)."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 5, 9, 11, generator=g)
+    grid = torch.rand(2, 7, 6, 2, generator=g) * 2.6 - 1.3
+
+    def f(x, grid):
+        return F.grid_sample(x, grid, "bilinear", "border", False)
+
+    torch._dynamo.reset()
+    grads = []
+    for fn in (f, torch.compile(f, backend="tpu", dynamic=False, options={"fallback": "error"})):
+        leaves = [t.clone().requires_grad_(w) for t, w in zip((x, grid), wants, strict=True)]
+        _ramp(fn(*leaves)).sum().backward()
+        grads.append([t.grad for t in leaves if t.requires_grad])
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-4)
+    assert tpuc.stats()["fallback_ops"] == {}
+
+
 def test_cdist_and_pdist_gradients():
     """`_cdist_backward` / `_pdist_backward` for every p PyTorch's kernel tells apart (0, < 1,
     1, < 2, 2, > 2, inf), with a zero distance (gradient 0 there) and broadcast batch dims."""

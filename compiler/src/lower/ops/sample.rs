@@ -562,18 +562,20 @@ fn grid_sampler_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
             .collect(),
         _ => vec![true; 2],
     };
-    let want = |k: usize| mask.get(k).copied().unwrap_or(true) && cx.out(k).is_ok();
+    // A gradient output_mask leaves out may still be recorded (PyTorch's CPU kernel always
+    // computes the grid's): computed when read, zeros when not.
+    let want =
+        |k: usize| cx.out(k).is_ok() && (mask.get(k).copied().unwrap_or(true) || cx.result_used(k));
     let d = crate::lower::helpers::widen::acc_dtype(input.dtype);
     let g = G { e, d };
     let s = g.sampling(cx, &input, &grid, 3)?;
     // A stand-in for a gradient that output_mask says nobody wants (FX records no tensor).
     let placeholder = || e.splat(Scalar::Int(0), &[], DType::Float32);
     let zeros_of = |k: usize| -> R<T<'c, 'b>> {
-        if !want(k) {
-            return placeholder();
+        match cx.out(k) {
+            Ok((shape, dtype)) => e.splat(Scalar::Int(0), &shape, dtype),
+            Err(_) => placeholder(),
         }
-        let (shape, dtype) = cx.out(k)?;
-        e.splat(Scalar::Int(0), &shape, dtype)
     };
     if input.shape.contains(&0) || gout.shape.contains(&0) {
         return Ok(vec![zeros_of(0)?, zeros_of(1)?]);
@@ -638,7 +640,7 @@ fn grid_sampler_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         )?;
         e.reshape(&e.convert(&channels_first(e, &gi)?, dtype)?, &shape)?
     } else {
-        placeholder()?
+        zeros_of(0)?
     };
     let grad_grid = if want(1) {
         let (shape, dtype) = cx.out(1)?;
@@ -657,7 +659,7 @@ fn grid_sampler_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
         let gg = e.concatenate(&refs, nd + 1)?;
         e.reshape(&e.convert(&gg, dtype)?, &shape)?
     } else {
-        placeholder()?
+        zeros_of(1)?
     };
     Ok(vec![grad_input, grad_grid])
 }
