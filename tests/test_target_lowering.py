@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import tpuc
@@ -46,6 +47,36 @@ class _WithUpdate(nn.Module):
         )[0]
 
 
+class _Fn(nn.Module):
+    """`fn(x, weight)` with a trainable weight of shape `wshape` (so the backward has a graph
+    even where the op's input gradient is not the point)."""
+
+    def __init__(self, fn, wshape):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fn = fn
+        self.weight = nn.Parameter(torch.randn(wshape))
+
+    def forward(self, x):
+        out = self.fn(x, self.weight)
+        return sum(o.float().sum() for o in out) if isinstance(out, tuple) else out
+
+
+_IDX = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 7, 7, 0, 1])
+_OFFSETS = torch.tensor([0, 4, 4, 9])
+_MASK = torch.arange(2 * 3 * 8 * 8).reshape(2, 3, 8, 8) % 3 == 0
+
+
+def _bags(x, w):
+    bag = F.embedding_bag
+    psw = w.flatten()[: _IDX.numel()] * x.mean()
+    return (
+        bag(_IDX, w, _OFFSETS, mode="sum", per_sample_weights=psw),
+        bag(_IDX, w, _OFFSETS, mode="mean", padding_idx=7),
+        bag(_IDX, w, _OFFSETS, mode="max"),
+    )
+
+
 # name: (module, input shape)
 CASES = {
     "avg_pool2d": (lambda: _cnn(nn.AvgPool2d(2)), (2, 3, 12, 12)),
@@ -68,6 +99,34 @@ CASES = {
         (2, 3, 5, 6),
     ),
     "batch_norm_with_update": (lambda: _WithUpdate(), (4, 3, 5, 5)),
+    # Ops of bench/backward_sweep.py's OpInfo table (checked against eager in
+    # tests/test_training_ops.py).
+    # sgn's gradient is `_efficientzerotensor` where it is a graph output as it stands.
+    "sgn": (lambda: _Fn(lambda x, w: torch.sgn(w) + x, (5,)), (3, 5)),
+    "masked_scatter": (
+        lambda: _Fn(lambda x, w: x.masked_scatter(_MASK, w), (2 * 3 * 8 * 8,)),
+        (2, 3, 8, 8),
+    ),
+    "grid_sample_2d": (
+        lambda: _Fn(
+            lambda x, w: F.grid_sample(x, torch.tanh(w), "bilinear", "reflection", False), (2, 5, 4, 2)
+        ),
+        (2, 3, 8, 8),
+    ),
+    "grid_sample_3d": (
+        lambda: _Fn(lambda x, w: F.grid_sample(x, torch.tanh(w), "nearest", "border", True), (2, 3, 4, 2, 3)),
+        (2, 3, 4, 5, 6),
+    ),
+    "cdist": (lambda: _Fn(lambda x, w: torch.cdist(x, w, p=1.5), (2, 6, 4)), (2, 5, 4)),
+    "pdist": (lambda: _Fn(lambda x, w: F.pdist(x * w, p=3.0), (4,)), (7, 4)),
+    "embedding_bag": (lambda: _Fn(_bags, (10, 6)), (4, 3)),
+    "upsample_bilinear2d_aa": (
+        lambda: _Fn(
+            lambda x, w: F.interpolate(x * w, size=(5, 7), mode="bilinear", antialias=True), (3, 1, 1)
+        ),
+        (2, 3, 12, 10),
+    ),
+    "mode": (lambda: _Fn(lambda x, w: torch.mode(x * w, 1).values, (1, 9)), (4, 9)),
     # Weight gradients over 32x32 positions: patch products on a TPU at HIGHEST precision.
     "conv_32x32": (lambda: _cnn(nn.MaxPool2d(2)), (2, 3, 32, 32)),
 }

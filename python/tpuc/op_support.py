@@ -143,7 +143,7 @@ def _why_unsupported(n: torch.fx.Node) -> str:
     if ties.pytorch_order(n):
         return (
             "its indices are in an order only PyTorch's own kernel gives (topk sorted=False, "
-            "unstable sort of more than 16 elements, or a dim of symbolic size)"
+            "unstable sort or mode of more than 16 elements, or a dim of symbolic size)"
         )
     if target in _supported_ops:
         leaves: list = []

@@ -32,6 +32,11 @@ _TOPK = torch.ops.aten.topk.default
 _KTHVALUE = torch.ops.aten.kthvalue.default
 _SORT = torch.ops.aten.sort.default
 _SORT_STABLE = torch.ops.aten.sort.stable
+_MODE = torch.ops.aten.mode.default
+# PyTorch's CPU `mode` sorts each row with std::sort: stable (insertion sort) up to this many
+# elements, which tpuc's rule reproduces; beyond, equal values (and NaNs) land in an order only
+# that sort gives.
+_MODE_MAX_SIZE = 16
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
@@ -85,8 +90,9 @@ def pytorch_order(n: torch.fx.Node) -> bool:
     """Whether `n`'s indices are in an order only PyTorch's kernel gives, whatever the values:
     a topk returning `nth_element`'s unsorted output (k > 2 and k*64 > n: with k <= 2 the kernel
     runs the same code as for sorted=True, whose extra sort covers k - 1 <= 1 element), an unstable sort of
-    more than 16 elements whose indices are read, or either over a dim of symbolic size. Such an
-    op runs in PyTorch."""
+    more than 16 elements whose indices are read, a `mode` over more than 16 elements (its index
+    among equal values, and where NaNs land, follow std::sort's unstable order), or any of them
+    over a dim of symbolic size. Such an op runs in PyTorch."""
     if n.op != "call_function":
         return False
     if n.target is _TOPK:
@@ -101,6 +107,11 @@ def pytorch_order(n: torch.fx.Node) -> bool:
             return False
         size = _dim_size(x, dim)
         return size is not None and (not isinstance(size, int) or size > 16)
+    if n.target is _MODE:
+        x = n.args[0]
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", -1)
+        size = _dim_size(x, dim)
+        return size is not None and (not isinstance(size, int) or size > _MODE_MAX_SIZE)
     return False
 
 

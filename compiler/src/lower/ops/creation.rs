@@ -13,6 +13,8 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.empty.memory_format", zeros),
     ("aten.empty_like.default", zeros),
     ("aten.new_zeros.default", zeros),
+    // A zero tensor that PyTorch never materializes (sgn's backward of a real input).
+    ("aten._efficientzerotensor.default", zeros),
     ("aten.new_empty.default", zeros),
     ("aten.empty_permuted.default", zeros),
     ("aten.empty_strided.default", zeros),

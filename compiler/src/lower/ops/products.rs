@@ -1,5 +1,5 @@
 //! Matrix products (`mm`, `bmm`, `addmm`, `baddbmm`, `addmv`, `addbmm`, `_trilinear`) and the
-//! distances built on them (`dist`, `cdist`, `pdist`). They honour the session precision
+//! distances built on them (`dist`, `cdist`, `pdist`, and the latter two's backward). They honour the session precision
 //! (`precision_config`); low-precision operands accumulate in f32 and round once, as PyTorch's
 //! CPU kernels do.
 
@@ -20,6 +20,8 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.dist.default", dist),
     ("aten._cdist_forward.default", cdist),
     ("aten._pdist_forward.default", pdist),
+    ("aten._cdist_backward.default", cdist_backward),
+    ("aten._pdist_backward.default", pdist_backward),
     ("aten._trilinear.default", trilinear),
 ];
 
@@ -266,6 +268,151 @@ fn pdist<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     };
     let d = e.sub(&rows(&is)?, &rows(&js)?)?;
     Ok(vec![e.convert(&pnorm(e, &d, 1, p)?, out)?])
+}
+
+/// The gradient of a p-norm distance along one pair's difference `diff`, given that pair's
+/// output gradient `g` and distance `dist` (both broadcast to `diff`'s shape), as PyTorch's CPU
+/// kernels compute it: 0 for p = 0 and wherever the distance is 0 (p > 1, p != 2: also where the
+/// difference is 0 for p < 1); p = inf's goes to the components whose magnitude equals the
+/// distance.
+fn pnorm_grad<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    diff: &T<'c, 'b>,
+    g: &T<'c, 'b>,
+    dist: &T<'c, 'b>,
+    p: f64,
+) -> R<T<'c, 'b>> {
+    let dt = diff.dtype;
+    let zero = e.broadcast_to(&e.k(0.0, dt)?, &diff.shape)?;
+    if p == 0.0 {
+        return Ok(zero);
+    }
+    let sign = e.unary("stablehlo.sign", diff)?;
+    let a = e.unary("stablehlo.abs", diff)?;
+    if p == 1.0 {
+        return e.mul(g, &sign);
+    }
+    if p.is_infinite() {
+        let at_max = e.compare(&a, dist, "EQ")?;
+        return e.select(&at_max, &e.mul(g, &sign)?, &zero, dt);
+    }
+    let pw = |x: &T<'c, 'b>, y: f64| e.binary("stablehlo.power", x, &e.k(y, dt)?, dt);
+    let r = if p == 2.0 {
+        e.div(&e.mul(g, diff)?, dist)?
+    } else if p < 2.0 {
+        e.div(
+            &e.mul(&e.mul(&sign, &pw(&a, p - 1.0)?)?, g)?,
+            &pw(dist, p - 1.0)?,
+        )?
+    } else {
+        e.div(
+            &e.mul(&e.mul(diff, &pw(&a, p - 2.0)?)?, g)?,
+            &pw(dist, p - 1.0)?,
+        )?
+    };
+    let at_zero = e.compare(dist, &e.k(0.0, dt)?, "EQ")?;
+    let r = e.select(&at_zero, &zero, &r, dt)?;
+    if p < 1.0 {
+        let same = e.compare(diff, &e.k(0.0, dt)?, "EQ")?;
+        return e.select(&same, &zero, &r, dt);
+    }
+    Ok(r)
+}
+
+/// `_cdist_backward(grad [.., P, R], x1 [.., P, M], x2 [.., R, M], p, cdist) -> [.., P, M]`:
+/// per row of x1, [`pnorm_grad`] summed over the rows of x2 (batch dims broadcast, as the
+/// forward's).
+fn cdist_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let g = cx.tensor(0, "grad")?;
+    let x1 = cx.tensor(1, "x1")?;
+    let x2 = cx.tensor(2, "x2")?;
+    let p = cx.float_or(3, "p", 2.0)?;
+    let dist = cx.tensor(4, "cdist")?;
+    let (shape, out) = cx.out(0)?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    if shape.contains(&0) || g.shape.contains(&0) || x2.shape.contains(&0) {
+        return Ok(vec![e.splat(Scalar::Int(0), &shape, out)?]);
+    }
+    if p.is_nan() || p < 0.0 {
+        return Err(cx.err(format!("p = {p}: cdist is defined for p >= 0")));
+    }
+    let nb = g.rank() - 2;
+    let m = *x1.shape.last().unwrap_or(&1);
+    let mut full = g.shape.clone();
+    full.push(m);
+    let place = |t: &T<'c, 'b>, row_dim: i64| -> R<T<'c, 'b>> {
+        let tb = t.rank() - 2;
+        let mut dims: Vec<i64> = (0..tb as i64).map(|k| k + (nb - tb) as i64).collect();
+        dims.push(row_dim);
+        dims.push(nb as i64 + 2);
+        e.broadcast_in_dim(&e.convert(t, acc)?, &full, &dims)
+    };
+    let pair_dims: Vec<i64> = (0..nb as i64 + 2).collect();
+    let pairs = |t: &T<'c, 'b>| -> R<T<'c, 'b>> {
+        let t = e.broadcast_to(&e.convert(t, acc)?, &g.shape)?;
+        e.broadcast_in_dim(&t, &full, &pair_dims)
+    };
+    let diff = e.sub(&place(&x1, nb as i64)?, &place(&x2, nb as i64 + 1)?)?;
+    let r = pnorm_grad(e, &diff, &pairs(&g)?, &pairs(&dist)?, p)?;
+    let r = e.reduce(&r, &[nb as i64 + 1], ReduceKind::Sum, false)?;
+    Ok(vec![e.reshape(&e.convert(&r, out)?, &shape)?])
+}
+
+/// `_pdist_backward(grad [K], self [N, M], p, pdist [K])`: the pairs' gradients and distances
+/// laid out as symmetric N x N matrices (zero on the diagonal), then as `cdist`'s backward of
+/// `self` against itself ([`pnorm_grad`] is odd in the difference: row j of pair (i, j) gets
+/// minus row i's term).
+fn pdist_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let g = cx.tensor(0, "grad")?;
+    let x = cx.tensor(1, "self")?;
+    let p = cx.float_or(2, "p", 2.0)?;
+    let dist = cx.tensor(3, "pdist")?;
+    let (shape, out) = cx.out(0)?;
+    let acc = acc_dtype(out);
+    let e = cx.e;
+    let n = x.shape[0];
+    let m = x.shape[1];
+    let k = n * (n - 1) / 2;
+    if k == 0 || m == 0 {
+        return Ok(vec![e.splat(Scalar::Int(0), &shape, out)?]);
+    }
+    if p.is_nan() || p < 0.0 {
+        return Err(cx.err(format!("p = {p}: pdist is defined for p >= 0")));
+    }
+    // Pair (lo, hi), lo < hi, is entry lo*n - lo*(lo+1)/2 + hi - lo - 1; the diagonal reads an
+    // appended zero (entry k).
+    let i64k = |v: i64| e.splat(Scalar::Int(v), &[], DType::Int64);
+    let i = e.iota(&[n, n], 0, DType::Int64)?;
+    let j = e.iota(&[n, n], 1, DType::Int64)?;
+    let lo = e.binary("stablehlo.minimum", &i, &j, DType::Int64)?;
+    let hi = e.binary("stablehlo.maximum", &i, &j, DType::Int64)?;
+    let tri = e.div(&e.mul(&lo, &e.add(&lo, &i64k(1)?)?)?, &i64k(2)?)?;
+    let entry = e.sub(
+        &e.add(&e.sub(&e.mul(&lo, &i64k(n)?)?, &tri)?, &hi)?,
+        &e.add(&lo, &i64k(1)?)?,
+    )?;
+    let diag = e.compare(&i, &j, "EQ")?;
+    let entry = e.select(
+        &diag,
+        &e.broadcast_to(&i64k(k)?, &[n, n])?,
+        &entry,
+        DType::Int64,
+    )?;
+    let square = |t: &T<'c, 'b>| -> R<T<'c, 'b>> {
+        let t = e.reshape(&e.convert(t, acc)?, &[k])?;
+        let padded = e.concatenate(&[&t, &e.splat(Scalar::Int(0), &[1], acc)?], 0)?;
+        let sq = crate::lower::helpers::gather::take_along(e, &padded, 0, &entry, &[n, n])?;
+        e.broadcast_in_dim(&sq, &[n, n, m], &[0, 1])
+    };
+    let xf = e.convert(&x, acc)?;
+    let diff = e.sub(
+        &e.broadcast_in_dim(&xf, &[n, n, m], &[0, 2])?,
+        &e.broadcast_in_dim(&xf, &[n, n, m], &[1, 2])?,
+    )?;
+    let r = pnorm_grad(e, &diff, &square(&g)?, &square(&dist)?, p)?;
+    let r = e.reduce(&r, &[1], ReduceKind::Sum, false)?;
+    Ok(vec![e.reshape(&e.convert(&r, out)?, &shape)?])
 }
 
 /// `_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)` (what `bilinear`

@@ -42,6 +42,7 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.sort.stable", sort),
     ("aten.topk.default", topk),
     ("aten.kthvalue.default", kthvalue),
+    ("aten.mode.default", mode),
     ("aten.median.default", median_all),
     ("aten.nanmedian.default", median_all),
     ("aten.median.dim", median_dim),
@@ -589,6 +590,126 @@ fn kthvalue<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     Ok(vec![
         squeeze_unless(cx.e, &v, d, keep)?,
         squeeze_unless(cx.e, &i, d, keep)?,
+    ])
+}
+
+/// The most elements `mode` reduces over: PyTorch's CPU kernel sorts each row with `std::sort`,
+/// which insertion-sorts (stably) up to 16 elements and reorders equal ones unpredictably beyond.
+const MODE_MAX_SIZE: i64 = 16;
+
+/// `mode(self, dim=-1, keepdim=False)` -> (values, indices), as PyTorch's CPU kernel computes
+/// it: each row's (value, index) pairs insertion-sorted by value (libstdc++'s
+/// `__insertion_sort`, unrolled: at most 16 elements), then the first longest run of equal
+/// values (`!=` ends a run, so every NaN is a run of its own) gives the value and the index of
+/// its last element. NaNs, which compare false, land where that sort leaves them, as in eager.
+fn mode<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let e = cx.e;
+    let x = cx.tensor(0, "self")?;
+    let (vshape, vdtype) = cx.out(0)?;
+    let (ishape, idtype) = cx.out(1)?;
+    let (x, d) = if x.rank() == 0 {
+        (e.reshape(&x, &[1])?, 0)
+    } else {
+        let d = cx.dim(cx.int_or(1, "dim", -1)?, x.rank())? as usize;
+        (x, d)
+    };
+    let n = x.shape[d];
+    if n == 0 {
+        return Err(cx.err("mode over a dim of size 0"));
+    }
+    if n > MODE_MAX_SIZE {
+        return Err(cx.err(format!(
+            "mode over {n} > {MODE_MAX_SIZE} elements: PyTorch's index among equal values \
+             (and its handling of NaN) follows std::sort's unstable order, which tpuc does not \
+             reproduce"
+        )));
+    }
+    // Columns along `d`, each of the batch shape.
+    let mut batch = x.shape.clone();
+    batch.remove(d);
+    let ones = vec![1; x.rank()];
+    let mut a = Vec::new();
+    for k in 0..n {
+        let mut start = vec![0; x.rank()];
+        let mut limit = x.shape.clone();
+        start[d] = k;
+        limit[d] = k + 1;
+        a.push(e.reshape(&e.slice(&x, &start, &limit, &ones)?, &batch)?);
+    }
+    let mut ix: Vec<T> = (0..n)
+        .map(|k| e.splat(Scalar::Int(k), &batch, DType::Int64))
+        .collect::<R<_>>()?;
+    let key = |t: &T<'c, 'b>| -> R<T<'c, 'b>> {
+        if t.dtype == DType::Bool {
+            e.convert(t, DType::Int64)
+        } else {
+            Ok(t.clone())
+        }
+    };
+    let less = |p: &T<'c, 'b>, q: &T<'c, 'b>| e.compare(&key(p)?, &key(q)?, "LT");
+    let pick = |c: &T<'c, 'b>, p: &T<'c, 'b>, q: &T<'c, 'b>| e.select(c, p, q, p.dtype);
+    for i in 1..n as usize {
+        let (v, vi) = (a[i].clone(), ix[i].clone());
+        // Smaller than the first: the prefix shifts right and v goes first. Else v moves left
+        // while smaller than its left neighbour (`shift[j]`: a[j - 1] moves to j).
+        let front = less(&v, &a[0])?;
+        let mut shift = vec![None; i + 2];
+        let mut run: Option<T> = None;
+        for j in (1..=i).rev() {
+            let c = less(&v, &a[j - 1])?;
+            let s = match run {
+                None => c,
+                Some(r) => e.and(&r, &c)?,
+            };
+            shift[j] = Some(s.clone());
+            run = Some(s);
+        }
+        let (old_a, old_ix) = (a.clone(), ix.clone());
+        for j in 0..=i {
+            let (na, ni) = if j == 0 {
+                (old_a[0].clone(), old_ix[0].clone())
+            } else {
+                let s = shift[j].as_ref().expect("set for j >= 1");
+                let here = match &shift[j + 1] {
+                    Some(next) => e.and(next, &e.unary("stablehlo.not", s)?)?,
+                    None => e.unary("stablehlo.not", s)?, // j == i: v stays unless it moves
+                };
+                let na = pick(s, &old_a[j - 1], &pick(&here, &v, &old_a[j])?)?;
+                let ni = pick(s, &old_ix[j - 1], &pick(&here, &vi, &old_ix[j])?)?;
+                (na, ni)
+            };
+            // The front case: v first, everything before i one to the right.
+            let (fa, fi) = if j == 0 {
+                (v.clone(), vi.clone())
+            } else {
+                (old_a[j - 1].clone(), old_ix[j - 1].clone())
+            };
+            a[j] = pick(&front, &fa, &na)?;
+            ix[j] = pick(&front, &fi, &ni)?;
+        }
+    }
+    // The first longest run of equal neighbours.
+    let i64k = |v: i64| e.splat(Scalar::Int(v), &batch, DType::Int64);
+    let mut best_v = e.splat(Scalar::Int(0), &batch, x.dtype)?;
+    let mut best_i = i64k(0)?;
+    let mut best_f = i64k(0)?;
+    let mut run = i64k(0)?;
+    for i in 0..n as usize {
+        run = e.add(&run, &i64k(1)?)?;
+        let ends = if i + 1 == n as usize {
+            e.compare(&i64k(0)?, &i64k(0)?, "EQ")?
+        } else {
+            e.compare(&key(&a[i])?, &key(&a[i + 1])?, "NE")?
+        };
+        let better = e.and(&ends, &e.compare(&run, &best_f, "GT")?)?;
+        best_v = pick(&better, &a[i], &best_v)?;
+        best_i = pick(&better, &ix[i], &best_i)?;
+        best_f = pick(&better, &run, &best_f)?;
+        run = pick(&ends, &i64k(0)?, &run)?;
+    }
+    Ok(vec![
+        e.reshape(&e.convert(&best_v, vdtype)?, &vshape)?,
+        e.reshape(&e.convert(&best_i, idtype)?, &ishape)?,
     ])
 }
 

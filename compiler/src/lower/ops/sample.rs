@@ -13,10 +13,26 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.grid_sampler_2d.default", grid_sampler),
     ("aten.grid_sampler_3d.default", grid_sampler),
     (
+        "aten.grid_sampler_2d_backward.default",
+        grid_sampler_backward,
+    ),
+    (
+        "aten.grid_sampler_3d_backward.default",
+        grid_sampler_backward,
+    ),
+    (
         "aten._upsample_bilinear2d_aa.default",
         upsample_bilinear2d_aa,
     ),
     ("aten._upsample_bicubic2d_aa.default", upsample_bicubic2d_aa),
+    (
+        "aten._upsample_bilinear2d_aa_backward.default",
+        upsample_bilinear2d_aa_backward,
+    ),
+    (
+        "aten._upsample_bicubic2d_aa_backward.default",
+        upsample_bicubic2d_aa_backward,
+    ),
 ];
 
 type V<'c, 'b> = R<Vec<T<'c, 'b>>>;
@@ -93,16 +109,10 @@ impl<'c, 'b> G<'_, 'c, 'b> {
     }
 }
 
-/// Gathers `input_cl` (N, *spatial, C) at integer positions `idx[k]` (N, *out) per spatial dim,
-/// giving (N, *out, C); positions are clamped (the caller masks what was out of range).
-fn gather<'c, 'b>(
-    e: &Emitter<'c, 'b>,
-    input_cl: &T<'c, 'b>,
-    idx: &[T<'c, 'b>],
-    sizes: &[i64],
-) -> R<T<'c, 'b>> {
+/// The gather/scatter coordinates (N, *out, 1 + nd) of integer positions `idx[k]` (N, *out)
+/// per spatial dim, clamped into the input (callers mask what was out of range).
+fn tap_indices<'c, 'b>(e: &Emitter<'c, 'b>, idx: &[T<'c, 'b>], sizes: &[i64]) -> R<T<'c, 'b>> {
     let out = idx[0].shape.clone(); // (N, *out)
-    let nd = sizes.len();
     let mut col = out.clone();
     col.push(1);
     let mut parts = vec![e.reshape(&e.iota(&out, 0, I64)?, &col)?];
@@ -113,15 +123,28 @@ fn gather<'c, 'b>(
         parts.push(e.reshape(&c, &col)?);
     }
     let mut ishape = out.clone();
-    ishape.push(nd as i64 + 1);
+    ishape.push(sizes.len() as i64 + 1);
     let refs: Vec<&T> = parts.iter().collect();
-    let indices = e.op(
+    e.op(
         "stablehlo.concatenate",
         &refs,
         &[("dimension", format!("{} : i64", out.len()))],
         &ishape,
         I64,
-    )?;
+    )
+}
+
+/// Gathers `input_cl` (N, *spatial, C) at integer positions `idx[k]` (N, *out) per spatial dim,
+/// giving (N, *out, C); positions are clamped (the caller masks what was out of range).
+fn gather<'c, 'b>(
+    e: &Emitter<'c, 'b>,
+    input_cl: &T<'c, 'b>,
+    idx: &[T<'c, 'b>],
+    sizes: &[i64],
+) -> R<T<'c, 'b>> {
+    let out = idx[0].shape.clone(); // (N, *out)
+    let nd = sizes.len();
+    let indices = tap_indices(e, idx, sizes)?;
     let c = input_cl.shape[input_cl.rank() - 1];
     let mut res = out.clone();
     res.push(c);
@@ -148,170 +171,501 @@ fn gather<'c, 'b>(
     )
 }
 
+/// One tap of an interpolation: integer positions (as floats, (N, *out)) per spatial dim,
+/// whether they fall inside the input, the tap's weight and (for the backward) the weight's
+/// derivative along each dim's sampling coordinate.
+struct Tap<'c, 'b> {
+    pos: Vec<T<'c, 'b>>,
+    inside: T<'c, 'b>,
+    w: T<'c, 'b>,
+    dw: Vec<T<'c, 'b>>,
+}
+
+/// The operands and settings of a grid sampler (forward or backward) and its unnormalized
+/// coordinates per spatial dim (input dim 2 + k).
+struct Sampling<'c, 'b> {
+    mode: i64,
+    padding: i64,
+    align: bool,
+    /// (D,) H, W.
+    sizes: Vec<i64>,
+    /// (N, *out).
+    pos_shape: Vec<i64>,
+    coords: Vec<T<'c, 'b>>,
+}
+
+impl<'c, 'b> G<'_, 'c, 'b> {
+    /// Reads `interpolation_mode`, `padding_mode` and `align_corners` (args `at`..`at + 2`) and
+    /// unnormalizes `grid`'s coordinates; refuses what PyTorch's kernels do not define.
+    fn sampling(
+        &self,
+        cx: &NodeCx<'_, 'c, 'b>,
+        input: &T<'c, 'b>,
+        grid: &T<'c, 'b>,
+        at: usize,
+    ) -> R<Sampling<'c, 'b>> {
+        let e = self.e;
+        let mode = cx.int(at, "interpolation_mode")?;
+        let padding = cx.int(at + 1, "padding_mode")?;
+        let align = cx.bool_or(at + 2, "align_corners", false)?;
+        let nd = input.rank() - 2;
+        if !(0..=2).contains(&mode) || !(0..=2).contains(&padding) || (mode == 2 && nd != 2) {
+            return Err(cx.err(format!(
+                "unsupported interpolation mode {mode} / padding mode {padding} for a {nd}-d input \
+                 (modes: 0 bilinear, 1 nearest, 2 bicubic (2-d only); padding: 0 zeros, 1 border, \
+                 2 reflection)"
+            )));
+        }
+        let sizes: Vec<i64> = input.shape[2..].to_vec();
+        let mut pos_shape = vec![input.shape[0]];
+        pos_shape.extend(&grid.shape[1..grid.rank() - 1]);
+        // The grid's last dim lists x (W) first.
+        let grid = e.convert(grid, self.d)?;
+        let gr = grid.rank();
+        let mut coords = Vec::new();
+        for (k, &size) in sizes.iter().enumerate() {
+            let comp = (nd - 1 - k) as i64;
+            let mut start = vec![0; gr];
+            start[gr - 1] = comp;
+            let mut lim = grid.shape.clone();
+            lim[gr - 1] = comp + 1;
+            let s = e.slice(&grid, &start, &lim, &vec![1; gr])?;
+            let s = e.reshape(&s, &pos_shape)?;
+            let size = size as f64;
+            let u = if align {
+                self.mulk(&self.addk(&s, 1.0)?, (size - 1.0) / 2.0)?
+            } else {
+                self.mulk(
+                    &self.addk(&self.mulk(&self.addk(&s, 1.0)?, size)?, -1.0)?,
+                    0.5,
+                )?
+            };
+            coords.push(u);
+        }
+        Ok(Sampling {
+            mode,
+            padding,
+            align,
+            sizes,
+            pos_shape,
+            coords,
+        })
+    }
+
+    /// The derivative of `pad_coord` (PyTorch's `*_set_grad`): border and reflection clip, and
+    /// a clipped coordinate (at or past either border) has none; reflection flips its sign on
+    /// every other reflection.
+    fn pad_coord_grad(&self, x: &T<'c, 'b>, size: i64, padding: i64, align: bool) -> R<T<'c, 'b>> {
+        let e = self.e;
+        let hi = (size - 1) as f64;
+        let one = e.broadcast_to(&self.k(1.0)?, &x.shape)?;
+        let zero = e.broadcast_to(&self.k(0.0)?, &x.shape)?;
+        let clip_grad = |v: &T<'c, 'b>| -> R<T<'c, 'b>> {
+            let inside = e.and(
+                &e.compare(v, &self.k(0.0)?, "GT")?,
+                &e.compare(v, &self.k(hi)?, "LT")?,
+            )?;
+            e.select(&inside, &one, &zero, self.d)
+        };
+        match padding {
+            1 => clip_grad(x),
+            2 => {
+                let (twice_low, twice_high) = if align {
+                    (0, 2 * (size - 1))
+                } else {
+                    (-1, 2 * size - 1)
+                };
+                if twice_low == twice_high {
+                    return Ok(zero);
+                }
+                let min = twice_low as f64 / 2.0;
+                let span = (twice_high - twice_low) as f64 / 2.0;
+                let shifted = self.addk(x, -min)?;
+                let neg = e.compare(&shifted, &self.k(0.0)?, "LT")?;
+                let a = e.unary("stablehlo.abs", &shifted)?;
+                let flips = self.floor(&self.mulk(&a, 1.0 / span)?)?;
+                let half = self.floor(&self.mulk(&flips, 0.5)?)?;
+                let even = e.compare(&self.mulk(&half, 2.0)?, &flips, "EQ")?;
+                // +1 when (even flips) == (non-negative), else -1.
+                let minus = self.mulk(&one, -1.0)?;
+                let up = e.select(&neg, &minus, &one, self.d)?;
+                let down = e.select(&neg, &one, &minus, self.d)?;
+                let refl = e.select(&even, &up, &down, self.d)?;
+                let reflected = self.reflect(x, twice_low, twice_high)?;
+                e.mul(&refl, &clip_grad(&reflected)?)
+            }
+            _ => Ok(one),
+        }
+    }
+
+    /// Keys' cubic convolution coefficients (a = -0.75) for offsets -1, 0, 1, 2 at fraction
+    /// `t`, and (when `grad`) their derivatives along `t`.
+    fn cubic(&self, t: &T<'c, 'b>, grad: bool) -> R<(Vec<T<'c, 'b>>, Vec<T<'c, 'b>>)> {
+        const A: f64 = -0.75;
+        let e = self.e;
+        // Far taps (|x| in [1, 2]): ((A x - 5A) x + 8A) x - 4A; its derivative 3A x^2 - 10A x + 8A.
+        let far = |x: &T<'c, 'b>| -> R<T<'c, 'b>> {
+            let a = self.addk(&self.mulk(x, A)?, -5.0 * A)?;
+            let a = self.addk(&e.mul(&a, x)?, 8.0 * A)?;
+            self.addk(&e.mul(&a, x)?, -4.0 * A)
+        };
+        let far_d = |x: &T<'c, 'b>| -> R<T<'c, 'b>> {
+            let a = self.addk(&self.mulk(x, 3.0 * A)?, -10.0 * A)?;
+            self.addk(&e.mul(&a, x)?, 8.0 * A)
+        };
+        // Near taps (|x| < 1): ((A + 2) x - (A + 3)) x x + 1; its derivative
+        // 3(A + 2) x^2 - 2(A + 3) x.
+        let near = |x: &T<'c, 'b>| -> R<T<'c, 'b>> {
+            let a = self.addk(&self.mulk(x, A + 2.0)?, -(A + 3.0))?;
+            self.addk(&e.mul(&e.mul(&a, x)?, x)?, 1.0)
+        };
+        let near_d = |x: &T<'c, 'b>| -> R<T<'c, 'b>> {
+            let a = self.addk(&self.mulk(x, 3.0 * (A + 2.0))?, -2.0 * (A + 3.0))?;
+            e.mul(&a, x)
+        };
+        let x0 = self.addk(t, 1.0)?;
+        let x2 = self.addk(&self.mulk(t, -1.0)?, 1.0)?;
+        let x3 = self.addk(&self.mulk(t, -1.0)?, 2.0)?;
+        let c = vec![far(&x0)?, near(t)?, near(&x2)?, far(&x3)?];
+        let d = if grad {
+            vec![
+                far_d(&x0)?,
+                near_d(t)?,
+                self.mulk(&near_d(&x2)?, -1.0)?,
+                self.mulk(&far_d(&x3)?, -1.0)?,
+            ]
+        } else {
+            Vec::new()
+        };
+        Ok((c, d))
+    }
+
+    /// The taps of `s`'s interpolation and, per spatial dim, the derivative of the coordinate
+    /// the taps' weights are functions of along the grid's value (`grad` only: the
+    /// unnormalization's scale, times padding's derivative for bilinear).
+    fn taps(&self, s: &Sampling<'c, 'b>, grad: bool) -> R<(Vec<Tap<'c, 'b>>, Vec<T<'c, 'b>>)> {
+        let e = self.e;
+        let nd = s.sizes.len();
+        let inside_of = |ip: &[T<'c, 'b>]| -> R<T<'c, 'b>> {
+            let mut inside: Option<T> = None;
+            for (k, p) in ip.iter().enumerate() {
+                let ok = e.and(
+                    &e.compare(p, &self.k(0.0)?, "GE")?,
+                    &e.compare(p, &self.k((s.sizes[k] - 1) as f64)?, "LE")?,
+                )?;
+                inside = Some(match inside {
+                    None => ok,
+                    Some(i) => e.and(&i, &ok)?,
+                });
+            }
+            Ok(inside.expect("at least one spatial dim"))
+        };
+        let scale = |k: usize| {
+            let size = s.sizes[k] as f64;
+            if s.align {
+                (size - 1.0) / 2.0
+            } else {
+                size / 2.0
+            }
+        };
+        let mut taps = Vec::new();
+        let mut mult = Vec::new();
+        match s.mode {
+            0 | 1 => {
+                let pc: Vec<T> = s
+                    .coords
+                    .iter()
+                    .enumerate()
+                    .map(|(k, u)| self.pad_coord(u, s.sizes[k], s.padding, s.align))
+                    .collect::<R<_>>()?;
+                if grad {
+                    for (k, u) in s.coords.iter().enumerate() {
+                        let pg = self.pad_coord_grad(u, s.sizes[k], s.padding, s.align)?;
+                        mult.push(self.mulk(&pg, scale(k))?);
+                    }
+                }
+                if s.mode == 1 {
+                    // Nearest: round half to even; no gradient along the grid.
+                    let ip: Vec<T> = pc
+                        .iter()
+                        .map(|u| e.unary("stablehlo.round_nearest_even", u))
+                        .collect::<R<_>>()?;
+                    let one = e.broadcast_to(&self.k(1.0)?, &s.pos_shape)?;
+                    let zero = e.broadcast_to(&self.k(0.0)?, &s.pos_shape)?;
+                    taps.push(Tap {
+                        inside: inside_of(&ip)?,
+                        pos: ip,
+                        w: one,
+                        dw: if grad { vec![zero; nd] } else { Vec::new() },
+                    });
+                } else {
+                    let lo: Vec<T> = pc.iter().map(|u| self.floor(u)).collect::<R<_>>()?;
+                    // Weights: (hi - u) for the low corner, (u - lo) for the high one; their
+                    // derivatives -1 and +1.
+                    for corner in 0..(1usize << nd) {
+                        let mut ip = Vec::new();
+                        let mut wk = Vec::new();
+                        let mut sign = Vec::new();
+                        for k in 0..nd {
+                            let high = corner >> (nd - 1 - k) & 1 == 1;
+                            if high {
+                                ip.push(self.addk(&lo[k], 1.0)?);
+                                wk.push(e.sub(&pc[k], &lo[k])?);
+                                sign.push(1.0);
+                            } else {
+                                ip.push(lo[k].clone());
+                                wk.push(e.sub(&self.addk(&lo[k], 1.0)?, &pc[k])?);
+                                sign.push(-1.0);
+                            }
+                        }
+                        let product = |skip: Option<usize>| -> R<Option<T<'c, 'b>>> {
+                            let mut w: Option<T> = None;
+                            for (k, x) in wk.iter().enumerate() {
+                                if Some(k) == skip {
+                                    continue;
+                                }
+                                w = Some(match w {
+                                    None => x.clone(),
+                                    Some(w) => e.mul(&w, x)?,
+                                });
+                            }
+                            Ok(w)
+                        };
+                        let w = product(None)?.expect("at least one spatial dim");
+                        let mut dw = Vec::new();
+                        if grad {
+                            for (j, &sg) in sign.iter().enumerate() {
+                                dw.push(match product(Some(j))? {
+                                    Some(p) => self.mulk(&p, sg)?,
+                                    None => e.broadcast_to(&self.k(sg)?, &s.pos_shape)?,
+                                });
+                            }
+                        }
+                        taps.push(Tap {
+                            inside: inside_of(&ip)?,
+                            pos: ip,
+                            w,
+                            dw,
+                        });
+                    }
+                }
+            }
+            _ => {
+                // Bicubic (2-D): 4x4 taps around floor(u), each tap's position padded on its
+                // own (no gradient through the padding: positions are integers).
+                if grad {
+                    for k in 0..nd {
+                        mult.push(e.broadcast_to(&self.k(scale(k))?, &s.pos_shape)?);
+                    }
+                }
+                let (uy, ux) = (&s.coords[0], &s.coords[1]);
+                let fy = self.floor(uy)?;
+                let fx = self.floor(ux)?;
+                let (wy, dwy) = self.cubic(&e.sub(uy, &fy)?, grad)?;
+                let (wx, dwx) = self.cubic(&e.sub(ux, &fx)?, grad)?;
+                for (i, wyi) in wy.iter().enumerate() {
+                    let py = self.pad_coord(
+                        &self.addk(&fy, i as f64 - 1.0)?,
+                        s.sizes[0],
+                        s.padding,
+                        s.align,
+                    )?;
+                    for (j, wxj) in wx.iter().enumerate() {
+                        let px = self.pad_coord(
+                            &self.addk(&fx, j as f64 - 1.0)?,
+                            s.sizes[1],
+                            s.padding,
+                            s.align,
+                        )?;
+                        let ip = vec![py.clone(), px];
+                        let dw = if grad {
+                            vec![e.mul(&dwy[i], wxj)?, e.mul(wyi, &dwx[j])?]
+                        } else {
+                            Vec::new()
+                        };
+                        taps.push(Tap {
+                            inside: inside_of(&ip)?,
+                            pos: ip,
+                            w: e.mul(wyi, wxj)?,
+                            dw,
+                        });
+                    }
+                }
+            }
+        }
+        Ok((taps, mult))
+    }
+}
+
+/// (N, C, *sp) -> (N, *sp, C).
+fn channels_last<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    let mut perm = vec![0i64];
+    perm.extend(2..x.rank() as i64);
+    perm.push(1);
+    e.transpose(x, &perm)
+}
+
+/// (N, *sp, C) -> (N, C, *sp).
+fn channels_first<'c, 'b>(e: &Emitter<'c, 'b>, x: &T<'c, 'b>) -> R<T<'c, 'b>> {
+    let r = x.rank() as i64;
+    let mut back = vec![0i64, r - 1];
+    back.extend(1..r - 1);
+    e.transpose(x, &back)
+}
+
 fn grid_sampler<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let e = cx.e;
     let input = cx.tensor(0, "input")?;
     let grid = cx.tensor(1, "grid")?;
-    let mode = cx.int(2, "interpolation_mode")?;
-    let padding = cx.int(3, "padding_mode")?;
-    let align = cx.bool_or(4, "align_corners", false)?;
     let (out_shape, out_dtype) = cx.out(0)?;
-    let nd = input.rank() - 2;
+    let d = crate::lower::helpers::widen::acc_dtype(out_dtype);
+    let g = G { e, d };
+    let s = g.sampling(cx, &input, &grid, 2)?;
     if out_shape.contains(&0) || input.shape.contains(&0) {
         return Ok(vec![e.splat(Scalar::Int(0), &out_shape, out_dtype)?]);
     }
-    if !(0..=2).contains(&mode) || !(0..=2).contains(&padding) || (mode == 2 && nd != 2) {
-        return Err(cx.err(format!(
-            "unsupported interpolation mode {mode} / padding mode {padding}"
-        )));
-    }
-    let d = crate::lower::helpers::widen::acc_dtype(out_dtype);
-    let g = G { e, d };
-    let n = input.shape[0];
     let c = input.shape[1];
-    let sizes: Vec<i64> = input.shape[2..].to_vec(); // (D,) H, W
-    let out_sp: Vec<i64> = grid.shape[1..grid.rank() - 1].to_vec();
-    let mut pos_shape = vec![n];
-    pos_shape.extend(&out_sp);
-    // Coordinates per spatial dim k (input dim 2 + k); the grid's last dim lists x (W) first.
-    let grid = e.convert(&grid, d)?;
-    let gr = grid.rank();
-    let mut coords = Vec::new();
-    for (k, &size) in sizes.iter().enumerate() {
-        let comp = (nd - 1 - k) as i64;
-        let mut start = vec![0; gr];
-        start[gr - 1] = comp;
-        let mut lim = grid.shape.clone();
-        lim[gr - 1] = comp + 1;
-        let s = e.slice(&grid, &start, &lim, &vec![1; gr])?;
-        let s = e.reshape(&s, &pos_shape)?;
-        let size = size as f64;
-        // unnormalize
-        let u = if align {
-            g.mulk(&g.addk(&s, 1.0)?, (size - 1.0) / 2.0)?
-        } else {
-            g.mulk(&g.addk(&g.mulk(&g.addk(&s, 1.0)?, size)?, -1.0)?, 0.5)?
-        };
-        coords.push(u);
-    }
     // Channels last, in the compute dtype: (N, *spatial, C).
-    let mut perm = vec![0i64];
-    perm.extend((2..input.rank() as i64).collect::<Vec<_>>());
-    perm.push(1);
-    let input_cl = e.transpose(&e.convert(&input, d)?, &perm)?;
-    let mut acc_shape = pos_shape.clone();
+    let input_cl = channels_last(e, &e.convert(&input, d)?)?;
+    let mut acc_shape = s.pos_shape.clone();
     acc_shape.push(c);
+    let mut ws = s.pos_shape.clone();
+    ws.push(1);
     let zero = e.splat(Scalar::Int(0), &[], d)?;
-    // One tap: the input at integer positions `ip` (as floats), weighted, zero outside.
-    let tap = |ip: &[T<'c, 'b>], w: &T<'c, 'b>| -> R<T<'c, 'b>> {
-        let mut inside: Option<T> = None;
-        let mut idx = Vec::new();
-        for (k, p) in ip.iter().enumerate() {
-            let ok = e.and(
-                &e.compare(p, &g.k(0.0)?, "GE")?,
-                &e.compare(p, &g.k((sizes[k] - 1) as f64)?, "LE")?,
-            )?;
-            inside = Some(match inside {
-                None => ok,
-                Some(i) => e.and(&i, &ok)?,
-            });
-            idx.push(e.convert(p, I64)?);
-        }
-        let v = gather(e, &input_cl, &idx, &sizes)?;
-        let w = e.select(&inside.unwrap(), w, &zero, d)?;
-        let mut ws = pos_shape.clone();
-        ws.push(1);
-        e.mul(&v, &e.reshape(&w, &ws)?)
-    };
+    let (taps, _) = g.taps(&s, false)?;
     let mut acc = e.splat(Scalar::Int(0), &acc_shape, d)?;
-    match mode {
-        0 | 1 => {
-            let pc: Vec<T> = coords
-                .iter()
-                .enumerate()
-                .map(|(k, u)| g.pad_coord(u, sizes[k], padding, align))
-                .collect::<R<_>>()?;
-            if mode == 1 {
-                // Nearest: round half to even.
-                let ip: Vec<T> = pc
-                    .iter()
-                    .map(|u| e.unary("stablehlo.round_nearest_even", u))
-                    .collect::<R<_>>()?;
-                let one = e.broadcast_to(&g.k(1.0)?, &pos_shape)?;
-                acc = tap(&ip, &one)?;
-            } else {
-                let lo: Vec<T> = pc.iter().map(|u| g.floor(u)).collect::<R<_>>()?;
-                // Weights: (hi - u) for the low corner, (u - lo) for the high one.
-                for corner in 0..(1usize << nd) {
-                    let mut ip = Vec::new();
-                    let mut w: Option<T> = None;
-                    for k in 0..nd {
-                        let high = corner >> (nd - 1 - k) & 1 == 1;
-                        let (p, wk) = if high {
-                            (g.addk(&lo[k], 1.0)?, e.sub(&pc[k], &lo[k])?)
-                        } else {
-                            (lo[k].clone(), e.sub(&g.addk(&lo[k], 1.0)?, &pc[k])?)
-                        };
-                        ip.push(p);
-                        w = Some(match w {
-                            None => wk,
-                            Some(w) => e.mul(&w, &wk)?,
-                        });
-                    }
-                    acc = e.add(&acc, &tap(&ip, &w.unwrap())?)?;
-                }
-            }
+    // Each tap: the input at its positions, weighted, zero outside.
+    for t in &taps {
+        let idx: Vec<T> = t.pos.iter().map(|p| e.convert(p, I64)).collect::<R<_>>()?;
+        let v = gather(e, &input_cl, &idx, &s.sizes)?;
+        let w = e.select(&t.inside, &t.w, &zero, d)?;
+        acc = e.add(&acc, &e.mul(&v, &e.reshape(&w, &ws)?)?)?;
+    }
+    let out = channels_first(e, &acc)?;
+    Ok(vec![e.convert(&out, out_dtype)?])
+}
+
+/// `grid_sampler_2d/3d_backward(grad_output, input, grid, interpolation_mode, padding_mode,
+/// align_corners, output_mask) -> (grad_input, grad_grid)`, from the forward's taps: the input's
+/// gradient scatters each tap's weighted output gradient to its position (one scatter for all
+/// taps); the grid's sums, per tap, the channels of input times output gradient, times the
+/// weight's derivative, times the coordinate's (PyTorch's CPU kernels; nearest has none).
+fn grid_sampler_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let e = cx.e;
+    let gout = cx.tensor(0, "grad_output")?;
+    let input = cx.tensor(1, "input")?;
+    let grid = cx.tensor(2, "grid")?;
+    let mask: Vec<bool> = match cx.arg(6, "output_mask") {
+        Some(Arg::List(items)) => items
+            .iter()
+            .map(|a| matches!(a, Arg::Bool(true) | Arg::Int(1)))
+            .collect(),
+        _ => vec![true; 2],
+    };
+    // A gradient output_mask leaves out may still be recorded (PyTorch's CPU kernel always
+    // computes the grid's): computed when read, zeros when not.
+    let want =
+        |k: usize| cx.out(k).is_ok() && (mask.get(k).copied().unwrap_or(true) || cx.result_used(k));
+    let d = crate::lower::helpers::widen::acc_dtype(input.dtype);
+    let g = G { e, d };
+    let s = g.sampling(cx, &input, &grid, 3)?;
+    // A stand-in for a gradient that output_mask says nobody wants (FX records no tensor).
+    let placeholder = || e.splat(Scalar::Int(0), &[], DType::Float32);
+    let zeros_of = |k: usize| -> R<T<'c, 'b>> {
+        match cx.out(k) {
+            Ok((shape, dtype)) => e.splat(Scalar::Int(0), &shape, dtype),
+            Err(_) => placeholder(),
         }
-        _ => {
-            // Bicubic (2-D): 4x4 taps around floor(u), each tap's position padded on its own.
-            const A: f64 = -0.75;
-            let cubic = |t: &T<'c, 'b>| -> R<Vec<T<'c, 'b>>> {
-                // Coefficients for offsets -1, 0, 1, 2 at fraction t.
-                let x1 = g.addk(t, 1.0)?;
-                let c0 = {
-                    // ((A (x+1) - 5A)(x+1) + 8A)(x+1) - 4A
-                    let a = g.addk(&g.mulk(&x1, A)?, -5.0 * A)?;
-                    let a = g.addk(&e.mul(&a, &x1)?, 8.0 * A)?;
-                    g.addk(&e.mul(&a, &x1)?, -4.0 * A)?
-                };
-                let conv1 = |x: &T<'c, 'b>| -> R<T<'c, 'b>> {
-                    // ((A + 2) x - (A + 3)) x x + 1
-                    let a = g.addk(&g.mulk(x, A + 2.0)?, -(A + 3.0))?;
-                    g.addk(&e.mul(&e.mul(&a, x)?, x)?, 1.0)
-                };
-                let c1 = conv1(t)?;
-                let x2 = g.addk(&g.mulk(t, -1.0)?, 1.0)?;
-                let c2 = conv1(&x2)?;
-                let x3 = g.addk(&g.mulk(t, -1.0)?, 2.0)?;
-                let c3 = {
-                    let a = g.addk(&g.mulk(&x3, A)?, -5.0 * A)?;
-                    let a = g.addk(&e.mul(&a, &x3)?, 8.0 * A)?;
-                    g.addk(&e.mul(&a, &x3)?, -4.0 * A)?
-                };
-                Ok(vec![c0, c1, c2, c3])
-            };
-            let (uy, ux) = (&coords[0], &coords[1]);
-            let fy = g.floor(uy)?;
-            let fx = g.floor(ux)?;
-            let wy = cubic(&e.sub(uy, &fy)?)?;
-            let wx = cubic(&e.sub(ux, &fx)?)?;
-            for (i, wyi) in wy.iter().enumerate() {
-                let py = g.pad_coord(&g.addk(&fy, i as f64 - 1.0)?, sizes[0], padding, align)?;
-                for (j, wxj) in wx.iter().enumerate() {
-                    let px =
-                        g.pad_coord(&g.addk(&fx, j as f64 - 1.0)?, sizes[1], padding, align)?;
-                    let w = e.mul(wyi, wxj)?;
-                    acc = e.add(&acc, &tap(&[py.clone(), px], &w)?)?;
-                }
+    };
+    if input.shape.contains(&0) || gout.shape.contains(&0) {
+        return Ok(vec![zeros_of(0)?, zeros_of(1)?]);
+    }
+    let nd = s.sizes.len();
+    let c = input.shape[1];
+    let m: i64 = s.pos_shape.iter().product();
+    let input_cl = channels_last(e, &e.convert(&input, d)?)?;
+    let gout_cl = channels_last(e, &e.convert(&gout, d)?)?; // (N, *out, C)
+    let (taps, mult) = g.taps(&s, want(1) && s.mode != 1)?;
+    let zero = e.splat(Scalar::Int(0), &[], d)?;
+    let mut ws = s.pos_shape.clone();
+    ws.push(1);
+    let mut idx_rows = Vec::new();
+    let mut upd_rows = Vec::new();
+    let mut gcoord: Vec<Option<T>> = vec![None; nd];
+    for t in &taps {
+        let idx: Vec<T> = t.pos.iter().map(|p| e.convert(p, I64)).collect::<R<_>>()?;
+        if want(0) {
+            let u = e.mul(&gout_cl, &e.reshape(&t.w, &ws)?)?;
+            let inside = e.broadcast_in_dim(&t.inside, &gout_cl.shape, &int_range(nd + 1))?;
+            let u = e.select(&inside, &u, &zero, d)?;
+            idx_rows.push(e.reshape(&tap_indices(e, &idx, &s.sizes)?, &[m, nd as i64 + 1])?);
+            upd_rows.push(e.reshape(&u, &[m, c])?);
+        }
+        if want(1) && s.mode != 1 {
+            let v = gather(e, &input_cl, &idx, &s.sizes)?;
+            let dot = e.reduce(
+                &e.mul(&v, &gout_cl)?,
+                &[nd as i64 + 1],
+                crate::lower::ReduceKind::Sum,
+                false,
+            )?;
+            let dot = e.select(&t.inside, &dot, &zero, d)?;
+            for (k, acc) in gcoord.iter_mut().enumerate() {
+                let term = e.mul(&dot, &t.dw[k])?;
+                *acc = Some(match acc.take() {
+                    None => term,
+                    Some(a) => e.add(&a, &term)?,
+                });
             }
         }
     }
-    // Back to (N, C, *out).
-    let r = acc.rank() as i64;
-    let mut back = vec![0i64, r - 1];
-    back.extend(1..r - 1);
-    let out = e.transpose(&acc, &back)?;
-    Ok(vec![e.convert(&out, out_dtype)?])
+    let grad_input = if want(0) {
+        let (shape, dtype) = cx.out(0)?;
+        let irefs: Vec<&T> = idx_rows.iter().collect();
+        let urefs: Vec<&T> = upd_rows.iter().collect();
+        let indices = e.concatenate(&irefs, 0)?;
+        let updates = e.concatenate(&urefs, 0)?;
+        let mut acc_shape = vec![input.shape[0]];
+        acc_shape.extend(&s.sizes);
+        acc_shape.push(c);
+        let spatial: Vec<i64> = (0..=nd as i64).collect();
+        let gi = e.scatter(
+            &e.splat(Scalar::Int(0), &acc_shape, d)?,
+            &indices,
+            &updates,
+            &[1],
+            &spatial,
+            &spatial,
+            true,
+        )?;
+        e.reshape(&e.convert(&channels_first(e, &gi)?, dtype)?, &shape)?
+    } else {
+        zeros_of(0)?
+    };
+    let grad_grid = if want(1) {
+        let (shape, dtype) = cx.out(1)?;
+        // The grid's last dim lists x (W) first: dim k's component is nd - 1 - k.
+        let parts: Vec<T> = (0..nd)
+            .rev()
+            .map(|k| {
+                let gk = match &gcoord[k] {
+                    Some(gk) => e.mul(gk, &mult[k])?,
+                    None => e.broadcast_to(&zero, &s.pos_shape)?,
+                };
+                e.reshape(&gk, &ws)
+            })
+            .collect::<R<_>>()?;
+        let refs: Vec<&T> = parts.iter().collect();
+        let gg = e.concatenate(&refs, nd + 1)?;
+        e.reshape(&e.convert(&gg, dtype)?, &shape)?
+    } else {
+        zeros_of(1)?
+    };
+    Ok(vec![grad_input, grad_grid])
+}
+
+fn int_range(n: usize) -> Vec<i64> {
+    (0..n as i64).collect()
 }
 
 /// PyTorch's `area_pixel_compute_scale` (in float, as its kernel computes it for float32).
@@ -474,6 +828,60 @@ fn upsample_bilinear2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
 /// separable resampling with the cubic filter.
 fn upsample_bicubic2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     upsample_2d_aa(cx, AaFilter::Cubic)
+}
+
+/// The taps of the transposed resampling: per input position, the (output position, weight)
+/// pairs whose taps read it.
+fn transposed_taps(taps: &[Vec<(i64, f32)>], input: i64) -> Vec<Vec<(i64, f32)>> {
+    let mut t = vec![Vec::new(); input as usize];
+    for (o, row) in taps.iter().enumerate() {
+        for &(i, w) in row {
+            t[i as usize].push((o as i64, w));
+        }
+    }
+    t
+}
+
+/// `_upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_corners,
+/// scales_h, scales_w)`: the forward is linear with fixed taps, so its gradient is the
+/// transposed resampling (height, then width).
+fn upsample_bilinear2d_aa_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    upsample_2d_aa_backward(cx, AaFilter::Linear)
+}
+
+fn upsample_bicubic2d_aa_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    upsample_2d_aa_backward(cx, AaFilter::Cubic)
+}
+
+fn upsample_2d_aa_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, filter: AaFilter) -> V<'c, 'b> {
+    let e = cx.e;
+    let g = cx.tensor(0, "grad_output")?;
+    let size = cx.ints(1, "output_size")?;
+    let input_size = cx.ints(2, "input_size")?;
+    let align = cx.bool_or(3, "align_corners", false)?;
+    let scale = |i: usize, name: &str| -> R<Option<f64>> {
+        Ok(match cx.arg(i, name) {
+            None | Some(Arg::None) => None,
+            _ => Some(cx.float_or(i, name, 0.0)?),
+        })
+    };
+    let (sh, sw) = (scale(4, "scales_h")?, scale(5, "scales_w")?);
+    let (out_shape, out_dtype) = cx.out(0)?;
+    if g.rank() != 4 || size.len() != 2 || input_size.len() != 4 {
+        return Err(cx.err(
+            "expected a 4-d grad_output, a 2-element output_size and a 4-element input_size",
+        ));
+    }
+    if out_shape.contains(&0) || g.shape.contains(&0) {
+        return Ok(vec![e.splat(Scalar::Int(0), &out_shape, out_dtype)?]);
+    }
+    let d = crate::lower::helpers::widen::acc_dtype(out_dtype);
+    let (h, w) = (input_size[2], input_size[3]);
+    let tw = aa_taps(w, size[1], area_scale(align, w, size[1], sw), filter);
+    let th = aa_taps(h, size[0], area_scale(align, h, size[0], sh), filter);
+    let y = resample_dim(e, &e.convert(&g, d)?, 2, &transposed_taps(&th, h))?;
+    let y = resample_dim(e, &y, 3, &transposed_taps(&tw, w))?;
+    Ok(vec![e.convert(&y, out_dtype)?])
 }
 
 fn upsample_2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, filter: AaFilter) -> V<'c, 'b> {

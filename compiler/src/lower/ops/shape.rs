@@ -73,6 +73,10 @@ pub static RULES: &[(&str, Rule)] = &[
     ("aten.index_reduce.default", index_reduce),
     ("aten.put.default", put),
     ("aten.masked_scatter.default", masked_scatter),
+    (
+        "aten.masked_scatter_backward.default",
+        masked_scatter_backward,
+    ),
     ("aten.nonzero_static.default", nonzero_static),
     ("aten.segment_reduce.default", segment_reduce),
 ];
@@ -1155,6 +1159,42 @@ fn masked_scatter<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
     let flat = e.reshape(&x, &[n])?;
     let r = e.select(&m, &taken, &flat, x.dtype)?;
     Ok(vec![e.reshape(&r, &x.shape)?])
+}
+
+/// `masked_scatter_backward(grad_output, mask, sizes)`: the source's gradient, `grad_output`'s
+/// elements where `mask` (broadcast) is true in row-major order, then zeros, shaped `sizes`
+/// (PyTorch's `masked_select`, zero-filled to the source's size).
+fn masked_scatter_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>) -> V<'c, 'b> {
+    let g = cx.tensor(0, "grad_output")?;
+    let mask = cx.tensor(1, "mask")?;
+    let (shape, out) = cx.out(0)?;
+    let e = cx.e;
+    let k: i64 = shape.iter().product();
+    let b = broadcast_shapes(&g.shape, &mask.shape)
+        .ok_or_else(|| cx.err("grad_output and mask do not broadcast"))?;
+    let n: i64 = b.iter().product();
+    if k == 0 || n == 0 {
+        return Ok(vec![e.splat(Scalar::Int(0), &shape, out)?]);
+    }
+    let m = e.reshape(&e.broadcast_to(&e.convert(&mask, DType::Bool)?, &b)?, &[n])?;
+    let flat = e.reshape(&e.broadcast_to(&e.convert(&g, out)?, &b)?, &[n])?;
+    // Selected elements go to their rank; the rest (and any rank past the source's size) to an
+    // extra last slot, sliced off below.
+    let rank = true_ranks(e, &m)?;
+    let spill = e.splat(Scalar::Int(k), &[], DType::Int64)?;
+    let keep = e.and(&m, &e.compare(&rank, &spill, "LT")?)?;
+    let at = e.select(&keep, &rank, &spill, DType::Int64)?;
+    let s = e.scatter(
+        &e.splat(Scalar::Int(0), &[k + 1], out)?,
+        &e.reshape(&at, &[n, 1])?,
+        &flat,
+        &[],
+        &[0],
+        &[0],
+        false,
+    )?;
+    let s = e.slice(&s, &[0], &[k], &[1])?;
+    Ok(vec![e.reshape(&s, &shape)?])
 }
 
 /// `nonzero_static(self, size, fill_value=-1) -> [size, ndim]`: the coordinates of the first
