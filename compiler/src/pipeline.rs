@@ -8,7 +8,7 @@ use crate::host_kernels::HostKernels;
 use crate::lower::{self, LowerError, LowerOptions, Lowered, Precision};
 use rayon::prelude::*;
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -19,7 +19,7 @@ use tpuc_passes::SpecializeError;
 use tpuc_runtime::runner::ArrayType;
 use tpuc_runtime::{
     self as pjrt, Client, CompileOptions, ElementType, LoadedExecutable, PjrtError, Plugin,
-    Signature,
+    Signature, XlaOption,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -180,6 +180,9 @@ pub(crate) fn prepare(
     if platform == "tpu" {
         options.partition_devices = device_ids[..options.num_partitions as usize].to_vec();
     }
+    if platform == "cpu" {
+        options.xla_options = cpu_xla_options();
+    }
     let lowered = lower::lower(&specialized, &lower_options(plan))?;
     Ok(Prepared {
         specialized,
@@ -187,6 +190,33 @@ pub(crate) fn prepare(
         options,
         lower_seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Whether the CPU plugin's compiles keep XLA:CPU's YNNPACK fusions (`ynn_fusion`, its
+/// default for dots and reductions; [`set_cpu_ynn_fusions`] changes it). Off, a reduction takes
+/// its producer into a loop fusion instead of reading a broadcast XLA wrote out for it.
+const CPU_YNN_FUSIONS: bool = true;
+
+/// The `xla.DebugOptions` field that lists the kinds of YNNPACK fusions; "" lists none.
+const YNN_FUSION_TYPES: &str = "xla_cpu_experimental_ynn_fusion_type";
+
+static CPU_YNN_FUSIONS_ON: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(CPU_YNN_FUSIONS);
+
+/// Test and benchmark hook: [`CPU_YNN_FUSIONS`] for later compiles in this process; returns the
+/// previous value. Part of each executable's compile options, so of its cache key.
+pub fn set_cpu_ynn_fusions(on: bool) -> bool {
+    CPU_YNN_FUSIONS_ON.swap(on, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The XLA debug options of a compile for the CPU plugin (see [`CompileOptions::xla_options`]),
+/// read at each compile so that one process can compare both ways.
+fn cpu_xla_options() -> BTreeMap<String, XlaOption> {
+    let mut options = BTreeMap::new();
+    if !CPU_YNN_FUSIONS_ON.load(std::sync::atomic::Ordering::Relaxed) {
+        options.insert(YNN_FUSION_TYPES.to_string(), XlaOption::Str(String::new()));
+    }
+    options
 }
 
 /// A compiled, ready-to-run graph for one static shape.

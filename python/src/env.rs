@@ -75,6 +75,13 @@ pub fn set_unpartitioned_max(elements: i64) -> i64 {
     tpuc_compiler::pipeline::set_unpartitioned_max(elements)
 }
 
+/// Test and benchmark hook: whether the CPU plugin's later compiles in this process keep XLA's
+/// YNNPACK fusions (part of each executable's cache key); returns the previous setting.
+#[pyfunction]
+pub fn set_cpu_ynn_fusions(on: bool) -> bool {
+    tpuc_compiler::pipeline::set_cpu_ynn_fusions(on)
+}
+
 /// Test hook: host BLAS products cut into one-thread pieces on the calling thread too (the path
 /// of XLA's threads), from now on in this process.
 #[pyfunction]
@@ -89,5 +96,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flag_words, m)?)?;
     m.add_function(wrap_pyfunction!(set_unpartitioned_max, m)?)?;
     m.add_function(wrap_pyfunction!(set_host_gemm_always_pieces, m)?)?;
+    m.add_function(wrap_pyfunction!(set_cpu_ynn_fusions, m)?)?;
     Ok(())
 }
