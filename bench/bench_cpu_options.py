@@ -1,6 +1,6 @@
 """tpuc on the CPU plugin with XLA:CPU's YNNPACK fusions on (XLA's default) and off, side by side.
 
-Per case, one process: the model compiled once per variant (`tpuc._native.set_cpu_ynn_fusions`
+Per case, one process: the model compiled once per variant (`tpuc._native.set_cpu_ynn_fusion_types`
 chooses the compile options of each; they are part of the executable's cache key, so neither
 reuses the other's executables), each checked against eager, then --iters rounds of one timed
 call per variant after two untimed rounds, the order rotated every round so that load on this
@@ -33,7 +33,14 @@ import bench_real  # bench/, beside this script
 import results_history
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"ynn_on": True, "ynn_off": False}
+# name -> the value of xla_cpu_experimental_ynn_fusion_type (None: XLA's default). The first is
+# the baseline of the ratios.
+VARIANTS = {
+    "ynn_on": None,
+    "ynn_off": "",
+    # XLA:CPU's dots kept in YNNPACK, its reductions left to XLA's own loop fusions.
+    "ynn_dots_only": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+}
 SMALL = [
     "models:mlp",
     "models:preln",
@@ -72,7 +79,7 @@ def bench_models_batch(name: str) -> int:
     return bench_models.DEFAULT_BATCH[name]
 
 
-def child(case: str, iters: int) -> dict:
+def child(case: str, iters: int, variants: list[str]) -> dict:
     import copy
 
     import torch
@@ -95,10 +102,10 @@ def child(case: str, iters: int) -> dict:
     def compiles() -> int:
         return tpuc.stats()["xla_compiles"]
 
-    def with_variant(on: bool, fn):
+    def with_variant(types: str | None, fn):
         # Set at each call: a recompile (a guard that fails later) gets this variant's options.
         def call():
-            _native.set_cpu_ynn_fusions(on)
+            _native.set_cpu_ynn_fusion_types(types)
             return fn()
 
         return call
@@ -106,9 +113,10 @@ def child(case: str, iters: int) -> dict:
     if kind == "infer":
         with torch.no_grad():
             expected = pick(model(*inputs))
-            for v, on in VARIANTS.items():
+            for v in variants:
+                types = VARIANTS[v]
                 fn = compile_for(v, model)
-                call = with_variant(on, lambda fn=fn: pick(fn(*inputs)))
+                call = with_variant(types, lambda fn=fn: pick(fn(*inputs)))
                 c0, t0 = compiles(), time.perf_counter()
                 got = call()
                 out[v] = {
@@ -137,9 +145,10 @@ def child(case: str, iters: int) -> dict:
         # The first step's loss in eager (computed before the update, as each variant's first).
         ref_loss = pick(copy.deepcopy(model)(*inputs)).float().square().mean().item()
         for road in ("whole", "split"):
-            for v, on in VARIANTS.items():
+            for v in variants:
+                types = VARIANTS[v]
                 name = f"{road}_{v}"
-                call = with_variant(on, make_step(copy.deepcopy(model), road == "whole", name))
+                call = with_variant(types, make_step(copy.deepcopy(model), road == "whole", name))
                 c0, t0 = compiles(), time.perf_counter()
                 loss = call().item()
                 out[name] = {
@@ -164,7 +173,7 @@ def _run_child(case: str, args, cache: Path) -> dict:
     # AOTAutograd's cache holds tpuc's executables too: fresh, so each variant compiles.
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / case.replace(":", "_") / "inductor")
     iters = args.iters if case in bench_real.CASES else args.small_iters
-    cmd = [sys.executable, __file__, "--child", case, "--iters", str(iters)]
+    cmd = [sys.executable, __file__, "--child", case, "--iters", str(iters), "--variants", *args.variants]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if p.returncode != 0:
@@ -178,37 +187,60 @@ def _run_child(case: str, args, cache: Path) -> dict:
 def markdown(report: dict) -> str:
     info = report["info"]
     lines = [
-        f"# tpuc on the CPU plugin, XLA:CPU's YNNPACK fusions on (default) and off, {info['date']}",
+        f"# tpuc on the CPU plugin with XLA:CPU's YNNPACK fusions as XLA makes them and fewer, {info['date']}",
         "",
         f"torch {info['torch']}, {info['cpus']} CPUs; load average {info['load_start']:.2f} at start, "
         f"{info.get('load_end', float('nan')):.2f} at end; per case one process, {info['iters']} "
         f"interleaved rounds ({info['small_iters']} for the small models) after 2 untimed ones, median. Command: `{info['command']}`.",
         "",
-        "| case | YNN on ms | YNN off ms | off / on | XLA compiles (on / off) | error vs eager (on / off) |",
-        "|---|---:|---:|---:|---|---|",
+    ]
+    variants = list(info["variants"])
+    base = variants[0]
+    lines += [
+        "Variants (xla_cpu_experimental_ynn_fusion_type; none: XLA's default): "
+        + ", ".join(
+            f"`{v}` = {json.dumps(t) if t is not None else 'none'}" for v, t in info["variants"].items()
+        )
+        + ".",
+        "",
+        "| case | "
+        + " | ".join(f"{v} ms" for v in variants)
+        + " | "
+        + " | ".join(f"{v} / {base}" for v in variants[1:])
+        + " | XLA compiles | error vs eager |",
+        "|---|" + "---:|" * (2 * len(variants) - 1) + "---|---|",
     ]
 
-    def row(case, r, on, off):
-        a, b = r.get(on, {}), r.get(off, {})
-        if "median_ms" not in a or "median_ms" not in b:
-            err = r.get("error") or a.get("error") or b.get("error") or "-"
-            return f"| {case} | - | - | - | - | {err[:80]} |"
+    def ms(x):
+        return f"{x:.1f}" if x >= 10 else f"{x:.3f}"
 
-        def ms(x):
-            return f"{x:.1f}" if x >= 10 else f"{x:.3f}"
-
+    def row(case, r, prefix):
+        got = [r.get(prefix + v, {}) for v in variants]
+        if any("median_ms" not in g for g in got):
+            err = r.get("error") or next((g["error"] for g in got if "error" in g), "-")
+            return (
+                f"| {case} | "
+                + " | ".join("-" for _ in range(2 * len(variants) - 1))
+                + f" | - | {err[:80]} |"
+            )
         return (
-            f"| {case} | {ms(a['median_ms'])} | {ms(b['median_ms'])} | "
-            f"{b['median_ms'] / a['median_ms']:.3f}x | {a['xla_compiles']} / {b['xla_compiles']} | "
-            f"{a['max_rel_err']:.1e} / {b['max_rel_err']:.1e} |"
+            f"| {case} | "
+            + " | ".join(ms(g["median_ms"]) for g in got)
+            + " | "
+            + " | ".join(f"{g['median_ms'] / got[0]['median_ms']:.3f}x" for g in got[1:])
+            + " | "
+            + " / ".join(str(g["xla_compiles"]) for g in got)
+            + " | "
+            + " / ".join(f"{g['max_rel_err']:.1e}" for g in got)
+            + " |"
         )
 
     for case, r in report["cases"].items():
         if r.get("kind") == "train":
-            lines.append(row(f"{case}, whole step", r, "whole_ynn_on", "whole_ynn_off"))
-            lines.append(row(f"{case}, split step", r, "split_ynn_on", "split_ynn_off"))
+            lines.append(row(f"{case}, whole step", r, "whole_"))
+            lines.append(row(f"{case}, split step", r, "split_"))
         else:
-            lines.append(row(case, r, "ynn_on", "ynn_off"))
+            lines.append(row(case, r, ""))
     lines.append(
         "\nerror vs eager: largest |tpuc - eager| over the largest |eager| of the output (training: "
         "of the first step's loss). XLA compiles: the variant's first call compiled its own "
@@ -221,6 +253,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=REAL + SMALL)
     ap.add_argument("--iters", type=int, default=5, help="rounds for bench_real.py's cases")
+    ap.add_argument("--variants", nargs="+", default=["ynn_on", "ynn_off"], choices=list(VARIANTS))
     ap.add_argument("--small-iters", type=int, default=200, help="rounds for the small models")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--timeout", type=int, default=3600)
@@ -228,7 +261,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.iters)))
+        print(json.dumps(child(args.child, args.iters, args.variants)))
         return 0
 
     import torch
@@ -239,6 +272,7 @@ def main(argv=None) -> int:
             "torch": torch.__version__,
             "cpus": os.cpu_count(),
             "iters": args.iters,
+            "variants": {v: VARIANTS[v] for v in args.variants},
             "small_iters": args.small_iters,
             "load_start": os.getloadavg()[0],
             "command": "python bench/bench_cpu_options.py "

@@ -1,6 +1,6 @@
 """XLA debug options per compile on the CPU plugin (`CompileOptions.xla_options`, sent as
-`env_option_overrides`): XLA:CPU's YNNPACK fusions on (the default, `CPU_YNN_FUSIONS` in
-compiler/src/pipeline.rs) or off (`tpuc._native.set_cpu_ynn_fusions(False)`). The options are
+`env_option_overrides`): XLA:CPU's YNNPACK fusions on (the default, `CPU_YNN_FUSION_TYPES` in
+compiler/src/pipeline.rs) or off (`tpuc._native.set_cpu_ynn_fusion_types("")`). The options are
 part of the executable's cache key, so an executable compiled one way is never reused the other
 way, not even through AOTAutograd's cache (whose entry does not cover them); results match eager
 both ways."""
@@ -40,9 +40,9 @@ def _makes_ynn_fusions() -> bool:
 
 @pytest.fixture
 def restore_ynn():
-    previous = _native.set_cpu_ynn_fusions(True)
+    previous = _native.set_cpu_ynn_fusion_types(None)
     yield
-    _native.set_cpu_ynn_fusions(previous)
+    _native.set_cpu_ynn_fusion_types(previous)
 
 
 def test_ynn_fusions_off_is_another_executable_with_the_same_results(tmp_path, restore_ynn):
@@ -57,7 +57,7 @@ def test_ynn_fusions_off_is_another_executable_with_the_same_results(tmp_path, r
     with torch.no_grad():
         on, key_on, compiles_on, hlo_on = _compile_and_run(args, cache, tmp_path / "on")
         assert compiles_on == 1
-        _native.set_cpu_ynn_fusions(False)
+        _native.set_cpu_ynn_fusion_types("")
         # Other options than the first compile's (dump_dir) make Dynamo trace anew; AOTAutograd's
         # cache then holds the first compile's entry, whose executable must not be taken.
         off, key_off, compiles_off, hlo_off = _compile_and_run(args, cache, tmp_path / "off")
@@ -66,7 +66,7 @@ def test_ynn_fusions_off_is_another_executable_with_the_same_results(tmp_path, r
         assert "ynn_fusion" not in hlo_off
         if _makes_ynn_fusions():
             assert "__ynn_fusion" in hlo_on
-        _native.set_cpu_ynn_fusions(True)
+        _native.set_cpu_ynn_fusion_types(None)
         again, key_again, compiles_again, _ = _compile_and_run(args, cache, tmp_path / "again")
         assert (key_again, compiles_again) == (key_on, 0)
     for got in (on, off, again):

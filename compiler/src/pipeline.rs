@@ -192,31 +192,36 @@ pub(crate) fn prepare(
     })
 }
 
-/// Whether the CPU plugin's compiles keep XLA:CPU's YNNPACK fusions (`ynn_fusion`, its
-/// default for dots and reductions; [`set_cpu_ynn_fusions`] changes it). Off, a reduction takes
-/// its producer into a loop fusion instead of reading a broadcast XLA wrote out for it.
-const CPU_YNN_FUSIONS: bool = true;
+/// Which kinds of XLA:CPU's YNNPACK fusions (`ynn_fusion`: dots and reductions by default) the
+/// CPU plugin's compiles make: None keeps XLA's default, else the value of
+/// [`YNN_FUSION_TYPES`] ("" for none, or `xla.DebugOptions.LibraryFusionType` names joined by
+/// commas); [`set_cpu_ynn_fusion_types`] changes it. Without reduction fusions a reduction
+/// takes its producer into a loop fusion instead of reading a broadcast XLA wrote out for it;
+/// measured side by side (bench/results/cpu-options.md) that was slower on most cases, ResNet-50's
+/// training step included, so XLA's default stays.
+const CPU_YNN_FUSION_TYPES: Option<&str> = None;
 
-/// The `xla.DebugOptions` field that lists the kinds of YNNPACK fusions; "" lists none.
+/// The `xla.DebugOptions` field that lists the kinds of YNNPACK fusions.
 const YNN_FUSION_TYPES: &str = "xla_cpu_experimental_ynn_fusion_type";
 
-static CPU_YNN_FUSIONS_ON: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(CPU_YNN_FUSIONS);
+static CPU_YNN_FUSION_TYPES_NOW: std::sync::LazyLock<Mutex<Option<String>>> =
+    std::sync::LazyLock::new(|| Mutex::new(CPU_YNN_FUSION_TYPES.map(str::to_string)));
 
-/// Test and benchmark hook: [`CPU_YNN_FUSIONS`] for later compiles in this process; returns the
-/// previous value. Part of each executable's compile options, so of its cache key.
-pub fn set_cpu_ynn_fusions(on: bool) -> bool {
-    CPU_YNN_FUSIONS_ON.swap(on, std::sync::atomic::Ordering::Relaxed)
+/// Test and benchmark hook: [`CPU_YNN_FUSION_TYPES`] for later compiles in this process
+/// (None: XLA's default); returns the previous value. Part of each executable's compile
+/// options, so of its cache key.
+pub fn set_cpu_ynn_fusion_types(types: Option<String>) -> Option<String> {
+    std::mem::replace(&mut CPU_YNN_FUSION_TYPES_NOW.lock().unwrap(), types)
 }
 
 /// The XLA debug options of a compile for the CPU plugin (see [`CompileOptions::xla_options`]),
-/// read at each compile so that one process can compare both ways.
+/// read at each compile so that one process can compare settings.
 fn cpu_xla_options() -> BTreeMap<String, XlaOption> {
-    let mut options = BTreeMap::new();
-    if !CPU_YNN_FUSIONS_ON.load(std::sync::atomic::Ordering::Relaxed) {
-        options.insert(YNN_FUSION_TYPES.to_string(), XlaOption::Str(String::new()));
-    }
-    options
+    let types = CPU_YNN_FUSION_TYPES_NOW.lock().unwrap().clone();
+    types
+        .map(|t| (YNN_FUSION_TYPES.to_string(), XlaOption::Str(t)))
+        .into_iter()
+        .collect()
 }
 
 /// A compiled, ready-to-run graph for one static shape.

@@ -75,11 +75,13 @@ pub fn set_unpartitioned_max(elements: i64) -> i64 {
     tpuc_compiler::pipeline::set_unpartitioned_max(elements)
 }
 
-/// Test and benchmark hook: whether the CPU plugin's later compiles in this process keep XLA's
-/// YNNPACK fusions (part of each executable's cache key); returns the previous setting.
+/// Test and benchmark hook: which kinds of XLA's YNNPACK fusions the CPU plugin's later
+/// compiles in this process make (None: XLA's default; "": none; else `LibraryFusionType` names
+/// joined by commas); part of each executable's cache key. Returns the previous setting.
 #[pyfunction]
-pub fn set_cpu_ynn_fusions(on: bool) -> bool {
-    tpuc_compiler::pipeline::set_cpu_ynn_fusions(on)
+#[pyo3(signature = (types))]
+pub fn set_cpu_ynn_fusion_types(types: Option<String>) -> Option<String> {
+    tpuc_compiler::pipeline::set_cpu_ynn_fusion_types(types)
 }
 
 /// Test hook: host BLAS products cut into one-thread pieces on the calling thread too (the path
@@ -96,6 +98,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flag_words, m)?)?;
     m.add_function(wrap_pyfunction!(set_unpartitioned_max, m)?)?;
     m.add_function(wrap_pyfunction!(set_host_gemm_always_pieces, m)?)?;
-    m.add_function(wrap_pyfunction!(set_cpu_ynn_fusions, m)?)?;
+    m.add_function(wrap_pyfunction!(set_cpu_ynn_fusion_types, m)?)?;
     Ok(())
 }
