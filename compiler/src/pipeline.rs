@@ -8,7 +8,7 @@ use crate::host_kernels::HostKernels;
 use crate::lower::{self, LowerError, LowerOptions, Lowered, Precision};
 use rayon::prelude::*;
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -19,7 +19,7 @@ use tpuc_passes::SpecializeError;
 use tpuc_runtime::runner::ArrayType;
 use tpuc_runtime::{
     self as pjrt, Client, CompileOptions, ElementType, LoadedExecutable, PjrtError, Plugin,
-    Signature,
+    Signature, XlaOption,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -180,6 +180,9 @@ pub(crate) fn prepare(
     if platform == "tpu" {
         options.partition_devices = device_ids[..options.num_partitions as usize].to_vec();
     }
+    if platform == "cpu" {
+        options.xla_options = cpu_xla_options();
+    }
     let lowered = lower::lower(&specialized, &lower_options(plan))?;
     Ok(Prepared {
         specialized,
@@ -187,6 +190,38 @@ pub(crate) fn prepare(
         options,
         lower_seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Which kinds of XLA:CPU's YNNPACK fusions (`ynn_fusion`: dots and reductions by default) the
+/// CPU plugin's compiles make: None keeps XLA's default, else the value of
+/// [`YNN_FUSION_TYPES`] ("" for none, or `xla.DebugOptions.LibraryFusionType` names joined by
+/// commas); [`set_cpu_ynn_fusion_types`] changes it. Without reduction fusions a reduction
+/// takes its producer into a loop fusion instead of reading a broadcast XLA wrote out for it;
+/// measured side by side (bench/results/cpu-options.md) that was slower on most cases, ResNet-50's
+/// training step included, so XLA's default stays.
+const CPU_YNN_FUSION_TYPES: Option<&str> = None;
+
+/// The `xla.DebugOptions` field that lists the kinds of YNNPACK fusions.
+const YNN_FUSION_TYPES: &str = "xla_cpu_experimental_ynn_fusion_type";
+
+static CPU_YNN_FUSION_TYPES_NOW: std::sync::LazyLock<Mutex<Option<String>>> =
+    std::sync::LazyLock::new(|| Mutex::new(CPU_YNN_FUSION_TYPES.map(str::to_string)));
+
+/// Test and benchmark hook: [`CPU_YNN_FUSION_TYPES`] for later compiles in this process
+/// (None: XLA's default); returns the previous value. Part of each executable's compile
+/// options, so of its cache key.
+pub fn set_cpu_ynn_fusion_types(types: Option<String>) -> Option<String> {
+    std::mem::replace(&mut CPU_YNN_FUSION_TYPES_NOW.lock().unwrap(), types)
+}
+
+/// The XLA debug options of a compile for the CPU plugin (see [`CompileOptions::xla_options`]),
+/// read at each compile so that one process can compare settings.
+fn cpu_xla_options() -> BTreeMap<String, XlaOption> {
+    let types = CPU_YNN_FUSION_TYPES_NOW.lock().unwrap().clone();
+    types
+        .map(|t| (YNN_FUSION_TYPES.to_string(), XlaOption::Str(t)))
+        .into_iter()
+        .collect()
 }
 
 /// A compiled, ready-to-run graph for one static shape.

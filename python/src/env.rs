@@ -75,6 +75,15 @@ pub fn set_unpartitioned_max(elements: i64) -> i64 {
     tpuc_compiler::pipeline::set_unpartitioned_max(elements)
 }
 
+/// Test and benchmark hook: which kinds of XLA's YNNPACK fusions the CPU plugin's later
+/// compiles in this process make (None: XLA's default; "": none; else `LibraryFusionType` names
+/// joined by commas); part of each executable's cache key. Returns the previous setting.
+#[pyfunction]
+#[pyo3(signature = (types))]
+pub fn set_cpu_ynn_fusion_types(types: Option<String>) -> Option<String> {
+    tpuc_compiler::pipeline::set_cpu_ynn_fusion_types(types)
+}
+
 /// Test hook: host BLAS products cut into one-thread pieces on the calling thread too (the path
 /// of XLA's threads), from now on in this process.
 #[pyfunction]
@@ -89,5 +98,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(flag_words, m)?)?;
     m.add_function(wrap_pyfunction!(set_unpartitioned_max, m)?)?;
     m.add_function(wrap_pyfunction!(set_host_gemm_always_pieces, m)?)?;
+    m.add_function(wrap_pyfunction!(set_cpu_ynn_fusion_types, m)?)?;
     Ok(())
 }

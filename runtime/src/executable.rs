@@ -1,5 +1,6 @@
 //! Compiled executables: compile options, execution, serialization.
 
+use std::collections::BTreeMap;
 use std::ffi::c_char;
 use std::ptr;
 use std::sync::Arc;
@@ -20,6 +21,19 @@ pub struct CompileOptions {
     /// The device id of each partition (one replica). Empty: the plugin's client picks them;
     /// a compile without a client (a [`crate::Topology`]) needs them spelled out.
     pub partition_devices: Vec<i64>,
+    /// XLA debug options for this compile only, by `xla.DebugOptions` field name (what
+    /// `XLA_FLAGS` sets process-wide as `--name=value`): sent as the proto's
+    /// `env_option_overrides`, which the plugin applies over its defaults and `XLA_FLAGS`.
+    pub xla_options: BTreeMap<String, XlaOption>,
+}
+
+/// The value of one XLA debug option (`xla.OptionOverrideProto`). A string is parsed as
+/// `XLA_FLAGS` would parse it (a repeated enum: comma-separated names, "" for none).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum XlaOption {
+    Str(String),
+    Bool(bool),
+    Int(i64),
 }
 
 impl Default for CompileOptions {
@@ -29,6 +43,7 @@ impl Default for CompileOptions {
             num_partitions: 1,
             use_spmd_partitioning: false,
             partition_devices: Vec::new(),
+            xla_options: BTreeMap::new(),
         }
     }
 }
@@ -39,6 +54,28 @@ impl Default for CompileOptions {
 struct CompileOptionsProto {
     #[prost(message, optional, tag = "3")]
     executable_build_options: Option<ExecutableBuildOptionsProto>,
+    /// Sorted by name (a BTreeMap), so equal options encode to equal bytes: the cache key
+    /// hashes the encoding.
+    #[prost(btree_map = "string, message", tag = "7")]
+    env_option_overrides: BTreeMap<String, OptionOverrideProto>,
+}
+
+/// `xla.OptionOverrideProto`: one debug option's value.
+#[derive(Clone, PartialEq, prost::Message)]
+struct OptionOverrideProto {
+    #[prost(oneof = "OptionOverrideValue", tags = "1, 2, 3")]
+    value: Option<OptionOverrideValue>,
+}
+
+/// Its oneof `value`: string_field = 1, bool_field = 2, int_field = 3 (double_field = 4 unused).
+#[derive(Clone, PartialEq, prost::Oneof)]
+enum OptionOverrideValue {
+    #[prost(string, tag = "1")]
+    Str(String),
+    #[prost(bool, tag = "2")]
+    Bool(bool),
+    #[prost(int64, tag = "3")]
+    Int(i64),
 }
 
 /// `xla.ExecutableBuildOptionsProto`, likewise partial.
@@ -94,6 +131,18 @@ impl CompileOptions {
                     }
                 }),
             }),
+            env_option_overrides: self
+                .xla_options
+                .iter()
+                .map(|(name, value)| {
+                    let value = match value {
+                        XlaOption::Str(s) => OptionOverrideValue::Str(s.clone()),
+                        XlaOption::Bool(b) => OptionOverrideValue::Bool(*b),
+                        XlaOption::Int(i) => OptionOverrideValue::Int(*i),
+                    };
+                    (name.clone(), OptionOverrideProto { value: Some(value) })
+                })
+                .collect(),
         })
     }
 }

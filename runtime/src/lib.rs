@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub use analysis::MemoryStats;
 pub use buffer::Buffer;
 pub use client::Client;
-pub use executable::{executing_on_this_thread, CompileOptions, LoadedExecutable};
+pub use executable::{executing_on_this_thread, CompileOptions, LoadedExecutable, XlaOption};
 pub use named_values::{cpu_device_options, CreateOptions, OptionValue};
 pub use plugin::{load_plugin, Plugin};
 pub use runner::{HostArray, PtrArg, RunArg, RunError, RunTimings, Runner, Signature};

@@ -104,6 +104,104 @@ fn default_compile_options_encode_to_known_bytes() {
 }
 
 #[test]
+fn xla_options_encode_as_env_option_overrides() {
+    let name = "xla_cpu_experimental_ynn_fusion_type";
+    let mut opts = CompileOptions::default();
+    opts.xla_options
+        .insert(name.into(), XlaOption::Str(String::new()));
+    opts.xla_options
+        .insert("a_flag".into(), XlaOption::Bool(false));
+    // Field 7 (map entries: key = 1, value = 2), entries sorted by name; a oneof field is
+    // written even at its default, so `false` and "" are explicit.
+    let mut want = vec![0x1a, 0x04, 0x20, 0x01, 0x28, 0x01];
+    want.extend([0x3a, 12, 0x0a, 6]);
+    want.extend(b"a_flag");
+    want.extend([0x12, 0x02, 0x10, 0x00]);
+    want.extend([0x3a, 2 + name.len() as u8 + 4, 0x0a, name.len() as u8]);
+    want.extend(name.as_bytes());
+    want.extend([0x12, 0x02, 0x0a, 0x00]);
+    assert_eq!(opts.encode(), want);
+    let mut int = CompileOptions::default();
+    int.xla_options.insert("n".into(), XlaOption::Int(300));
+    assert_eq!(
+        int.encode()[6..],
+        [0x3a, 0x08, 0x0a, 0x01, b'n', 0x12, 0x03, 0x18, 0xac, 0x02]
+    );
+}
+
+/// A matrix product and a row sum: XLA:CPU makes YNNPACK fusions of both by default.
+const DOT_SUM: &str = r#"
+module {
+  func.func @main(%a: tensor<64x64xf32>, %b: tensor<64x64xf32>) -> (tensor<64x64xf32>, tensor<64xf32>) {
+    %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<64x64xf32>, tensor<64x64xf32>) -> tensor<64x64xf32>
+    %z = stablehlo.constant dense<0.0> : tensor<f32>
+    %1 = stablehlo.reduce(%a init: %z) applies stablehlo.add across dimensions = [1] : (tensor<64x64xf32>, tensor<f32>) -> tensor<64xf32>
+    return %0, %1 : tensor<64x64xf32>, tensor<64xf32>
+  }
+}
+"#;
+
+/// The CPU plugin on PyPI built from a newer XLA (tpuc's default CPU plugin where installed),
+/// which makes YNNPACK fusions; None where it is not installed.
+fn ynn_plugin() -> Option<&'static Plugin> {
+    let workspace_root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent()?;
+    std::fs::read_dir(workspace_root.join(".venv/lib"))
+        .ok()?
+        .flatten()
+        .map(|e| {
+            e.path()
+                .join("site-packages/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so")
+        })
+        .find(|p| p.is_file())
+        .map(|p| load_plugin(&p).expect("load the newer CPU plugin"))
+}
+
+fn ynn_off() -> CompileOptions {
+    let mut off = CompileOptions::default();
+    off.xla_options.insert(
+        "xla_cpu_experimental_ynn_fusion_type".into(),
+        XlaOption::Str(String::new()),
+    );
+    off
+}
+
+#[test]
+fn the_plugin_reads_xla_options() {
+    let c = client();
+    // An option XLA does not have fails the compile, naming it: the overrides are read.
+    let mut unknown = CompileOptions::default();
+    unknown
+        .xla_options
+        .insert("no_such_xla_option".into(), XlaOption::Bool(true));
+    let err = c.compile(DOT_SUM, &unknown).unwrap_err().to_string();
+    assert!(err.contains("no_such_xla_option"), "{err}");
+    c.compile(DOT_SUM, &ynn_off()).unwrap();
+}
+
+#[test]
+fn the_plugin_applies_xla_options_per_compile() {
+    let Some(p) = ynn_plugin() else {
+        eprintln!(
+            "skipped: lammps-jax-pjrt-cpu (the plugin that makes YNNPACK fusions) not installed"
+        );
+        return;
+    };
+    let c = Client::new(p, &[]).unwrap();
+    let hlo = |opts: &CompileOptions| {
+        let exe = c.compile(DOT_SUM, opts).unwrap();
+        exe.optimized_hlo_text().unwrap().unwrap()
+    };
+    let default = hlo(&CompileOptions::default());
+    assert_eq!(default.matches("kind=kCustom").count(), 2, "{default}");
+    assert!(default.contains("__ynn_fusion"), "{default}");
+    let without = hlo(&ynn_off());
+    assert!(!without.contains("ynn_fusion"), "{without}");
+    assert!(without.contains("dot("), "{without}");
+    // The next compile without the option makes them again: the option was one compile's.
+    assert_eq!(hlo(&CompileOptions::default()), default);
+}
+
+#[test]
 fn loads_plugin_once_and_creates_client() {
     let p = plugin();
     assert!(std::ptr::eq(p, plugin()), "same plugin for the same path");
