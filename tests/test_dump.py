@@ -223,7 +223,8 @@ def test_cli_dump_summarizes(mlp_dump):
     (top, n), *_ = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     assert f"({top} {n}, " in line, line
     assert "f32[3,8]" in line and "-> f32[4]" in line
-    assert f"cache miss {m['cache_key'][:16]}" in line
+    # miss, or memory where this worker compiled the same module before (tests share a process)
+    assert m["cache"] in ("miss", "memory") and f"cache {m['cache']} {m['cache_key'][:16]}" in line
     assert re.search(r"lower \d+\.\d{3}s compile \d+\.\d{3}s", line), line
     assert lines[1].startswith(f"1 graph folder(s), {m['stablehlo_ops']} stablehlo ops")
     # one graph folder works too
