@@ -221,8 +221,8 @@ impl Runner {
             })?
         };
         let refs = arg_refs(args, &staged);
-        let host: Vec<bool> = args.iter().map(|a| matches!(a, RunArg::Host(_))).collect();
-        let results = self.execute_with_donations(exe, sig, &refs, &host)?;
+        let host = |i: usize| matches!(args.get(i), Some(RunArg::Host(_)));
+        let results = self.execute_with_donations(exe, sig, &refs, host)?;
         if results.len() != outputs.len() {
             return Err(RunError::Call(format!(
                 "executable returned {} outputs, expected {}",
@@ -278,8 +278,8 @@ impl Runner {
             })
             .collect();
         let t1 = t0.map(|_| Instant::now());
-        let host: SmallVec<[bool; 8]> = args.iter().map(|a| matches!(a, PtrArg::Host(_))).collect();
-        let results = self.execute_with_donations(exe, sig, &refs, &host)?;
+        let host = |i: usize| matches!(args.get(i), Some(PtrArg::Host(_)));
+        let results = self.execute_with_donations(exe, sig, &refs, host)?;
         drop(refs);
         drop(staged);
         if let (Some(t), Some(t0), Some(t1)) = (timings, t0, t1) {
@@ -297,7 +297,7 @@ impl Runner {
     }
 
     /// Runs `exe` on `refs`, donating the aliased inputs that were uploaded for this call
-    /// (`host[i]`: argument `i` came from host memory): on a discrete device such an upload is
+    /// (`host(i)`: argument `i` came from host memory): on a discrete device such an upload is
     /// a private copy that nothing reads after the call, so the output reuses its memory
     /// instead of needing a second buffer. Never donated: a resident buffer (a `RunArg::Device`,
     /// which other calls read again) and, on the CPU plugin, a host argument, which is a view
@@ -308,13 +308,10 @@ impl Runner {
         exe: &LoadedExecutable,
         sig: &Signature,
         refs: &[&Buffer],
-        host: &[bool],
+        host: impl Fn(usize) -> bool,
     ) -> Result<Vec<Buffer>, PjrtError> {
-        let donated = || {
-            sig.aliased_inputs
-                .iter()
-                .filter(|&&i| host.get(i) == Some(&true))
-        };
+        // Asked only of the aliased inputs: nothing is built per call where there are none.
+        let donated = || sig.aliased_inputs.iter().filter(|&&i| host(i));
         if self.host_zero_copy || donated().next().is_none() {
             return exe.execute(refs);
         }
