@@ -402,6 +402,14 @@ impl<'x, 'c, 'b> NodeCx<'x, 'c, 'b> {
         }
     }
 
+    /// A float argument that may be absent or None (`scales_h`), as `opt_tensor` for tensors.
+    pub fn opt_float(&self, i: usize, name: &str) -> R<Option<f64>> {
+        match self.arg(i, name) {
+            None | Some(Arg::None) => Ok(None),
+            _ => self.float_or(i, name, 0.0).map(Some),
+        }
+    }
+
     pub fn bool_or(&self, i: usize, name: &str, default: bool) -> R<bool> {
         match self.arg(i, name) {
             None | Some(Arg::None) => Ok(default),

@@ -859,13 +859,7 @@ fn upsample_2d_aa_backward<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, filter: AaFilter) ->
     let size = cx.ints(1, "output_size")?;
     let input_size = cx.ints(2, "input_size")?;
     let align = cx.bool_or(3, "align_corners", false)?;
-    let scale = |i: usize, name: &str| -> R<Option<f64>> {
-        Ok(match cx.arg(i, name) {
-            None | Some(Arg::None) => None,
-            _ => Some(cx.float_or(i, name, 0.0)?),
-        })
-    };
-    let (sh, sw) = (scale(4, "scales_h")?, scale(5, "scales_w")?);
+    let (sh, sw) = (cx.opt_float(4, "scales_h")?, cx.opt_float(5, "scales_w")?);
     let (out_shape, out_dtype) = cx.out(0)?;
     if g.rank() != 4 || size.len() != 2 || input_size.len() != 4 {
         return Err(cx.err(
@@ -889,14 +883,7 @@ fn upsample_2d_aa<'c, 'b>(cx: &NodeCx<'_, 'c, 'b>, filter: AaFilter) -> V<'c, 'b
     let x = cx.tensor(0, "self")?;
     let size = cx.ints(1, "output_size")?;
     let align = cx.bool_or(2, "align_corners", false)?;
-    let sh = match cx.arg(3, "scales_h") {
-        None | Some(Arg::None) => None,
-        _ => Some(cx.float_or(3, "scales_h", 0.0)?),
-    };
-    let sw = match cx.arg(4, "scales_w") {
-        None | Some(Arg::None) => None,
-        _ => Some(cx.float_or(4, "scales_w", 0.0)?),
-    };
+    let (sh, sw) = (cx.opt_float(3, "scales_h")?, cx.opt_float(4, "scales_w")?);
     let (out_shape, out_dtype) = cx.out(0)?;
     if x.rank() != 4 || size.len() != 2 {
         return Err(cx.err("expected a 4-d input and a 2-element output_size"));
