@@ -340,7 +340,7 @@ class StackedInputs:
             kept is not None
             and len(kept[0]) == len(members)
             and all(
-                k.tensor is m and residency.still_resident(k, m, m.data_ptr(), m.untyped_storage())
+                residency.still_resident(k, m, m.data_ptr(), m.untyped_storage())
                 for k, m in zip(kept[0], members, strict=True)
             )
         ):
