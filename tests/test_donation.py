@@ -26,6 +26,10 @@ import tpuc
 from tpuc import runtime, targets
 
 STEPS = 10
+needs_libtpu = pytest.mark.skipif(
+    runtime._installed_plugin("tpu") is None,
+    reason="libtpu is not installed (scripts/setup.sh installs it; offline machines skip these)",
+)
 
 
 def _mlp():
@@ -201,10 +205,24 @@ def test_a_call_that_raises_leaves_the_state_whole_and_the_next_call_exact():
     torch.testing.assert_close((p, m), (ep, em))
 
 
-@pytest.mark.skipif(
-    runtime._installed_plugin("tpu") is None,
-    reason="libtpu is not installed (scripts/setup.sh installs it; offline machines skip these)",
-)
+def _step_module_for_v5e(model, opt, x, y, tmp_path) -> str:
+    """The StableHLO module of `model`'s SGD step compiled for v5e (compile-only, dumped under
+    `tmp_path / "dump"`), after one eager step (the momentum buffers exist: inputs)."""
+    step = _step_fn(model, opt)
+    step(x, y)
+    torch._dynamo.reset()
+    options = {
+        "target": "tpu:v5e:2x2",
+        "cache_dir": str(tmp_path / "cache"),
+        "dump_dir": str(tmp_path / "dump"),
+    }
+    with pytest.raises(targets.TargetUnavailableError):
+        torch.compile(step, backend="tpu", options=options)(x, y)
+    (module,) = _modules(tmp_path / "dump")
+    return module
+
+
+@needs_libtpu
 def test_a_whole_step_for_a_tpu_target_aliases_its_state(tmp_path):
     """The MLP's SGD-momentum step compiled for v5e (compile-only): each parameter and momentum
     buffer is an argument aliased to its new value, and XLA's memory analysis counts their bytes
@@ -212,33 +230,15 @@ def test_a_whole_step_for_a_tpu_target_aliases_its_state(tmp_path):
     torch.manual_seed(0)
     model = _mlp().train()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = _step_fn(model, opt)
-    x, y = torch.randn(16, 32), torch.randn(16, 8)
-    step(x, y)  # eager: the momentum buffers exist
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        step,
-        backend="tpu",
-        options={
-            "target": "tpu:v5e:2x2",
-            "cache_dir": str(tmp_path / "cache"),
-            "dump_dir": str(tmp_path / "dump"),
-        },
-    )
-    with pytest.raises(targets.TargetUnavailableError):
-        compiled(x, y)
+    module = _step_module_for_v5e(model, opt, torch.randn(16, 32), torch.randn(16, 8), tmp_path)
     (meta,) = glob.glob(str(tmp_path / "dump" / "**" / "meta.json"), recursive=True)
-    (module,) = _modules(tmp_path / "dump")
     state = [*model.parameters(), *(opt.state[p]["momentum_buffer"] for p in model.parameters())]
     assert module.count("tf.aliasing_output") == len(state)
     aliased = json.load(open(meta))["hbm_bytes"]["aliased"]
     assert aliased >= sum(t.numel() * t.element_size() for t in state)
 
 
-@pytest.mark.skipif(
-    runtime._installed_plugin("tpu") is None,
-    reason="libtpu is not installed (scripts/setup.sh installs it; offline machines skip these)",
-)
+@needs_libtpu
 def test_a_tpu_step_copies_its_batchnorm_counter(tmp_path):
     """For a TPU target BatchNorm's `num_batches_tracked` (an int64 scalar) is returned, not
     aliased: XLA:TPU emulates 64-bit values and kept temporaries for an aliased one (ResNet-18's
@@ -246,14 +246,7 @@ def test_a_tpu_step_copies_its_batchnorm_counter(tmp_path):
     torch.manual_seed(0)
     model = _cnn().train()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = _step_fn(model, opt)
-    x, y = torch.randn(4, 3, 8, 8), torch.randn(4, 4)
-    step(x, y)
-    torch._dynamo.reset()
-    options = {"target": "tpu:v5e:2x2", "cache_dir": str(tmp_path / "c"), "dump_dir": str(tmp_path / "d")}
-    with pytest.raises(targets.TargetUnavailableError):
-        torch.compile(step, backend="tpu", options=options)(x, y)
-    (module,) = _modules(tmp_path / "d")
+    module = _step_module_for_v5e(model, opt, torch.randn(4, 3, 8, 8), torch.randn(4, 4), tmp_path)
     floats = [t for t in _state(model, opt).values() if t.is_floating_point()]
     assert module.count("tf.aliasing_output") == len(floats)
     head = module.split("^bb0(", 1)[1].split(")", 1)[0]  # main's arguments
