@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tpuc
+from tpuc import partitions
 
 NAN = float("nan")
 
@@ -208,7 +209,7 @@ def test_embedding_bag_gradients():
     _grads_vs_eager(f, w, psw, rtol=1e-5, atol=1e-5)
 
 
-def test_mode_values_indices_and_gradient():
+def test_mode_values_indices_and_gradient(monkeypatch):
     """`mode` as PyTorch's CPU kernel gives it: each row insertion-sorted (stable up to 16
     elements), the first longest run's value and its last index; NaNs land where that sort
     leaves them. Longer rows (std::sort's unstable order) run in PyTorch."""
@@ -236,6 +237,7 @@ def test_mode_values_indices_and_gradient():
     # 17 elements: std::sort's unstable order decides the index; the op runs in PyTorch.
     long = torch.randint(0, 3, (5, 17), generator=g).float()
     torch._dynamo.reset()
+    monkeypatch.setattr(partitions, "_warned_fallback", set())  # other tests may have warned already
     with pytest.warns(UserWarning, match=r"aten\.mode\.default"):
         v, i = torch.compile(lambda x: torch.mode(x, 1), backend="tpu", dynamic=False)(long)
     want = torch.mode(long, 1)
